@@ -1,0 +1,103 @@
+"""Pre-allocated KV and recurrent-state pools.
+
+Contract:
+- `KVPool`: per full-attention layer, key and value tensors [num_slots, kv_heads, head_dim]; one
+  slot holds one token (page size 1, so the radix tree can share any prefix). `alloc(n)` returns n
+  free slot ids or None when the pool is short; `free(slots)` returns them.
+- `StatePool`: per Gated DeltaNet layer, conv windows [num_slots, C, K-1] (model dtype) and SSM
+  states [num_slots, Hv, dk, dv] (float32). A slot is either a live request's working state or a
+  snapshot attached to the radix tree; `copy(dst, src)` snapshots or restores in place.
+Both pools never grow: their sizes are the memory budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class _FreeList:
+    def __init__(self, n: int) -> None:
+        self.capacity = n
+        self._free = list(range(n - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return out[::-1]
+
+    def give(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers = len(cfg.full_attention_layer_ids)
+        shape = (layers, num_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._slots = _FreeList(num_slots)
+        self.device = device
+
+    @property
+    def capacity(self) -> int:
+        return self._slots.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        ids = self._slots.take(n)
+        return None if ids is None else torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self._slots.give(slots.tolist())
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return 2 * len(cfg.full_attention_layer_ids) * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class StatePool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers = len(cfg.linear_attention_layer_ids)
+        self.conv = torch.zeros(layers, num_slots, cfg.linear_conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0),
+                                dtype=dtype, device=device)
+        self.ssm = torch.zeros(layers, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                               cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+        self._slots = _FreeList(num_slots if layers else 0)
+
+    @property
+    def capacity(self) -> int:
+        return self._slots.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def alloc(self) -> int | None:
+        ids = self._slots.take(1)
+        return None if ids is None else ids[0]
+
+    def free(self, slot: int) -> None:
+        self._slots.give([slot])
+
+    def reset(self, slot: int) -> None:
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+
+    def copy(self, dst: int, src: int) -> None:
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.ssm[:, dst].copy_(self.ssm[:, src])
+
+    def slot_bytes(self) -> int:
+        return (self.conv[:, 0].numel() * self.conv.element_size()) + self.ssm[:, 0].numel() * 4

@@ -1,0 +1,190 @@
+"""Radix tree over token ids: shared KV slots and recurrent-state snapshots for prefix reuse.
+
+Contract:
+- `match(tokens, limit, need_state)` finds the longest cached prefix of `tokens` no longer than
+  `limit`. Without `need_state` any prefix is reusable (attention KV is position-exact); with it,
+  only a prefix ending where a state snapshot was stored, so a recurrent layer never resumes from
+  a state that does not belong to that exact prefix. The match is split at its end so the caller
+  can `lock` the node (locked nodes and their ancestors are never evicted).
+- `insert(tokens, slots)` adds a computed sequence and returns how many leading tokens were
+  already present (the caller frees its own duplicate slots in that range from its matched length).
+- `attach_state(node, slot)` stores a snapshot taken after the node's last token; the tree owns
+  it from then on (a previous snapshot there is returned for freeing).
+- `evict(n_tokens)` frees least-recently-used unlocked leaves until n KV slots were released;
+  `evict_state()` drops the least-recently-used unlocked snapshot. Freed slots go back through
+  the callbacks given at construction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Node:
+    key: list[int]
+    value: torch.Tensor  # KV slot per token of `key`
+    parent: Node | None
+    depth: int  # tokens from the root through the end of this edge
+    children: dict[int, Node] = field(default_factory=dict)
+    lock: int = 0
+    last_access: int = 0
+    state_slot: int = -1
+
+
+@dataclass
+class Match:
+    node: Node  # deepest node of the reusable prefix (the root when nothing matches)
+    length: int
+    slots: torch.Tensor  # KV slots of the reusable prefix
+    state_slot: int  # snapshot at `length`, or -1 (also -1 when length == 0)
+
+
+class RadixCache:
+    def __init__(self, free_kv: Callable[[torch.Tensor], None], free_state: Callable[[int], None],
+                 device: torch.device | str = "cpu") -> None:
+        self._free_kv, self._free_state = free_kv, free_state
+        self.device = torch.device(device)
+        self.root = Node(key=[], value=torch.empty(0, dtype=torch.long, device=self.device), parent=None, depth=0)
+        self.root.lock = 1
+        self._clock = itertools.count(1)
+        self.cached_tokens = 0
+        self.num_snapshots = 0
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, tokens: list[int], limit: int, need_state: bool) -> Match:
+        tick = next(self._clock)
+        node, pos = self.root, 0
+        path_slots: list[torch.Tensor] = []
+        best = Match(self.root, 0, self.root.value, -1)
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common(child.key, tokens, pos, limit)
+            if n < len(child.key):
+                if need_state:
+                    break  # a snapshot sits only at an edge's end
+                child = self._split(child, n)
+            node, pos = child, pos + n
+            node.last_access = tick
+            path_slots.append(node.value)
+            if not need_state or node.state_slot >= 0:
+                best = Match(node, pos, torch.cat(path_slots), node.state_slot)
+        return best
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            node.lock += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.lock -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[Node, int]:
+        """Returns (node ending at len(tokens), number of leading tokens that were already cached)."""
+        tick = next(self._clock)
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                leaf = Node(key=list(tokens[pos:]), value=slots[pos:].clone(), parent=node, depth=len(tokens),
+                            last_access=tick)
+                node.children[tokens[pos]] = leaf
+                self.cached_tokens += len(leaf.key)
+                return leaf, pos
+            n = _common(child.key, tokens, pos, len(tokens))
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, pos = child, pos + n
+            node.last_access = tick
+        return node, pos
+
+    def attach_state(self, node: Node, slot: int) -> int:
+        """Owns `slot` as the snapshot at `node`; returns a displaced slot to free, or -1."""
+        old = node.state_slot
+        node.state_slot = slot
+        if old < 0:
+            self.num_snapshots += 1
+        return old
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cut `child`'s edge after n tokens; returns the new upper node (no snapshot)."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = Node(key=child.key[:n], value=child.value[:n], parent=parent,
+                     depth=child.depth - len(child.key) + n, lock=child.lock, last_access=child.last_access)
+        parent.children[child.key[0]] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    # ------------------------------------------------------------------ eviction
+    def _nodes(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict(self, n_tokens: int) -> int:
+        freed = 0
+        while freed < n_tokens:
+            leaves = [x for x in self._nodes() if not x.children and x.lock == 0 and x is not self.root]
+            if not leaves:
+                break
+            for leaf in sorted(leaves, key=lambda x: x.last_access):
+                freed += self._remove_leaf(leaf)
+                if freed >= n_tokens:
+                    break
+        return freed
+
+    def evict_state(self) -> bool:
+        held = [x for x in self._nodes() if x.state_slot >= 0 and x.lock == 0]
+        if not held:
+            return False
+        victim = min(held, key=lambda x: x.last_access)
+        self._free_state(victim.state_slot)
+        victim.state_slot = -1
+        self.num_snapshots -= 1
+        return True
+
+    def _remove_leaf(self, leaf: Node) -> int:
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.key[0]]
+        self._free_kv(leaf.value)
+        if leaf.state_slot >= 0:
+            self._free_state(leaf.state_slot)
+            self.num_snapshots -= 1
+        self.cached_tokens -= len(leaf.key)
+        return len(leaf.key)
+
+    def reset(self) -> None:
+        for child in list(self.root.children.values()):
+            stack = [child]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                self._free_kv(node.value)
+                if node.state_slot >= 0:
+                    self._free_state(node.state_slot)
+        self.root.children.clear()
+        self.cached_tokens = 0
+        self.num_snapshots = 0
+
+
+def _common(key: list[int], tokens: list[int], pos: int, limit: int) -> int:
+    n = min(len(key), limit - pos)
+    for i in range(n):
+        if key[i] != tokens[pos + i]:
+            return i
+    return n

@@ -1,0 +1,250 @@
+"""Model configuration: one frozen dataclass read from a Hugging Face `config.json`.
+
+Contract: `ModelConfig.from_dict(raw)` accepts the text-only config of each supported family and
+the vision-language wrapper (`text_config`), and returns a complete, validated description of the
+decoder: per-layer mixer kind (full attention or Gated DeltaNet), per-layer MLP kind (routed MoE or
+dense), and every size the engine needs. Unknown families or missing fields raise `ConfigError`
+naming the field. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+# model_type -> family. The wrapper types carry a nested text_config.
+_FAMILIES = {
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    # Per layer: "full_attention" or "linear_attention".
+    layer_types: tuple[str, ...]
+    # Per layer: True where the MLP is a routed MoE block.
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    dense_intermediate_size: int
+    shared_expert_intermediate_size: int
+    # Family traits, so the decoder needs no family branches.
+    attn_output_gate: bool
+    norm_zero_centered: bool
+    sliding_window: int | None
+    # Gated DeltaNet sizes (zero when the family has none).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
+    weight_prefix: str = "model."
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Layer indices that hold routed experts, in order; the bank's layer axis."""
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def full_attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layers carry recurrent state, so prefix reuse needs a state snapshot."""
+        # Sliding-window layers keep their whole KV here, so only recurrent layers need snapshots.
+        return bool(self.linear_attention_layer_ids)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_file(cls, path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config.json not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError(
+                f"{source}: unknown model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        family = _FAMILIES[model_type]
+        prefix = "model."
+        text = raw
+        if "text_config" in raw and isinstance(raw["text_config"], dict):
+            text = {**raw["text_config"]}
+            prefix = "model.language_model."
+            text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            if "eos_token_id" not in text and "eos_token_id" in raw:
+                text["eos_token_id"] = raw["eos_token_id"]
+        return _parse(family, text, raw, prefix, source)
+
+
+def _get(d: dict[str, Any], key: str, source: str, default: Any = ...) -> Any:
+    if key in d and d[key] is not None:
+        return d[key]
+    if default is ...:
+        raise ConfigError(f"{source}: missing field {key!r}")
+    return default
+
+
+def _rope(d: dict[str, Any], source: str, default_partial: float) -> tuple[float, float]:
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+    theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)))
+    return theta, partial
+
+
+def _eos(d: dict[str, Any]) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, source: str) -> ModelConfig:
+    g = lambda k, default=...: _get(d, k, source, default)  # noqa: E731
+    hidden = int(g("hidden_size"))
+    n_layers = int(g("num_hidden_layers"))
+    n_heads = int(g("num_attention_heads"))
+    n_kv = int(g("num_key_value_heads", n_heads))
+    head_dim = int(g("head_dim", hidden // n_heads))
+    if n_heads % n_kv:
+        raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    num_experts = int(g("num_experts"))
+    common: dict[str, Any] = dict(
+        vocab_size=int(g("vocab_size")),
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(g("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(g("tie_word_embeddings", False)),
+        attention_bias=bool(g("attention_bias", False)),
+        num_experts=num_experts,
+        top_k=int(g("num_experts_per_tok")),
+        moe_intermediate_size=int(g("moe_intermediate_size")),
+        eos_token_ids=_eos(d) or _eos(outer),
+        torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or outer.get("dtype") or "float32"),
+        weight_prefix=prefix,
+        raw=outer,
+    )
+    if family == "qwen3_moe":
+        theta, partial = _rope(d, source, 1.0)
+        step = int(g("decoder_sparse_step", 1))
+        mlp_only = set(g("mlp_only_layers", []) or [])
+        moe = tuple(
+            (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)
+        )
+        window = int(g("sliding_window")) if g("use_sliding_window", False) else None
+        cfg = ModelConfig(
+            family=family,
+            rope_theta=theta,
+            rotary_dim=int(head_dim * partial),
+            layer_types=(FULL_ATTENTION,) * n_layers,
+            moe_layers=moe,
+            norm_topk_prob=bool(g("norm_topk_prob", False)),
+            dense_intermediate_size=int(g("intermediate_size", 0)) if not all(moe) else 0,
+            shared_expert_intermediate_size=0,
+            attn_output_gate=False,
+            norm_zero_centered=False,
+            sliding_window=window,
+            **common,
+        )
+    else:
+        theta, partial = _rope(d, source, 0.25)
+        interval = int(d.get("full_attention_interval", 4))
+        layer_types = d.get("layer_types") or [
+            LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)
+        ]
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+        for t in layer_types:
+            if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
+                raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        cfg = ModelConfig(
+            family=family,
+            rope_theta=theta,
+            rotary_dim=int(head_dim * partial),
+            layer_types=tuple(layer_types),
+            moe_layers=(True,) * n_layers,
+            norm_topk_prob=True,
+            dense_intermediate_size=0,
+            shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0)),
+            attn_output_gate=True,
+            norm_zero_centered=True,
+            sliding_window=None,
+            linear_num_key_heads=int(g("linear_num_key_heads")),
+            linear_num_value_heads=int(g("linear_num_value_heads")),
+            linear_key_head_dim=int(g("linear_key_head_dim")),
+            linear_value_head_dim=int(g("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(g("linear_conv_kernel_dim", 4)),
+            **common,
+        )
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.top_k > cfg.num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} > num_experts {cfg.num_experts}")
+    if cfg.rotary_dim % 2:
+        raise ConfigError(f"{source}: rotary dimension {cfg.rotary_dim} must be even")
+    return cfg

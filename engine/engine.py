@@ -1,0 +1,108 @@
+"""The engine's public face: load a model, submit token ids, stream token ids back.
+
+Contract: `Engine(model_dir, opts)` loads the model; `submit(prompt_ids, params)` validates the
+request (a bad one raises `RequestError` at once) and returns a `RequestHandle` whose iteration
+yields generated ids as they are produced. Requests submitted from any thread are batched
+together by one background engine thread. `generate(...)` is the one-call convenience iterator.
+The engine knows nothing of text, chat formats or HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.errors import RequestError
+from engine.model.load import load_decoder, parse_dtype
+from engine.options import EngineOptions
+from engine.request import Request, RequestHandle
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.weights.loader import Progress
+
+
+class Engine:
+    def __init__(self, model_dir: Path | str, opts: EngineOptions | None = None,
+                 progress: Progress | None = None) -> None:
+        self.opts = opts = opts or EngineOptions()
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        dtype = parse_dtype(opts.dtype) if opts.dtype else None
+        self.decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress)
+        self.cfg = self.decoder.cfg
+        self.dtype = self.decoder.weights.embed.dtype
+        self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
+        self.scheduler = Scheduler(self.decoder, opts, self.dtype)
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ API
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               capture_logits: bool = False) -> RequestHandle:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise RequestError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} out of range [0, {self.cfg.vocab_size})")
+        limit = min(self.max_model_len, self.opts.kv_tokens)
+        if len(prompt) >= limit:
+            raise RequestError(f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum")
+        with self._cv:
+            if self._closed:
+                raise RequestError("engine is shut down")
+            self._next_id += 1
+            handle = RequestHandle(f"req-{self._next_id}", len(prompt))
+            req = Request(prompt=prompt, params=params, handle=handle, capture_logits=capture_logits,
+                          max_len=limit)
+            self.scheduler.add(req)
+            self._ensure_thread()
+            self._cv.notify()
+        return handle
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[int]:
+        handle = self.submit(prompt_ids, params)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                handle.abort()
+        if handle.error is not None:
+            raise handle.error
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+                req.handle.abort()
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ loop
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.scheduler.has_work and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self.scheduler.has_work:
+                    return
+                # Steps run under the lock: submit() only appends, so holding it costs callers little.
+                self.scheduler.step()

@@ -1,0 +1,62 @@
+"""The one generic MoE decoder, configured per family by `ModelConfig`.
+
+Contract: `Decoder(cfg, weights, executor)`; `forward(batch, kv, states)` runs the embedding, every
+layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returning hidden states
+[N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
+the LM head in float32. No family-specific code paths beyond the traits in the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache.pools import KVPool, StatePool
+from engine.config import FULL_ATTENTION, ModelConfig
+from engine.model.attention import full_attention
+from engine.model.batch import ForwardBatch
+from engine.model.linear_attention import gated_deltanet
+from engine.model.moe import moe_block
+from engine.model.ops import Rotary, rms_norm, swiglu_mlp
+from engine.moe.executor import ExpertExecutor
+from engine.weights.layout import DecoderWeights
+
+
+class Decoder:
+    def __init__(self, cfg: ModelConfig, weights: DecoderWeights, executor: ExpertExecutor) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.executor = executor
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
+        self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
+        self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
+        cfg, w = self.cfg, self.weights
+        h = F.embedding(batch.input_ids, w.embed)
+        eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
+        for li, lw in enumerate(w.layers):
+            x = rms_norm(h, lw.input_norm, eps, zc)
+            if cfg.layer_types[li] == FULL_ATTENTION:
+                assert lw.attention is not None
+                ki = self._kv_index[li]
+                x = full_attention(x, lw.attention, cfg, self.rotary, batch, kv.k[ki], kv.v[ki])
+            else:
+                assert lw.linear_attention is not None
+                si = self._state_index[li]
+                x = gated_deltanet(x, lw.linear_attention, cfg, batch, states.conv[si], states.ssm[si])
+            h = h + x
+            x = rms_norm(h, lw.post_norm, eps, zc)
+            if lw.moe is not None:
+                x = moe_block(x, lw.moe, cfg, self.executor, lw.moe_index)
+            else:
+                assert lw.mlp is not None
+                x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
+            h = h + x
+        return rms_norm(h, w.final_norm, eps, zc)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights.lm_head).float()

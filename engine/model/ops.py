@@ -1,0 +1,72 @@
+"""Small stateless tensor ops shared by the decoder layers.
+
+Contract: pure functions on tensors, no parameters owned, numerics chosen to match the
+`transformers` reference (norms in float32, cast back to the input dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (xf * (1.0 + weight.float())).to(dtype)
+    return weight * xf.to(dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x, then times silu(gate): the output norm of Gated DeltaNet."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+class Rotary:
+    """Rotary position embedding over the first `rotary_dim` dims of each head (partial rotary).
+
+    cos/sin tables grow on demand and are cached per device and dtype.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        self.rotary_dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _tables(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self._cos
+        if cos is None or cos.shape[0] < n or cos.device != device or cos.dtype != dtype:
+            size = max(n, 2 * (cos.shape[0] if cos is not None else 1024))
+            pos = torch.arange(size, dtype=torch.float)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = emb.cos().to(device=device, dtype=dtype)
+            self._sin = emb.sin().to(device=device, dtype=dtype)
+        assert self._cos is not None and self._sin is not None
+        return self._cos, self._sin
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T] -> rotated x."""
+        if self.rotary_dim == 0:
+            return x
+        cos_t, sin_t = self._tables(int(positions.max()) + 1, x.device, x.dtype)
+        cos = cos_t[positions][:, None, :]
+        sin = sin_t[positions][:, None, :]
+        rd = self.rotary_dim
+        x_rot, x_pass = x[..., :rd], x[..., rd:]
+        half = rd // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        out = x_rot * cos + rotated * sin
+        return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out

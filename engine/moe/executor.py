@@ -1,0 +1,57 @@
+"""Routed-expert execution from the host expert banks.
+
+Contract: an `ExpertExecutor` computes, for tokens x [N, H] routed to experts `ids` [N, k] with
+weights `weights` [N, k] in MoE layer `moe_index`, the sum over k of
+weight * down(silu(gate(x)) * up(x)) -> [N, H] in x's dtype and device. `TorchExpertExecutor` is
+the reference: one gathered GEMM pair per distinct expert, weights read from the banks (moved to
+x's device per call when the banks live elsewhere). Faster backends (the native CPU executor, the
+GPU expert cache) implement the same call and are chosen through `create_executor`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.weights.layout import ExpertBanks
+
+
+class ExpertExecutor(Protocol):
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor: ...
+
+
+class TorchExpertExecutor:
+    def __init__(self, banks: ExpertBanks) -> None:
+        self.banks = banks
+        self.inter = banks.w2.shape[-1]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        base = moe_index * self.banks.num_experts
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+        token_of = order // ids.shape[1]
+        flat_w = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+            rows = token_of[start:start + count]
+            w13 = self.banks.w13[base + expert].to(x.device, non_blocking=True)
+            w2 = self.banks.w2[base + expert].to(x.device, non_blocking=True)
+            gate, up = F.linear(x[rows], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2) * flat_w[start:start + count, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+        return out
+
+
+_EXECUTORS = {"torch": lambda banks: TorchExpertExecutor(banks)}
+
+
+def create_executor(name: str, banks: ExpertBanks) -> ExpertExecutor:
+    try:
+        return _EXECUTORS[name](banks)
+    except KeyError:
+        raise ValueError(f"unknown expert executor {name!r} (known: {', '.join(_EXECUTORS)})") from None

@@ -1,0 +1,106 @@
+"""A generation request as the scheduler tracks it, and the handle its caller holds.
+
+Contract: `RequestHandle` is the caller's side: iterate it to receive token ids as they are
+produced (blocking), then read `finish_reason` ("stop", "length", "abort" or "error"), `error`,
+`prompt_tokens`, `cached_tokens` and, when asked for, `logits` (one float32 row per sampled
+token). `abort()` may be called from any thread. `Request` is the scheduler's side and is touched
+only by the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engine.cache.radix import Node
+from engine.errors import EngineError
+from engine.sampling import SamplingParams
+
+_ids = itertools.count()
+_DONE = object()
+
+
+class Phase(Enum):
+    WAITING = 0
+    PREFILL = 1
+    DECODE = 2
+    FINISHED = 3
+
+
+class RequestHandle:
+    def __init__(self, rid: str, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: EngineError | None = None
+        self.logits: list[torch.Tensor] = []
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._aborted = threading.Event()
+        self._done = threading.Event()
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            assert isinstance(item, int)
+            yield item
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Blocks until the request ends; returns all generated ids (raises its error, if any)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} still running")
+        if self.error is not None:
+            raise self.error
+        return self.output_ids
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # engine thread side
+    def _emit(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._queue.put(token)
+
+    def _finish(self, reason: str, error: EngineError | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self._done.set()
+        self._queue.put(_DONE)
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    handle: RequestHandle
+    capture_logits: bool = False
+    max_len: int = 0  # context limit: prompt + output never exceeds it
+    rid: int = field(default_factory=lambda: next(_ids))
+    phase: Phase = Phase.WAITING
+    output: list[int] = field(default_factory=list)
+    kv_slots: torch.Tensor | None = None  # slot of every computed token
+    computed: int = 0  # tokens whose KV / state are computed
+    prefix_len: int = 0  # tokens reused from the cache at admission
+    match_node: Node | None = None
+    state_slot: int = -1
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output

@@ -1,0 +1,179 @@
+"""Continuous batching: admission with prefix reuse, chunked prefill, batched decode, finishing.
+
+Contract: `Scheduler.step()` advances every running request by one forward pass: each decoding
+request contributes one token, prefilling requests contribute chunks up to `prefill_chunk` tokens
+in total. Admission restores the longest reusable prefix from the radix cache (KV slots, and for
+recurrent layers the snapshot at that exact position) and prefills only the rest. A finished
+request's computed tokens are inserted into the cache with its final recurrent state as the
+snapshot, so the next request that extends it resumes there. Only the engine thread calls this.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engine.cache.pools import KVPool, StatePool
+from engine.cache.radix import RadixCache
+from engine.errors import CapacityError, EngineError
+from engine.model.batch import ForwardBatch, SeqEntry
+from engine.model.decoder import Decoder
+from engine.options import EngineOptions
+from engine.request import Phase, Request
+from engine.sampling import sample
+
+
+class Scheduler:
+    def __init__(self, decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> None:
+        self.decoder, self.opts = decoder, opts
+        cfg = decoder.cfg
+        self.device = torch.device(opts.device)
+        self.hybrid = cfg.is_hybrid
+        self.kv = KVPool(cfg, opts.kv_tokens, dtype, self.device)
+        self.states = StatePool(cfg, opts.state_slots if self.hybrid else 0, dtype, self.device)
+        self.cache = RadixCache(self.kv.free, self.states.free, self.device)
+        self.eos = set(cfg.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.opts.max_running:
+            req = self.waiting[0]
+            if req.handle.aborted:
+                self.waiting.popleft()
+                req.handle._finish("abort")
+                continue
+            if self.hybrid and self.states.num_free == 0 and not self.cache.evict_state():
+                return  # wait for a running request to hand its state back
+            self.waiting.popleft()
+            match = self.cache.match(req.prompt, len(req.prompt) - 1, need_state=self.hybrid)
+            self.cache.lock(match.node)
+            req.match_node, req.prefix_len, req.computed = match.node, match.length, match.length
+            req.kv_slots = match.slots.clone()
+            req.handle.cached_tokens = match.length
+            if self.hybrid:
+                slot = self.states.alloc()
+                assert slot is not None
+                if match.state_slot >= 0:
+                    self.states.copy(slot, match.state_slot)
+                else:
+                    self.states.reset(slot)
+                req.state_slot = slot
+            if req.params.seed is not None:
+                req.generator = torch.Generator().manual_seed(req.params.seed)
+            elif not req.params.greedy:
+                req.generator = torch.Generator()
+                req.generator.seed()
+            req.phase = Phase.PREFILL
+            self.running.append(req)
+
+    def _alloc_kv(self, n: int) -> torch.Tensor:
+        slots = self.kv.alloc(n)
+        if slots is None:
+            self.cache.evict(n - self.kv.num_free)
+            slots = self.kv.alloc(n)
+        if slots is None:
+            raise CapacityError(f"KV cache full: {n} more tokens needed, {self.kv.num_free} free of {self.kv.capacity}")
+        return slots
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        for req in [r for r in self.running if r.handle.aborted]:
+            self._finish(req, "abort")
+        self._admit()
+        if not self.running:
+            return
+        entries: list[tuple[Request, list[int]]] = []
+        budget = self.opts.prefill_chunk
+        for req in self.running:
+            if req.phase is Phase.DECODE:
+                entries.append((req, [req.output[-1]]))
+        for req in self.running:
+            if req.phase is Phase.PREFILL and budget > 0:
+                chunk = req.prompt[req.computed:req.computed + budget]
+                budget -= len(chunk)
+                entries.append((req, chunk))
+        batch_entries, ids, pos = [], [], []
+        for req, toks in list(entries):
+            try:
+                new = self._alloc_kv(len(toks))
+            except CapacityError as e:
+                entries.remove((req, toks))
+                self._finish(req, "error", e)
+                continue
+            assert req.kv_slots is not None
+            req.kv_slots = torch.cat([req.kv_slots, new])
+            batch_entries.append(SeqEntry(len(ids), len(toks), req.computed, req.kv_slots, req.state_slot))
+            ids.extend(toks)
+            pos.extend(range(req.computed, req.computed + len(toks)))
+        if not entries:
+            return
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
+                             torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
+        try:
+            hidden = self.decoder.forward(batch, self.kv, self.states)
+            logits = self.decoder.logits(hidden[batch.last_token_index()])
+        except Exception as e:  # a failed step must not take the engine down
+            err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
+            for req, _ in entries:
+                self._finish(req, "error", err, keep_cache=False)
+            return
+        for row, (req, toks) in enumerate(entries):
+            req.computed += len(toks)
+            if req.phase is Phase.PREFILL and req.computed < len(req.prompt):
+                continue
+            req.phase = Phase.DECODE
+            self._sample(req, logits[row])
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        if req.capture_logits:
+            req.handle.logits.append(logits.detach().cpu().clone())
+        token = sample(logits, req.params, req.generator)
+        req.output.append(token)
+        req.handle._emit(token)
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos and not p.ignore_eos):
+            self._finish(req, "stop")
+        elif len(req.output) >= p.max_tokens or len(req.prompt) + len(req.output) >= req.max_len:
+            self._finish(req, "length")
+
+    # ------------------------------------------------------------------ finishing
+    def _finish(self, req: Request, reason: str, error: EngineError | None = None, keep_cache: bool = True) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req, keep_cache)
+        req.phase = Phase.FINISHED
+        req.handle._finish(reason, error)
+
+    def _release(self, req: Request, keep_cache: bool) -> None:
+        """Hands computed KV (and the final state as a snapshot) to the radix cache."""
+        assert req.kv_slots is not None and req.match_node is not None
+        slots = req.kv_slots
+        n = req.computed
+        if keep_cache and n > req.prefix_len:
+            node, existing = self.cache.insert(req.tokens[:n], slots[:n])
+            if existing > req.prefix_len:
+                self.kv.free(slots[req.prefix_len:existing])
+            if n < len(slots):
+                self.kv.free(slots[n:])
+            if self.hybrid:
+                displaced = self.cache.attach_state(node, req.state_slot)
+                if displaced >= 0:
+                    self.states.free(displaced)
+                req.state_slot = -1
+        else:
+            self.kv.free(slots[req.prefix_len:])
+        if req.state_slot >= 0:
+            self.states.free(req.state_slot)
+            req.state_slot = -1
+        self.cache.unlock(req.match_node)
+        req.kv_slots = None

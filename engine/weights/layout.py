@@ -1,0 +1,88 @@
+"""In-memory weight layout of the generic decoder.
+
+Contract: plain dataclasses of tensors, no behaviour. Dense weights live on the compute device;
+routed experts live in `ExpertBanks`, host tensors whose first dimension is the flat expert id
+`moe_layer * num_experts + expert` (moe_layer counts only layers that have routed experts, so for
+every released Qwen MoE it equals the layer index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: torch.Tensor  # [heads*head_dim*(2 if output gate else 1), hidden]
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LinearAttentionWeights:
+    in_proj_qkv: torch.Tensor  # [2*key_dim + value_dim, hidden]
+    in_proj_z: torch.Tensor  # [value_dim, hidden]
+    in_proj_a: torch.Tensor  # [v_heads, hidden]
+    in_proj_b: torch.Tensor  # [v_heads, hidden]
+    conv: torch.Tensor  # [conv_dim, kernel]
+    a_log: torch.Tensor  # [v_heads]
+    dt_bias: torch.Tensor  # [v_heads]
+    norm: torch.Tensor  # [v_head_dim]
+    out_proj: torch.Tensor  # [hidden, value_dim]
+
+
+@dataclass
+class MlpWeights:
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+@dataclass
+class MoeWeights:
+    router: torch.Tensor  # [E, hidden]
+    shared: MlpWeights | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attention: AttentionWeights | None = None
+    linear_attention: LinearAttentionWeights | None = None
+    moe: MoeWeights | None = None
+    mlp: MlpWeights | None = None
+    moe_index: int = -1  # ordinal among MoE layers; bank row = moe_index * E + expert
+
+
+@dataclass
+class ExpertBanks:
+    w13: torch.Tensor  # [L_moe * E, 2 * I, hidden]: gate rows then up rows
+    w2: torch.Tensor  # [L_moe * E, hidden, I]
+    num_experts: int
+
+    def flat_id(self, moe_index: int, expert: int) -> int:
+        return moe_index * self.num_experts + expert
+
+    @property
+    def expert_bytes(self) -> int:
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+
+@dataclass
+class DecoderWeights:
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+    experts: ExpertBanks
