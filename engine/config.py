@@ -9,6 +9,7 @@ naming the field. Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,17 @@ class ModelConfig:
             raise ConfigError(f"{path}: config.json not found") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(raw, source=str(path))
+        cfg = cls.from_dict(raw, source=str(path))
+        gen_path = path.parent / "generation_config.json"
+        if gen_path.exists():
+            try:
+                extra = _eos(json.loads(gen_path.read_text()))
+            except (json.JSONDecodeError, TypeError, ValueError):
+                raise ConfigError(f"{gen_path}: not valid JSON") from None
+            merged = tuple(dict.fromkeys(cfg.eos_token_ids + extra))
+            if merged != cfg.eos_token_ids:
+                cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -2,11 +2,17 @@
 
 Contract: `gated_deltanet(x, w, cfg, batch, conv_state, ssm_state)` runs each sequence's new
 tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, dk, dv] float32),
-updates that slot in place, and returns out_proj output [N, H]. On CUDA with fla-core installed
-the chunked / fused-recurrent Triton kernels are used; otherwise the torch ops in `gdn_ops`.
+updates that slot in place, and returns out_proj output [N, H]. On CUDA, when fla-core imports,
+the whole batch goes through fla's chunked (prefill) or fused-recurrent (decode) Triton kernels
+as one varlen call; elsewhere (and with FREETOKEN_GDN=torch) the torch ops in `gdn_ops` run per
+sequence.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +22,17 @@ from engine.model import gdn_ops
 from engine.model.batch import ForwardBatch
 from engine.model.ops import gated_rms_norm
 from engine.weights.layout import LinearAttentionWeights
+
+
+@functools.cache
+def _fla() -> Any | None:
+    if os.environ.get("FREETOKEN_GDN", "auto") == "torch":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # fla needs triton and a GPU; absent on CPU-only machines
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
 def gated_deltanet(
@@ -33,16 +50,38 @@ def gated_deltanet(
     z = F.linear(x, w.in_proj_z)
     beta = torch.sigmoid(F.linear(x, w.in_proj_b))
     g = -w.a_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias)
-    core = torch.empty(n, hv, dv, dtype=x.dtype, device=x.device)
-    rep = hv // hk
+    conv_out = torch.empty_like(mixed)
     for s in batch.seqs:
         sl = slice(s.start, s.end)
-        conv_out, conv_state[s.state_slot] = gdn_ops.causal_conv1d(mixed[sl], conv_state[s.state_slot], w.conv)
-        q, k, v = torch.split(conv_out, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q = q.reshape(s.length, hk, dk).repeat_interleave(rep, dim=1)
-        k = k.reshape(s.length, hk, dk).repeat_interleave(rep, dim=1)
-        v = v.reshape(s.length, hv, dv)
-        o, ssm_state[s.state_slot] = gdn_ops.gated_delta_rule(q, k, v, g[sl], beta[sl], ssm_state[s.state_slot])
-        core[sl] = o.to(x.dtype)
+        conv_out[sl], conv_state[s.state_slot] = gdn_ops.causal_conv1d(mixed[sl], conv_state[s.state_slot], w.conv)
+    q, k, v = torch.split(conv_out, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+    q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
+    kernels = _fla() if x.is_cuda else None
+    if kernels is not None:
+        core = _fla_rule(kernels, q, k, v, g, beta, batch, ssm_state).to(x.dtype)
+    else:
+        core = torch.empty(n, hv, dv, dtype=x.dtype, device=x.device)
+        rep = hv // hk
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            o, ssm_state[s.state_slot] = gdn_ops.gated_delta_rule(
+                q[sl].repeat_interleave(rep, dim=1), k[sl].repeat_interleave(rep, dim=1), v[sl], g[sl], beta[sl],
+                ssm_state[s.state_slot])
+            core[sl] = o.to(x.dtype)
     core = gated_rms_norm(core.reshape(n * hv, dv), z.reshape(n * hv, dv), w.norm, cfg.rms_norm_eps)
     return F.linear(core.reshape(n, hv * dv), w.out_proj)
+
+
+def _fla_rule(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor) -> torch.Tensor:
+    chunk_rule, recurrent_rule = kernels
+    slots = torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long, device=q.device)
+    lengths = [s.length for s in batch.seqs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=q.device)
+    rule = recurrent_rule if max(lengths) == 1 else chunk_rule
+    out, final = rule(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta.float()[None],
+        initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )
+    ssm_state[slots] = final.float()
+    return out[0]

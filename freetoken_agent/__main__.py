@@ -1,0 +1,3 @@
+from freetoken_agent.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The built-in demo model: a small random MoE in the Hugging Face layout with a real Qwen tokenizer.
+
+Contract: `write_demo_model(out_dir, arch)` writes `config.json`, `model.safetensors` (per-expert
+tensor names, as `save_pretrained` writes them) and the tokenizer files for `arch` in
+{"qwen3_5_moe", "qwen3_moe"}; weights come from a fixed seed, so every machine gets the same
+model. Sized to decode at 20+ tokens/s on two CPU cores. `demo_model_dir(arch)` returns the copy
+in the user's cache directory, creating it on first use (atomically, so a crash never leaves half
+a model behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from freetoken_agent.tokenizer import write_tokenizer
+
+ARCHES = ("qwen3_5_moe", "qwen3_moe")
+DEMO_VERSION = 1
+SEED = 1234
+
+
+def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False, "num_experts": 16,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 128, "eos_token_id": eos, "pad_token_id": pad,
+        "bos_token_id": None, "dtype": "float32",
+    }
+    if arch == "qwen3_moe":
+        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    return {**common, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "shared_expert_intermediate_size": 128,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}}
+
+
+def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED)
+    h, std = cfg["hidden_size"], 0.05
+    out: dict[str, torch.Tensor] = {}
+
+    def rand(name: str, *shape: int, scale: float = std) -> None:
+        out[name] = torch.randn(*shape, generator=gen) * scale
+
+    qwen35 = cfg["model_type"] != "qwen3_moe"
+    norm = (lambda n: torch.zeros(n)) if qwen35 else (lambda n: torch.ones(n))
+    rand("model.embed_tokens.weight", cfg["vocab_size"], h, scale=0.5)
+    out["model.norm.weight"] = norm(h)
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for li in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{li}."
+        out[p + "input_layernorm.weight"] = norm(h)
+        out[p + "post_attention_layernorm.weight"] = norm(h)
+        if qwen35 and cfg["layer_types"][li] == "linear_attention":
+            kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+            vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+            hv = cfg["linear_num_value_heads"]
+            rand(p + "linear_attn.in_proj_qkv.weight", 2 * kd + vd, h)
+            rand(p + "linear_attn.in_proj_z.weight", vd, h)
+            rand(p + "linear_attn.in_proj_a.weight", hv, h)
+            rand(p + "linear_attn.in_proj_b.weight", hv, h)
+            rand(p + "linear_attn.conv1d.weight", 2 * kd + vd, 1, cfg["linear_conv_kernel_dim"], scale=0.5)
+            out[p + "linear_attn.A_log"] = torch.empty(hv).uniform_(0.0, 2.0, generator=gen).log()
+            out[p + "linear_attn.dt_bias"] = torch.ones(hv)
+            out[p + "linear_attn.norm.weight"] = torch.ones(cfg["linear_value_head_dim"])
+            rand(p + "linear_attn.out_proj.weight", h, vd)
+        else:
+            rand(p + "self_attn.q_proj.weight", nh * hd * (2 if qwen35 else 1), h)
+            rand(p + "self_attn.k_proj.weight", nkv * hd, h)
+            rand(p + "self_attn.v_proj.weight", nkv * hd, h)
+            rand(p + "self_attn.o_proj.weight", h, nh * hd)
+            out[p + "self_attn.q_norm.weight"] = norm(hd)
+            out[p + "self_attn.k_norm.weight"] = norm(hd)
+        inter = cfg["moe_intermediate_size"]
+        rand(p + "mlp.gate.weight", cfg["num_experts"], h, scale=0.5)
+        for e in range(cfg["num_experts"]):
+            rand(f"{p}mlp.experts.{e}.gate_proj.weight", inter, h)
+            rand(f"{p}mlp.experts.{e}.up_proj.weight", inter, h)
+            rand(f"{p}mlp.experts.{e}.down_proj.weight", h, inter)
+        if qwen35:
+            si = cfg["shared_expert_intermediate_size"]
+            rand(p + "mlp.shared_expert.gate_proj.weight", si, h)
+            rand(p + "mlp.shared_expert.up_proj.weight", si, h)
+            rand(p + "mlp.shared_expert.down_proj.weight", h, si)
+            rand(p + "mlp.shared_expert_gate.weight", 1, h)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe") -> Path:
+    if arch not in ARCHES:
+        raise ValueError(f"unknown demo arch {arch!r} (choose from {', '.join(ARCHES)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = write_tokenizer(out, "qwen3_5" if arch == "qwen3_5_moe" else "qwen3")
+    cfg = _config(arch, info.vocab_size, info.eos_token_id, info.pad_token_id)
+    save_file(_weights(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [info.eos_token_id, info.pad_token_id], "do_sample": False}, indent=2) + "\n")
+    return out
+
+
+def cache_root() -> Path:
+    base = os.environ.get("FREETOKEN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "freetoken-agent")
+    return Path(base)
+
+
+def demo_model_dir(arch: str = "qwen3_5_moe") -> Path:
+    target = cache_root() / f"demo-{arch}-v{DEMO_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_demo_model(tmp, arch)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process made it first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
