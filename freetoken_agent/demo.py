@@ -31,7 +31,7 @@ def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
     common: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False, "num_experts": 16,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "num_experts": 16,
         "num_experts_per_tok": 4, "moe_intermediate_size": 128, "eos_token_id": eos, "pad_token_id": pad,
         "bos_token_id": None, "dtype": "float32",
     }
@@ -57,6 +57,8 @@ def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     qwen35 = cfg["model_type"] != "qwen3_moe"
     norm = (lambda n: torch.zeros(n)) if qwen35 else (lambda n: torch.ones(n))
     rand("model.embed_tokens.weight", cfg["vocab_size"], h, scale=0.5)
+    # An untied random head: with tied embeddings a random model echoes its last input token forever.
+    rand("lm_head.weight", cfg["vocab_size"], h, scale=0.5)
     out["model.norm.weight"] = norm(h)
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for li in range(cfg["num_hidden_layers"]):

