@@ -180,7 +180,9 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
     head_dim = int(g("head_dim", hidden // n_heads))
     if n_heads % n_kv:
         raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-    num_experts = int(g("num_experts"))
+    # transformers 5 saves qwen3_moe's expert count as num_local_experts; releases say num_experts.
+    num_experts = int(d["num_local_experts"] if d.get("num_experts") is None and d.get("num_local_experts")
+                      else g("num_experts"))
     common: dict[str, Any] = dict(
         vocab_size=int(g("vocab_size")),
         hidden_size=hidden,

@@ -10,6 +10,7 @@ The engine knows nothing of text, chat formats or HTTP.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_id = 0
+        self._inbox: deque[Request] = deque()
+        self._step_lock = threading.Lock()  # held while a step runs: lets inspection see a settled state
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -59,9 +62,8 @@ class Engine:
                 raise RequestError("engine is shut down")
             self._next_id += 1
             handle = RequestHandle(f"req-{self._next_id}", len(prompt))
-            req = Request(prompt=prompt, params=params, handle=handle, capture_logits=capture_logits,
-                          max_len=limit)
-            self.scheduler.add(req)
+            self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
+                                       capture_logits=capture_logits, max_len=limit))
             self._ensure_thread()
             self._cv.notify()
         return handle
@@ -79,8 +81,6 @@ class Engine:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-                req.handle.abort()
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -98,11 +98,20 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
+        # Only this thread touches the scheduler; other threads meet it at the inbox, so a long
+        # step never blocks submit() or close().
+        sched = self.scheduler
         while True:
             with self._cv:
-                while not self.scheduler.has_work and not self._closed:
+                while not self._inbox and not sched.has_work and not self._closed:
                     self._cv.wait()
-                if self._closed and not self.scheduler.has_work:
+                while self._inbox:
+                    sched.add(self._inbox.popleft())
+                closed = self._closed
+            if closed:
+                for req in list(sched.waiting) + list(sched.running):
+                    req.handle.abort()
+                if not sched.has_work:
                     return
-                # Steps run under the lock: submit() only appends, so holding it costs callers little.
-                self.scheduler.step()
+            with self._step_lock:
+                sched.step()

@@ -48,10 +48,6 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.opts.max_running:
             req = self.waiting[0]
-            if req.handle.aborted:
-                self.waiting.popleft()
-                req.handle._finish("abort")
-                continue
             if self.hybrid and self.states.num_free == 0 and not self.cache.evict_state():
                 return  # wait for a running request to hand its state back
             self.waiting.popleft()
@@ -89,6 +85,10 @@ class Scheduler:
     def step(self) -> None:
         for req in [r for r in self.running if r.handle.aborted]:
             self._finish(req, "abort")
+        if any(r.handle.aborted for r in self.waiting):
+            for req in [r for r in self.waiting if r.handle.aborted]:
+                self.waiting.remove(req)
+                req.handle._finish("abort")
         self._admit()
         if not self.running:
             return

@@ -62,7 +62,7 @@ def _recurrent(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
 def _chunked(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
     q, k = _prep(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
-    seq, heads, dk = q.shape
+    seq, heads = q.shape[:2]
     s = state.float()
     out = torch.empty(seq, heads, v.shape[-1], dtype=torch.float32, device=q.device)
     for c0 in range(0, seq, CHUNK):

@@ -24,10 +24,14 @@ from engine.model.ops import gated_rms_norm
 from engine.weights.layout import LinearAttentionWeights
 
 
-@functools.cache
 def _fla() -> Any | None:
     if os.environ.get("FREETOKEN_GDN", "auto") == "torch":
         return None
+    return _import_fla()
+
+
+@functools.cache
+def _import_fla() -> Any | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # fla needs triton and a GPU; absent on CPU-only machines

@@ -164,6 +164,9 @@ def _experts(f: _Fetch, cfg: ModelConfig, ep: str, banks: ExpertBanks, moe_index
         banks.w13[rows, i:] = _either(f, ep + "up_proj" + sfx, (e, i, h), (e, h, i)).to(dtype)
         banks.w2[rows] = _either(f, ep + "down_proj" + sfx, (e, h, i), (e, i, h)).to(dtype)
     else:
+        if not reader.has(f"{ep}0.gate_proj.weight"):
+            raise WeightError(f"{reader.model_dir}: missing experts of {ep.rstrip('.')!r} (neither "
+                              f"{ep}0.gate_proj.weight nor fused {ep}gate_up_proj)")
         for x in range(e):
             row = moe_index * e + x
             banks.w13[row, :i] = f.raw(f"{ep}{x}.gate_proj.weight", (i, h)).to(dtype)

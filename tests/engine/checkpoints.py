@@ -271,7 +271,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_no_leaks(engine: Any) -> None:
     """With no request in flight, every KV slot is free or held by the prefix cache, and every
     recurrent-state slot is free or a cache snapshot."""
-    with engine._cv:  # the engine thread steps under this lock
+    with engine._step_lock:  # no step runs while this is held
         s = engine.scheduler
         assert not s.running and not s.waiting, "engine still has work"
         assert s.kv.num_free + s.cache.cached_tokens == s.kv.capacity, (

@@ -1,18 +1,21 @@
 """The engine is lossless against `transformers` on tiny random models of both families.
 
-For several configurations of qwen3_moe (MHA / GQA 2:1 / 4:1, norm_topk_prob on and off,
-decoder_sparse_step 2 and mlp_only_layers with dense MLP layers, tied embeddings) and qwen3_5_moe
-(layer_types patterns, shared-expert sizes, head dims 16 / 32, linear value heads = 2x key heads,
-tied embeddings, the vision-language wrapper), stored per expert, fused, fused-transposed and
-sharded, this proves:
+Configurations: qwen3_moe with MHA / GQA 2:1 / 4:1 / MQA + sliding window, norm_topk_prob on and
+off, decoder_sparse_step 2 and mlp_only_layers (dense MLP layers), tied embeddings; qwen3_5_moe
+with layer_types [lin,lin,lin,full] / [full,lin] / [lin,full,lin,full], several shared-expert
+sizes, head dims 16 / 32, linear value heads = 2x key heads, tied embeddings, and the
+vision-language wrapper (`model.language_model.` tensors, nested text_config). Experts are stored
+per expert, fused, fused-transposed, and sharded over several files. For each this proves:
 (i) prefill logits at every position (one pass, a pass continued from cached KV/state, and two
     sequences in one ragged batch) equal the reference within 1e-4 relative;
 (ii) the logits of each of 32 decode steps equal the reference's own cached step-by-step decode;
 (iii) greedy generation equals `generate(do_sample=False)` token for token;
-(iv) prefix reuse (extending a finished request, sharing part of its prompt, repeating it) gives
-     reference logits and tokens, and reuses exactly the prefix the cache contract promises;
+(iv) prefix reuse (extending a finished request, sharing part of its prompt, repeating it, a
+     growing conversation, and under memory pressure with eviction) gives reference logits and
+     tokens, and reuses exactly the prefix the cache contract promises;
 (v) two and four concurrent requests of different lengths give the tokens each gives alone;
-and no KV or state slot leaks across any of it.
+and no KV or state slot leaks across any of it. Also: a checkpoint exactly as `save_pretrained`
+writes it loads.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ SPECS = [
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mlp_only_layers=[0], intermediate_size=56,
         num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True),
         layout="fused_t", shards=3, seed=3, engine=dict(max_running=2, prefill_chunk=24)),
+    TinySpec("q3_mqa_swa", "qwen3_moe", qwen3_moe_text(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, use_sliding_window=True, sliding_window=8,
+        num_hidden_layers=2), seed=8),
     # ---- qwen3_5_moe
     TinySpec("q35_lllf_perexpert", "qwen3_5_moe", qwen3_5_moe_text(
         layer_types=[LIN, LIN, LIN, FULL], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -230,13 +236,34 @@ def test_prefix_reuse_across_many_requests(case: Case, engine) -> None:  # type:
     """A conversation that grows turn by turn reuses the whole previous turn every time."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     seq = case.tokens(12, seed=51)
+    expected_cached = 0
     for turn in range(4):
         h = engine.submit(seq, params, capture_logits=True)
         out = _check_against_reference(case, seq, h, f"turn {turn}")
-        if turn:
-            assert h.cached_tokens == expected_cached, f"turn {turn}"
+        assert h.cached_tokens == expected_cached, f"turn {turn}"
         expected_cached = len(seq) + len(out) - 1
         seq = seq + out + case.tokens(2 + turn, seed=52 + turn)
+    assert_no_leaks(engine)
+
+
+def test_prefix_cache_under_memory_pressure(case: Case, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """With room for only a few requests, admitting new ones evicts older cache entries (and
+    snapshots); every request still gives the reference's output and nothing leaks."""
+    opts = {**case.spec.engine, "kv_tokens": 96}
+    engine = make_engine(case.dir, **opts)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    shared = case.tokens(10, seed=71)
+    prompts = [shared + case.tokens(20, seed=72 + i) for i in range(5)]
+    outs = []
+    for i, prompt in enumerate(prompts):
+        h = engine.submit(prompt, params, capture_logits=True)
+        outs.append(_check_against_reference(case, prompt, h, f"request {i}"))
+        assert_no_leaks(engine)
+    assert engine.scheduler.cache.cached_tokens < sum(len(p) + 7 for p in prompts)  # something was evicted
+    ext = prompts[-1] + outs[-1] + [1]
+    h = engine.submit(ext, params, capture_logits=True)
+    _check_against_reference(case, ext, h, "extension of the last request")
+    assert h.cached_tokens == len(prompts[-1]) + len(outs[-1]) - 1
     assert_no_leaks(engine)
 
 
@@ -262,6 +289,24 @@ def test_concurrent_requests_match_solo(case: Case, make_engine, n: int) -> None
         assert h.finish_reason == "length"
         _assert_rows_close(h.logits, logits, f"request {i} of {n}")
     assert_no_leaks(together)
+
+
+def test_identical_concurrent_prompts(case: Case, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Requests computing the same tokens at once: the later finisher's duplicate KV (and snapshot)
+    is given back, not leaked or double-freed, and the survivor is reusable."""
+    # Enough state slots that no snapshot is evicted (eviction is covered by the pressure test).
+    engine = make_engine(case.dir, **{**case.spec.engine, "state_slots": 8})
+    prompt = case.tokens(25, seed=81)
+    handles = [engine.submit(prompt, SamplingParams(max_tokens=mt, ignore_eos=True), capture_logits=True)
+               for mt in (6, 6, 3)]
+    outs = [_check_against_reference(case, prompt, h, f"copy {i}") for i, h in enumerate(handles)]
+    assert outs[0] == outs[1] and outs[2] == outs[0][:3]
+    assert_no_leaks(engine)
+    ext = prompt + outs[0] + [3]
+    h = engine.submit(ext, SamplingParams(max_tokens=6, ignore_eos=True), capture_logits=True)
+    _check_against_reference(case, ext, h, "extension")
+    assert h.cached_tokens == len(prompt) + len(outs[0]) - 1
+    assert_no_leaks(engine)
 
 
 # ------------------------------------------------------------------------------------------ config

@@ -3,12 +3,14 @@
 Proves: `SamplingParams` rejects bad values with a `RequestError` naming the field; seeded
 sampling is reproducible across engines and independent of batching, and differs across seeds;
 top_k=1 and a tiny top_p reduce to greedy, and top-k / top-p only ever pick tokens inside their
-filter; stop_token_ids and the config's eos stop generation ("stop", eos ignored with
-`ignore_eos`); max_tokens and the context limit end it ("length"); bad prompts raise
-`RequestError` at submit; abort() ends a running or queued request with "abort" and the engine
-keeps serving correctly (reusing what the aborted request computed); close() aborts in-flight
-work; running out of KV memory fails a request with `CapacityError` without taking the engine
-down. No KV or state slot leaks through any of it.
+filter; stop_token_ids and the config's eos stop generation ("stop"; eos ignored with
+`ignore_eos`); max_tokens and the context limit end it ("length"); bad prompts (empty, ids out of
+range, too long) raise `RequestError` at submit; abort() ends a running request (mid-decode or
+mid-prefill) with "abort", the engine keeps serving and reuses exactly what the aborted request
+computed; a queued request's abort takes effect without waiting for a running slot; `generate()`
+streams and aborts when abandoned; close() aborts in-flight work; submit() does not wait behind a
+running step; running out of KV memory fails a request with `CapacityError` without taking the
+engine down. No KV or state slot leaks through any of it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from checkpoints import (
 from engine.errors import CapacityError, RequestError
 from engine.sampling import SamplingParams
 
-Q3 = TinySpec("samp_q3", "qwen3_moe", qwen3_moe_text(num_hidden_layers=2), seed=21)
+Q3 = TinySpec("samp_q3", "qwen3_moe", qwen3_moe_text(num_hidden_layers=2), seed=25)
 Q35 = TinySpec("samp_q35", "qwen3_5_moe", qwen3_5_moe_text(num_hidden_layers=2,
                layer_types=["linear_attention", "full_attention"]), seed=22)
 
@@ -233,6 +235,52 @@ def test_abort_mid_generation(q3, q35, make_engine, family: str) -> None:  # typ
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_abort_mid_prefill_leaves_a_reusable_prefix(q3, q35, make_engine, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Aborted after its first 8-token prefill chunk, a request leaves those 8 tokens (and, for the
+    hybrid model, the state after them) in the cache; the same prompt resumes there correctly."""
+    path, model = q3 if family == "qwen3_moe" else q35
+    engine = make_engine(path, prefill_chunk=8)
+    prompt = [(7 * i + 3) % 128 for i in range(30)]
+    step = engine.scheduler.step
+    victim: list = []
+
+    def step_then_abort() -> None:
+        step()
+        if victim:
+            victim.pop().abort()  # after exactly one step of this request
+
+    engine.scheduler.step = step_then_abort
+    with engine._cv:  # register the victim before the engine thread can step
+        h = engine.submit(prompt, GREEDY)
+        victim.append(h)
+    assert h.result(timeout=60) == [] and h.finish_reason == "abort"
+    assert_no_leaks(engine)
+    assert engine.scheduler.cache.cached_tokens == 8
+    h2 = engine.submit(prompt, SamplingParams(max_tokens=6, ignore_eos=True), capture_logits=True)
+    out = h2.result(timeout=60)
+    assert h2.cached_tokens == 8
+    ref = hf_step_logits(model, prompt, out[:-1])
+    assert max(rel_err(a, b) for a, b in zip(h2.logits, ref, strict=True)) <= 1e-4
+    assert out == ref.argmax(-1).tolist()
+    assert_no_leaks(engine)
+
+
+def test_generate_iterator_streams_and_cleans_up(q3, make_engine, greedy_ref: list[int]) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(q3[0])
+    assert list(engine.generate(PROMPT, GREEDY)) == greedy_ref
+    h = engine.submit(PROMPT, GREEDY)
+    assert list(h) == greedy_ref == h.result()
+    gen = engine.generate(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+    first = [next(gen) for _ in range(3)]
+    assert first == greedy_ref[:3]
+    gen.close()  # abandoning the iterator aborts its request
+    deadline = time.monotonic() + 30
+    while engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_no_leaks(engine)
+
+
 def test_abort_before_admission(q3, make_engine) -> None:  # type: ignore[no-untyped-def]
     """A queued request that is aborted ends promptly, without waiting for a running slot."""
     engine = make_engine(q3[0], max_running=1)
@@ -270,8 +318,9 @@ def test_submit_does_not_wait_for_a_running_step(q3, make_engine) -> None:  # ty
 
     def slow_step() -> None:
         step()
-        in_step.set()
-        time.sleep(0.5)
+        if not in_step.is_set():  # only the first step is slow
+            in_step.set()
+            time.sleep(0.5)
 
     engine.scheduler.step = slow_step
     running = engine.submit(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -287,7 +336,7 @@ def test_submit_does_not_wait_for_a_running_step(q3, make_engine) -> None:  # ty
 # ------------------------------------------------------------------------------------------ capacity
 def test_kv_exhaustion_fails_a_request_not_the_engine(q3, make_engine, greedy_ref: list[int]) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(q3[0], kv_tokens=48)
-    handles = [engine.submit(PROMPT + [i], SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)]
+    handles = [engine.submit([*PROMPT, i], SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)]
     outcomes = []
     for h in handles:
         try:
