@@ -2,10 +2,11 @@
 
 Contract: `gated_deltanet(x, w, cfg, batch, conv_state, ssm_state)` runs each sequence's new
 tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, dk, dv] float32),
-updates that slot in place, and returns out_proj output [N, H]. On CUDA, when fla-core imports,
-the whole batch goes through fla's chunked (prefill) or fused-recurrent (decode) Triton kernels
-as one varlen call; elsewhere (and with FREETOKEN_GDN=torch) the torch ops in `gdn_ops` run per
-sequence.
+updates that slot in place, and returns out_proj output [N, H]. For bf16/fp16 models on CUDA, when
+fla-core imports, the whole batch goes through fla's chunked (prefill) or fused-recurrent (decode)
+Triton kernels as one varlen call; float32 models (whose promise is the reference's logits to
+1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
+forces either path.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from engine.model.ops import gated_rms_norm
 from engine.weights.layout import LinearAttentionWeights
 
 
-def _fla() -> Any | None:
-    if os.environ.get("FREETOKEN_GDN", "auto") == "torch":
+def _fla(x: torch.Tensor) -> Any | None:
+    """fla's kernels for x, or None for the torch ops. fla's Triton dots run in TF32, so float32
+    models keep the exact torch path unless FREETOKEN_GDN=fla forces the kernels."""
+    choice = os.environ.get("FREETOKEN_GDN", "auto")
+    if choice == "torch" or not x.is_cuda or (choice != "fla" and x.dtype == torch.float32):
         return None
     return _import_fla()
 
@@ -60,7 +64,7 @@ def gated_deltanet(
         conv_out[sl], conv_state[s.state_slot] = gdn_ops.causal_conv1d(mixed[sl], conv_state[s.state_slot], w.conv)
     q, k, v = torch.split(conv_out, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
-    kernels = _fla() if x.is_cuda else None
+    kernels = _fla(x)
     if kernels is not None:
         core = _fla_rule(kernels, q, k, v, g, beta, batch, ssm_state).to(x.dtype)
     else:

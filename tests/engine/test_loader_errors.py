@@ -174,7 +174,7 @@ def test_fused_experts_wrong_shape_or_missing(tiny_checkpoint, tmp_path: Path, w
     del tensors[name]
     write_tensors(path, tensors)
     msg = _load_error(path, WeightError)
-    assert "missing tensor 'model.layers.1.mlp.experts." in msg  # the name the loader looked for
+    assert "missing" in msg and "model.layers.1.mlp.experts." in msg  # names what the loader looked for
 
 
 def test_engine_surfaces_weight_error(q3: Path) -> None:
