@@ -108,22 +108,24 @@ def test_fla_kernels_match_torch_ops_in_float32() -> None:
 
 
 def test_bf16_fla_path_tracks_torch_path(tiny_checkpoint, make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """bf16 models use fla by default; their logits stay within bf16 noise of the torch-op path."""
+    """bf16 models use fla by default. Against the float32 engine, fla's bf16 logits must be about
+    as close as the torch-op path's bf16 logits are (bf16 rounding dominates both)."""
     if _import_fla() is None:
         pytest.fail("fla-core is not importable on this CUDA machine")
     path, _ = tiny_checkpoint(SPECS[0])
     prompt = [int(t) for t in torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(4))]
     rows = {}
-    for gdn in ("torch", "auto"):
+    for gdn, dtype in (("torch", "float32"), ("torch", "bfloat16"), ("auto", "bfloat16")):
         monkeypatch.setenv("FREETOKEN_GDN", gdn)
-        engine = make_engine(path, device="cuda", dtype="bfloat16")
+        engine = make_engine(path, device="cuda", dtype=dtype)
         h = engine.submit(prompt, SamplingParams(max_tokens=1), capture_logits=True)
         h.result()
-        rows[gdn] = h.logits[0]
+        rows[gdn, dtype] = h.logits[0]
         engine.close()
-    err = rel_err(rows["auto"], rows["torch"])
-    print(f"bf16 prefill logits, fla vs torch ops: {err:.2e}")
-    assert err <= 3e-2
+    exact = rows["torch", "float32"]
+    err_torch, err_fla = rel_err(rows["torch", "bfloat16"], exact), rel_err(rows["auto", "bfloat16"], exact)
+    print(f"bf16 prefill logits vs float32: torch ops {err_torch:.2e}, fla {err_fla:.2e}")
+    assert err_fla <= 2 * err_torch + 1e-2
 
 
 def test_fla_varlen_batch_equals_single(tiny_checkpoint, make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
