@@ -20,7 +20,7 @@ from engine.errors import RequestError
 from engine.model.load import load_decoder, parse_dtype
 from engine.options import EngineOptions
 from engine.request import Request, RequestHandle
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenConstraint
 from engine.scheduler import Scheduler
 from engine.weights.loader import Progress
 
@@ -46,7 +46,7 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
-               capture_logits: bool = False) -> RequestHandle:
+               capture_logits: bool = False, constraint: TokenConstraint | None = None) -> RequestHandle:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -63,7 +63,7 @@ class Engine:
             self._next_id += 1
             handle = RequestHandle(f"req-{self._next_id}", len(prompt))
             self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
-                                       capture_logits=capture_logits, max_len=limit))
+                                       capture_logits=capture_logits, constraint=constraint, max_len=limit))
             self._ensure_thread()
             self._cv.notify()
         return handle

@@ -20,7 +20,7 @@ import torch
 
 from engine.cache.radix import Node
 from engine.errors import EngineError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenConstraint
 
 _ids = itertools.count()
 _DONE = object()
@@ -90,6 +90,7 @@ class Request:
     params: SamplingParams
     handle: RequestHandle
     capture_logits: bool = False
+    constraint: TokenConstraint | None = None
     max_len: int = 0  # context limit: prompt + output never exceeds it
     rid: int = field(default_factory=lambda: next(_ids))
     phase: Phase = Phase.WAITING

@@ -1,14 +1,19 @@
 """Sampling parameters and the sampler.
 
 Contract: `SamplingParams` is validated at construction (a bad value raises `RequestError` naming
-the field). `sample(logits, params, generator)` returns one token id: greedy when temperature is
-0, else temperature, top-k, then top-p (nucleus) filtering and a draw from `generator`, so a fixed
-seed reproduces the same tokens.
+the field). `sample(logits, params, generator, constraint)` returns one token id: greedy when
+temperature is 0, else temperature, top-k, then top-p (nucleus) filtering and a draw from
+`generator`, so a fixed seed reproduces the same tokens. A `TokenConstraint` restricts the choice
+to the tokens it allows: the draw is then exactly a draw from the distribution renormalised over
+the allowed tokens (Gumbel-max: perturb once, take the best allowed score), found by testing
+candidates in score order, so a constraint costs a few checks per token, not a pass over the
+vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,10 +45,47 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+class TokenConstraint(Protocol):
+    """Decides which token ids may come next; told which one was chosen. Any allowed token must
+    exist whenever the constraint is consulted (else the request fails)."""
+
+    def allowed(self, token_id: int) -> bool: ...
+
+    def advance(self, token_id: int) -> None: ...
+
+
+_CANDIDATE_BLOCK = 64
+
+
+def _best_allowed(scores: torch.Tensor, constraint: TokenConstraint) -> int:
+    order: torch.Tensor | None = None
+    finite = int(torch.isfinite(scores).sum())
+    for start in range(0, finite, _CANDIDATE_BLOCK):
+        if start == 0:
+            top = torch.topk(scores, min(_CANDIDATE_BLOCK, finite)).indices
+        else:
+            if order is None:
+                order = torch.argsort(scores, descending=True)
+            top = order[start:start + _CANDIDATE_BLOCK]
+        for token in top.tolist():
+            if constraint.allowed(token):
+                return token
+    raise RuntimeError("constraint allows no token")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           constraint: TokenConstraint | None = None) -> int:
     """logits: [V] float32."""
+    if constraint is not None:
+        return _constrained(logits, params, generator, constraint)
     if params.greedy:
         return int(torch.argmax(logits))
+    scores = _filtered_scores(logits, params)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def _filtered_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     scores = logits / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
@@ -51,9 +93,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = probs.cumsum(-1) - probs >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return scores
+
+
+def _constrained(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 constraint: TokenConstraint) -> int:
+    logits = logits.float().cpu()
+    if params.greedy:
+        token = _best_allowed(logits, constraint)
+    else:
+        scores = _filtered_scores(logits, params)
+        uniform = torch.rand(scores.shape, generator=generator).clamp_(1e-20, 1.0)
+        perturbed = scores - torch.log(-torch.log(uniform))
+        try:
+            token = _best_allowed(perturbed, constraint)
+        except RuntimeError:
+            # top-k / top-p removed every allowed token: fall back to the unfiltered distribution.
+            token = _best_allowed(logits / params.temperature - torch.log(-torch.log(uniform)), constraint)
+    constraint.advance(token)
+    return token

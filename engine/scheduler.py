@@ -137,7 +137,11 @@ class Scheduler:
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
         if req.capture_logits:
             req.handle.logits.append(logits.detach().cpu().clone())
-        token = sample(logits, req.params, req.generator)
+        try:
+            token = sample(logits, req.params, req.generator, req.constraint)
+        except RuntimeError as e:
+            self._finish(req, "error", EngineError(f"sampling failed: {e}"))
+            return
         req.output.append(token)
         req.handle._emit(token)
         p = req.params
