@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +46,8 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
-               capture_logits: bool = False, constraint: TokenConstraint | None = None) -> RequestHandle:
+               capture_logits: bool = False, constraint: TokenConstraint | None = None,
+               listener: Callable[[int | None], None] | None = None) -> RequestHandle:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -61,7 +62,7 @@ class Engine:
             if self._closed:
                 raise RequestError("engine is shut down")
             self._next_id += 1
-            handle = RequestHandle(f"req-{self._next_id}", len(prompt))
+            handle = RequestHandle(f"req-{self._next_id}", len(prompt), listener)
             self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
                                        capture_logits=capture_logits, constraint=constraint, max_len=limit))
             self._ensure_thread()

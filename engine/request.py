@@ -3,7 +3,9 @@
 Contract: `RequestHandle` is the caller's side: iterate it to receive token ids as they are
 produced (blocking), then read `finish_reason` ("stop", "length", "abort" or "error"), `error`,
 `prompt_tokens`, `cached_tokens` and, when asked for, `logits` (one float32 row per sampled
-token). `abort()` may be called from any thread. `Request` is the scheduler's side and is touched
+token). `abort()` may be called from any thread. A `listener` given at creation is called on the
+engine thread with each token id and finally with None (async front ends bridge through it; it
+must be quick and must not raise). `Request` is the scheduler's side and is touched
 only by the engine thread.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,8 +36,9 @@ class Phase(Enum):
 
 
 class RequestHandle:
-    def __init__(self, rid: str, prompt_tokens: int) -> None:
+    def __init__(self, rid: str, prompt_tokens: int, listener: Callable[[int | None], None] | None = None) -> None:
         self.rid = rid
+        self._listener = listener
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
         self.output_ids: list[int] = []
@@ -77,11 +80,15 @@ class RequestHandle:
     def _emit(self, token: int) -> None:
         self.output_ids.append(token)
         self._queue.put(token)
+        if self._listener is not None:
+            self._listener(token)
 
     def _finish(self, reason: str, error: EngineError | None = None) -> None:
         self.finish_reason, self.error = reason, error
         self._done.set()
         self._queue.put(_DONE)
+        if self._listener is not None:
+            self._listener(None)
 
 
 @dataclass(eq=False)

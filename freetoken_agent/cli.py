@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("out_dir")
     demo.add_argument("--arch", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_moe"])
 
+    from freetoken_agent.serve import add_serve_parser
+
+    add_serve_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             out = write_demo_model(args.out_dir, args.arch)
             print(f"wrote {args.arch} demo model to {out}")
             return 0
+        if args.command == "serve":
+            from freetoken_agent.serve import run_serve
+
+            return run_serve(args)
         if args.command == "generate":
             from freetoken_agent.generate import run_generate
 

@@ -1,0 +1,151 @@
+"""What every protocol adapter shares: errors in each protocol's shape, SSE framing, keep-alive
+pings, client-disconnect handling, and message-content normalisation.
+
+Contract: raise `ApiError(status, message, ...)` anywhere in a handler; the app renders it in the
+caller's protocol (OpenAI `{"error": {...}}` or Anthropic `{"type": "error", ...}`).
+`pinged(stream, interval)` yields a generation's items with `None` inserted whenever `interval`
+seconds pass without one; leaving it early (client gone) unsubscribes, which aborts the
+generation when no one else listens. `until_disconnect(request, coro)` runs a non-streaming
+handler's work and cancels it if the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from freetoken_agent.service import Chunk, Finish, GenerationStream
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+
+def openai_error_body(err: ApiError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(err: ApiError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+async def pinged(stream: GenerationStream, interval: float) -> AsyncIterator[Chunk | Finish | None]:
+    queue: asyncio.Queue[Chunk | Finish] = asyncio.Queue()
+
+    async def pump() -> None:
+        async for item in stream.subscribe():
+            queue.put_nowait(item)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=interval)
+            except TimeoutError:
+                if task.done() and queue.empty():
+                    task.result()  # surface a failure of the pump
+                    return
+                yield None
+                continue
+            yield item
+            if isinstance(item, Finish):
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], poll: float = 0.25) -> T:
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts (other part types refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise ApiError(400, f"{where}.content[{i}] must be an object")
+            kind = part.get("type", "text")
+            if kind in ("text", "input_text", "output_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ApiError(400, f"{where}.content[{i}].text must be a string")
+                parts.append(text)
+            else:
+                raise ApiError(400, f"{where}.content[{i}]: content type {kind!r} is not supported by this model")
+        return "".join(parts)
+    raise ApiError(400, f"{where}.content must be a string or a list of content parts")
+
+
+def parse_arguments(raw: Any) -> dict[str, Any] | str:
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return raw
+        return value if isinstance(value, dict) else raw
+    return json.dumps(raw)
+
+
+def check_function_tool(tool: Any, where: str) -> dict[str, Any]:
+    """An OpenAI-style function tool, validated; returns {"type": "function", "function": {...}}."""
+    if not isinstance(tool, dict):
+        raise ApiError(400, f"{where} must be an object", param=where)
+    fn = tool.get("function", tool)
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ApiError(400, f"{where}: a function tool needs a non-empty string name", param=where)
+    params = fn.get("parameters", fn.get("input_schema", {"type": "object", "properties": {}}))
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise ApiError(400, f"{where}: parameters of tool {name!r} must be a JSON schema object", param=where)
+    if "properties" in params and not isinstance(params["properties"], dict):
+        raise ApiError(400, f"{where}: properties of tool {name!r} must be an object", param=where)
+    out = {"name": name, "description": fn.get("description") or "", "parameters": params}
+    return {"type": "function", "function": out}

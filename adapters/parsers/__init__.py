@@ -1,0 +1,91 @@
+"""Incremental parsers that split a model's generated text into reasoning, content and tool calls.
+
+Contract: `create_parser(family, tools, ...)` returns a fresh `OutputParser` for one request.
+Feed it the generated text in any pieces (`feed`), then call `finish`; it returns
+`ParseEvent`s (`ReasoningDelta`, `ContentDelta`, `ToolCallStart`, `ToolCallArgsDelta`,
+`ToolCallEnd`). It never raises on any text, and the events of any split of a text, merged per
+kind (`merge_events`), equal those of the whole text (call ids aside, which are random).
+
+Families: "qwen3" (Qwen3 MoE; JSON tool calls `<tool_call>\\n{"name": ..., "arguments": ...}\\n
+</tool_call>`) and "qwen3_5" (Qwen3.5 / Qwen3.6; XML tool calls `<tool_call>\\n<function=NAME>\\n
+<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, values typed by the tools'
+JSON schemas). Both families read both call forms (Qwen3-Coder is a Qwen3 MoE with XML calls):
+the body's first non-whitespace character picks the form.
+
+Rules:
+- Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
+  block (the prompt ended with `<think>\\n`: Qwen3.5 with thinking on, Qwen3 thinking models);
+  otherwise a `<think>` that is the first non-whitespace text opens it. It ends at the first
+  `</think>`, or at the end of generation. Reasoning text is stripped of leading and trailing
+  whitespace. Nothing inside it is parsed. With `parse_reasoning=False` there is no reasoning:
+  all text, think tags included, is content and `starts_in_reasoning` is ignored.
+- Tool calls are parsed in content only, and only when `tools` is a non-empty list and
+  `parse_tool_calls` is on; otherwise `<tool_call>` is plain content. Calls to functions not in
+  `tools` are still returned. `ToolCallStart` comes as soon as the name is known (JSON form: the
+  object opens with `{"name": "<string>"`; otherwise when the block completes; XML form: at the
+  `>` of `<function=NAME>`). The arguments come as one `ToolCallArgsDelta` when the block
+  completes, equal to `ToolCallEnd.arguments` (compact JSON: `json.dumps(value,
+  ensure_ascii=False, separators=(",", ":"))`). Call ids are `id_prefix` + 24 random hex digits.
+- A malformed block is content with its original text (see `adapters.parsers.stream`): bad JSON,
+  a missing name, an unknown structure, a block unterminated at `finish`. If its call was already
+  announced, it is abandoned: no `ToolCallEnd`, absent from `tool_calls`, index not reused.
+- Whitespace (`str.isspace`): reasoning is `strip()`ped (the `\\n` after `<think>` and the
+  newlines before `</think>` go). Content is cut into segments at the start of content (start of
+  generation or just after `</think>`), at each announced tool call block and at the end of
+  generation; every segment is `strip()`ped, so the blank lines after `</think>`, leading
+  whitespace, whitespace-only text between / around calls and trailing whitespace vanish.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.parsers.base import OutputParser
+from adapters.parsers.events import (
+    ContentDelta,
+    ParseEvent,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    merge_events,
+)
+from adapters.parsers.qwen3_5 import ParamTypes
+from adapters.parsers.stream import QwenOutputParser
+
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5")
+
+
+def create_parser(
+    family: str,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    starts_in_reasoning: bool = False,
+    parse_reasoning: bool = True,
+    parse_tool_calls: bool = True,
+    id_prefix: str = "call_",
+) -> OutputParser:
+    """A new parser for one request's output. Raises ValueError for an unknown family."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown parser family {family!r}; known: {', '.join(FAMILIES)}")
+    return QwenOutputParser(
+        types=ParamTypes(tools),
+        starts_in_reasoning=starts_in_reasoning,
+        parse_reasoning=parse_reasoning,
+        parse_tool_calls=parse_tool_calls and bool(tools),
+        id_prefix=id_prefix,
+    )
+
+
+__all__ = [
+    "FAMILIES",
+    "ContentDelta",
+    "OutputParser",
+    "ParseEvent",
+    "ReasoningDelta",
+    "ToolCallArgsDelta",
+    "ToolCallEnd",
+    "ToolCallStart",
+    "create_parser",
+    "merge_events",
+]

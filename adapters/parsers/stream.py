@@ -1,0 +1,197 @@
+"""The streaming state machine shared by the Qwen families: reasoning, then content and tool calls.
+
+Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
+- Reasoning first (`ThinkSplitter`, unless `parse_reasoning` is off, in which case everything is
+  content and think tags are content text).
+- Then content, in which each `<tool_call>` opens a block when tool calls are parsed. The block
+  body is read by a scanner chosen by its first non-whitespace character: `{` the JSON form
+  (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`); anything else rejects the block at
+  once. Both families accept both forms.
+- When the scanner commits to a function name the call is announced (`ToolCallStart`); a valid
+  block then yields one `ToolCallArgsDelta` with the whole arguments and a `ToolCallEnd`. A
+  rejected block's text (from `<tool_call>` up to the point of rejection) is content, and the
+  text after that point is read again as content (so a later `<tool_call>` there opens a new
+  block). A block still open at `finish` is content verbatim. A rejected or unterminated block
+  that was already announced is abandoned: no `ToolCallEnd`, its index is not reused.
+- Content is cut into segments by the start of content (start of generation or the end of
+  `</think>`), by each announced call, and by the end of generation; each segment is emitted
+  with its leading and trailing whitespace removed (`TrimmedSegment`), so whitespace around and
+  between calls disappears while whitespace inside text, and around a rejected block, stays.
+- Held back at any time: at most a proper prefix of the next possible tag, trailing whitespace
+  of a segment, and the body of the open `<tool_call>` block.
+"""
+
+from __future__ import annotations
+
+from adapters.parsers.base import (
+    CallScanner,
+    OutputParser,
+    ScanResult,
+    TrimmedSegment,
+    new_call_id,
+    partial_tag_suffix,
+    skip_space,
+)
+from adapters.parsers.events import (
+    ContentDelta,
+    ParseEvent,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    merge_events,
+)
+from adapters.parsers.qwen3 import JsonCallScanner
+from adapters.parsers.qwen3_5 import ParamTypes, XmlCallScanner
+from adapters.parsers.reasoning import ThinkSplitter
+
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+class QwenOutputParser(OutputParser):
+    """One request's incremental parser for Qwen3 / Qwen3.5 output."""
+
+    def __init__(
+        self,
+        *,
+        types: ParamTypes,
+        starts_in_reasoning: bool,
+        parse_reasoning: bool,
+        parse_tool_calls: bool,
+        id_prefix: str,
+    ) -> None:
+        self._think = ThinkSplitter(starts_inside=starts_in_reasoning) if parse_reasoning else None
+        self._types = types
+        self._parse_calls = parse_tool_calls
+        self._id_prefix = id_prefix
+        self._ids: set[str] = set()
+        self._content = TrimmedSegment()
+        self._buf = ""  # content-stage text not yet settled
+        self._body: str | None = None  # the open block's body (text after <tool_call>)
+        self._scanner: CallScanner | None = None
+        self._started: ToolCallStart | None = None  # the open block's announced call
+        self._next_index = 0
+        self._calls: list[ToolCallEnd] = []
+        self._events: list[ParseEvent] = []
+        self._finished = False
+
+    @property
+    def tool_calls(self) -> list[ToolCallEnd]:
+        return list(self._calls)
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if self._think is not None and not self._think.done:
+            reasoning, rest = self._think.push(text)
+            self._reasoning(reasoning)
+            if rest is None:
+                return self._take()
+            text = rest
+        self._buf += text
+        self._run(final=False)
+        return self._take()
+
+    def finish(self) -> list[ParseEvent]:
+        if self._finished:
+            return []
+        self._finished = True
+        if self._think is not None and not self._think.done:
+            reasoning, rest = self._think.finish()
+            self._reasoning(reasoning)
+            self._buf += rest
+        self._run(final=True)
+        self._content.end()
+        return self._take()
+
+    # -- content and tool-call blocks ---------------------------------------------------------
+
+    def _run(self, *, final: bool) -> None:
+        while True:
+            if self._body is None:
+                if not self._parse_calls:
+                    self._emit_content(self._buf)
+                    self._buf = ""
+                    return
+                at = self._buf.find(TOOL_CALL_OPEN)
+                if at < 0:
+                    keep = 0 if final else partial_tag_suffix(self._buf, TOOL_CALL_OPEN)
+                    self._emit_content(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return
+                self._emit_content(self._buf[:at])
+                self._body = self._buf[at + len(TOOL_CALL_OPEN) :]
+                self._buf = ""
+                self._scanner = None
+                self._started = None
+            else:
+                self._body += self._buf
+                self._buf = ""
+            result = self._scan(self._body)
+            if result.status == "more":
+                if not final:
+                    return
+                self._close_block(self._body, "")
+            elif result.status == "reject":
+                self._close_block(self._body[: result.end], self._body[result.end :])
+            else:
+                self._complete(result)
+
+    def _scan(self, body: str) -> ScanResult:
+        if self._scanner is None:
+            lead = skip_space(body, 0)
+            if lead == len(body):
+                return ScanResult("more")
+            if body[lead] == "{":
+                self._scanner = JsonCallScanner()
+            elif body[lead] == "<":
+                self._scanner = XmlCallScanner(self._types)
+            else:
+                return ScanResult("reject", lead)
+        result = self._scanner.scan(body)
+        name = self._scanner.name
+        if self._started is None and name is not None:
+            self._announce(name)
+        return result
+
+    def _announce(self, name: str) -> None:
+        self._content.end()
+        self._started = ToolCallStart(self._next_index, new_call_id(self._id_prefix, self._ids), name)
+        self._next_index += 1
+        self._events.append(self._started)
+
+    def _complete(self, result: ScanResult) -> None:
+        assert self._body is not None and self._started is not None
+        start = self._started
+        self._events.append(ToolCallArgsDelta(start.index, result.arguments))
+        end = ToolCallEnd(start.index, start.id, start.name, result.arguments)
+        self._events.append(end)
+        self._calls.append(end)
+        self._buf = self._body[result.end :]
+        self._body = None
+        self._scanner = None
+        self._started = None
+
+    def _close_block(self, text: str, rest: str) -> None:
+        """The open block is not a call: its text is content, `rest` is read again."""
+        self._emit_content(TOOL_CALL_OPEN + text)
+        self._buf = rest
+        self._body = None
+        self._scanner = None
+        self._started = None
+
+    # -- emission -------------------------------------------------------------------------------
+
+    def _reasoning(self, text: str) -> None:
+        if text:
+            self._events.append(ReasoningDelta(text))
+
+    def _emit_content(self, text: str) -> None:
+        out = self._content.push(text)
+        if out:
+            self._events.append(ContentDelta(out))
+
+    def _take(self) -> list[ParseEvent]:
+        events = merge_events(self._events)
+        self._events = []
+        return events

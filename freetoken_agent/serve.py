@@ -1,0 +1,67 @@
+"""`freetoken-agent serve`: load the model once and serve every protocol over HTTP.
+
+Contract: binds 127.0.0.1:8000 by default; `--api-key` turns on authentication; the served model
+name defaults to `freetoken-demo` for the demo model and to the directory name otherwise. The HTTP
+layer lives in `adapters/` (the top layer); this command is the composition root that wires it to
+the engine and the chat service, so it imports it lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.engine import Engine
+from engine.options import EngineOptions
+from freetoken_agent.models import resolve_model
+from freetoken_agent.progress import load_progress
+from freetoken_agent.service import ChatService
+from freetoken_agent.tokenizer import ChatTokenizer
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI, Anthropic and Responses protocols)")
+    p.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--context-window", type=int, default=None, help="tokens per request (default: the model's)")
+    p.add_argument("--max-output-tokens", type=int, default=32768)
+    p.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (all requests together)")
+    p.add_argument("--max-running", type=int, default=8, help="requests decoded together")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
+    p.add_argument("--log-level", default="warning")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from adapters.server import create_app
+    from adapters.state import AppState
+
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = resolve_model(args.model)
+    name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
+    tokenizer = ChatTokenizer.from_dir(model_dir)
+    opts = EngineOptions(device=device, threads=args.threads, kv_tokens=args.kv_tokens,
+                         max_running=args.max_running, state_slots=max(32, 2 * args.max_running))
+    with load_progress("loading weights") as progress:
+        engine = Engine(model_dir, opts, progress=progress)
+    service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens)
+    state = AppState(service=service, model_name=name, api_key=args.api_key, aliases=(str(model_dir),),
+                     ping_interval=args.ping_interval)
+    app = create_app(state)
+    print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {device}) on http://{args.host}:{args.port}"
+          f" (context {service.context_window} tokens)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,225 @@
+"""ChatService: renders a `ChatRequest` through the model's chat template, runs it on the engine and
+streams text back to any number of asyncio subscribers.
+
+Contract:
+- `prepare(req)` renders the prompt (tools only when tool_choice is not "none"; "required" and a
+  named tool disable thinking and add a forced tool-call prefix plus a decoding constraint, so the
+  output is a well-formed call) and checks the context window (`ContextTooLong`) and max_tokens
+  (`RequestError`).
+- `start(req)` returns a `GenerationStream`. An identical request (same prompt ids and sampling)
+  still running is joined instead of run twice. `stream.subscribe()` is an async iterator of
+  `Chunk`s then one `Finish`; when the last subscriber leaves before the end (client gone), the
+  generation is aborted at once, freeing its slot.
+- Stop strings are matched on the decoded text; text that may start a stop string is held back
+  until it cannot.
+Must be used from one asyncio event loop; the engine thread reaches it via call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from engine.errors import RequestError
+from engine.request import RequestHandle
+from engine.sampling import SamplingParams, TokenConstraint
+from freetoken_agent.service.types import ChatRequest, Chunk, Finish
+from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
+
+FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
+
+
+class ContextTooLong(RequestError):
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"prompt is too long: {prompt_tokens} tokens > {limit} maximum")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    forced_prefix: str
+    constraint: TokenConstraint | None
+    params: SamplingParams
+    starts_in_reasoning: bool
+    parse_tools: bool
+    key: str
+
+
+class ChatService:
+    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, model_name: str,
+                 context_window: int | None = None, max_output_tokens: int = 32768) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.family = FAMILIES[engine.cfg.family]
+        self.context_window = min(context_window or engine.max_model_len, engine.max_model_len,
+                                  engine.opts.kv_tokens)
+        self.max_output_tokens = min(max_output_tokens, self.context_window)
+        self._inflight: dict[str, GenerationStream] = {}
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, req: ChatRequest) -> tuple[list[int], str, TokenConstraint | None, bool]:
+        """-> (prompt ids, forced prefix, constraint, thinking enabled)."""
+        choice = req.tool_choice
+        tools = req.tools if choice != "none" else []
+        forced = choice == "required" or isinstance(choice, dict)
+        if forced and not req.tools:
+            raise RequestError("tool_choice requires a tool but no tools were given")
+        thinking = req.enable_thinking and not forced
+        messages = [m.to_template() for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  enable_thinking=thinking, tokenize=False)
+        assert isinstance(text, str)
+        prefix, constraint = "", None
+        if forced:
+            from freetoken_agent.constrain import tool_call_constraint
+
+            try:
+                prefix, constraint = tool_call_constraint(self.tokenizer, self.family, req.tools, choice,
+                                                          self.engine.cfg.eos_token_ids)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return self.tokenizer.encode(text + prefix), prefix, constraint, thinking
+
+    def count_tokens(self, req: ChatRequest) -> int:
+        return len(self.render(req)[0])
+
+    def prepare(self, req: ChatRequest) -> Prepared:
+        ids, prefix, constraint, thinking = self.render(req)
+        room = self.context_window - len(ids)
+        if room < 1:
+            raise ContextTooLong(len(ids), self.context_window - 1)
+        if req.max_tokens is not None and req.max_tokens > self.context_window:
+            raise RequestError(f"max_tokens {req.max_tokens} exceeds the model's context window "
+                               f"of {self.context_window} tokens")
+        max_tokens = min(req.max_tokens or self.max_output_tokens, room)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0,
+                                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                                seed=req.seed)
+        key_src = json.dumps([ids, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
+                              req.stop, prefix], separators=(",", ":"))
+        return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
+                        starts_in_reasoning=thinking and self.family == "qwen3_5",
+                        parse_tools=bool(req.tools) and req.tool_choice != "none",
+                        key=hashlib.sha256(key_src.encode()).hexdigest())
+
+    # ------------------------------------------------------------------ running
+    def start(self, req: ChatRequest) -> GenerationStream:
+        prep = self.prepare(req)
+        running = self._inflight.get(prep.key)
+        if running is not None and not running.finished:
+            running.joined += 1
+            return running
+        stream = GenerationStream(self, prep, req.stop)
+        self._inflight[prep.key] = stream
+        return stream
+
+    def _forget(self, stream: GenerationStream) -> None:
+        if self._inflight.get(stream.prep.key) is stream:
+            del self._inflight[stream.prep.key]
+
+
+class GenerationStream:
+    def __init__(self, service: ChatService, prep: Prepared, stop: list[str]) -> None:
+        self.service, self.prep = service, prep
+        self.stop = [s for s in stop if s]
+        self.log: list[Chunk | Finish] = []
+        self.finished = False
+        self.joined = 0
+        self._subscribers: list[asyncio.Queue[Chunk | Finish]] = []
+        self._loop = asyncio.get_running_loop()
+        self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=True)
+        self._pending = ""
+        self._stopped: str | None = None
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        if prep.forced_prefix:
+            self._publish(Chunk(prep.forced_prefix))
+        self.handle: RequestHandle = service.engine.submit(
+            prep.ids, prep.params, constraint=prep.constraint,
+            listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prep.ids)
+
+    # engine events, on the event loop
+    def _on_token(self, token: int | None) -> None:
+        if self.finished:
+            return
+        if token is None:
+            self._pending += self._decoder.flush()
+            self._end(self.handle.finish_reason or "stop")
+            return
+        if self._stopped is not None:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self._pending += self._decoder.feed(token)
+        self._release()
+
+    def _release(self) -> None:
+        text = self._pending
+        if self.stop:
+            hits = [(text.find(s), s) for s in self.stop if s in text]
+            if hits:
+                pos, seq = min(hits)
+                self._pending = ""
+                if pos:
+                    self._publish(Chunk(text[:pos]))
+                self._stopped = seq
+                self.handle.abort()
+                self._end("stop", stop_sequence=seq)
+                return
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        else:
+            hold = 0
+        emit, self._pending = text[:len(text) - hold], text[len(text) - hold:]
+        if emit:
+            self._publish(Chunk(emit))
+
+    def _end(self, reason: str, stop_sequence: str | None = None) -> None:
+        if self._pending and self._stopped is None:
+            self._publish(Chunk(self._pending))
+            self._pending = ""
+        err = self.handle.error
+        self._publish(Finish(reason=reason, prompt_tokens=self.prompt_tokens, cached_tokens=self.handle.cached_tokens,
+                             completion_tokens=len(self.handle.output_ids), stop_sequence=stop_sequence,
+                             error=str(err) if err else None))
+        self.finished = True
+        self.service._forget(self)
+
+    def _publish(self, item: Chunk | Finish) -> None:
+        self.log.append(item)
+        for q in self._subscribers:
+            q.put_nowait(item)
+
+    # consumers
+    async def subscribe(self) -> AsyncIterator[Chunk | Finish]:
+        q: asyncio.Queue[Chunk | Finish] = asyncio.Queue()
+        for item in self.log:
+            q.put_nowait(item)
+        self._subscribers.append(q)
+        try:
+            while True:
+                item = await q.get()
+                yield item
+                if isinstance(item, Finish):
+                    return
+        finally:
+            self._subscribers.remove(q)
+            if not self._subscribers and not self.finished:
+                self.handle.abort()  # the last client left: stop generating now
+                self.service._forget(self)
+
+    async def collect(self) -> tuple[str, Finish]:
+        parts: list[str] = []
+        async for item in self.subscribe():
+            if isinstance(item, Finish):
+                return "".join(parts), item
+            parts.append(item.text)
+        raise RuntimeError("generation stream ended without a finish")  # pragma: no cover
