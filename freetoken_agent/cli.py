@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    from freetoken_agent.configure import add_configure_parser
+
+    add_configure_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             out = write_demo_model(args.out_dir, args.arch)
             print(f"wrote {args.arch} demo model to {out}")
             return 0
+        if args.command == "configure":
+            return int(args.func(args))
         if args.command == "serve":
             from freetoken_agent.serve import run_serve
 
