@@ -47,7 +47,8 @@ class Engine:
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
                capture_logits: bool = False, constraint: TokenConstraint | None = None,
-               listener: Callable[[int | None], None] | None = None) -> RequestHandle:
+               listener: Callable[[int | None], None] | None = None,
+               checkpoints: list[int] | None = None) -> RequestHandle:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -64,7 +65,8 @@ class Engine:
             self._next_id += 1
             handle = RequestHandle(f"req-{self._next_id}", len(prompt), listener)
             self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
-                                       capture_logits=capture_logits, constraint=constraint, max_len=limit))
+                                       capture_logits=capture_logits, constraint=constraint, max_len=limit,
+                                       checkpoints=list(checkpoints or [])))
             self._ensure_thread()
             self._cv.notify()
         return handle

@@ -105,6 +105,8 @@ class Request:
     kv_slots: torch.Tensor | None = None  # slot of every computed token
     computed: int = 0  # tokens whose KV / state are computed
     prefix_len: int = 0  # tokens reused from the cache at admission
+    owned: int = 0  # leading KV slots owned by the radix cache (reused or checkpointed); the rest are ours
+    checkpoints: list[int] = field(default_factory=list)  # prompt positions to snapshot, ascending
     match_node: Node | None = None
     state_slot: int = -1
     generator: torch.Generator | None = None

@@ -54,6 +54,8 @@ class Scheduler:
             match = self.cache.match(req.prompt, len(req.prompt) - 1, need_state=self.hybrid)
             self.cache.lock(match.node)
             req.match_node, req.prefix_len, req.computed = match.node, match.length, match.length
+            req.owned = match.length
+            req.checkpoints = sorted({p for p in req.checkpoints if match.length < p < len(req.prompt)})
             req.kv_slots = match.slots.clone()
             req.handle.cached_tokens = match.length
             if self.hybrid:
@@ -99,7 +101,11 @@ class Scheduler:
                 entries.append((req, [req.output[-1]]))
         for req in self.running:
             if req.phase is Phase.PREFILL and budget > 0:
-                chunk = req.prompt[req.computed:req.computed + budget]
+                end = min(req.computed + budget, len(req.prompt))
+                stop_at = next((p for p in req.checkpoints if p > req.computed), None)
+                if stop_at is not None:
+                    end = min(end, stop_at)  # a chunk ends at each checkpoint so its state can be saved
+                chunk = req.prompt[req.computed:end]
                 budget -= len(chunk)
                 entries.append((req, chunk))
         batch_entries, ids, pos = [], [], []
@@ -129,6 +135,8 @@ class Scheduler:
             return
         for row, (req, toks) in enumerate(entries):
             req.computed += len(toks)
+            if req.phase is Phase.PREFILL and req.computed in req.checkpoints:
+                self._checkpoint(req)
             if req.phase is Phase.PREFILL and req.computed < len(req.prompt):
                 continue
             req.phase = Phase.DECODE
@@ -150,6 +158,31 @@ class Scheduler:
         elif len(req.output) >= p.max_tokens or len(req.prompt) + len(req.output) >= req.max_len:
             self._finish(req, "length")
 
+    def _checkpoint(self, req: Request) -> None:
+        """Publishes the computed prefix to the radix cache with a snapshot of the state after it."""
+        snap = -1
+        if self.hybrid:
+            snap = self.states.alloc()
+            if snap is None and self.cache.evict_state():
+                snap = self.states.alloc()
+            if snap is None:
+                return  # no room for a snapshot: the checkpoint is skipped, never wrong
+            self.states.copy(snap, req.state_slot)
+        assert req.kv_slots is not None and req.match_node is not None
+        n = req.computed
+        node, existing = self.cache.insert(req.prompt[:n], req.kv_slots[:n])
+        if existing > req.owned:
+            # Another request cached these tokens first: use its slots, free our duplicates.
+            self.kv.free(req.kv_slots[req.owned:existing])
+            req.kv_slots = torch.cat([self.cache.path_slots(node), req.kv_slots[n:]])
+        self.cache.lock(node)
+        self.cache.unlock(req.match_node)
+        req.match_node, req.owned = node, n
+        if snap >= 0:
+            displaced = self.cache.attach_state(node, snap)
+            if displaced >= 0:
+                self.states.free(displaced)
+
     # ------------------------------------------------------------------ finishing
     def _finish(self, req: Request, reason: str, error: EngineError | None = None, keep_cache: bool = True) -> None:
         if req in self.running:
@@ -163,10 +196,10 @@ class Scheduler:
         assert req.kv_slots is not None and req.match_node is not None
         slots = req.kv_slots
         n = req.computed
-        if keep_cache and n > req.prefix_len:
+        if keep_cache and n > req.owned:
             node, existing = self.cache.insert(req.tokens[:n], slots[:n])
-            if existing > req.prefix_len:
-                self.kv.free(slots[req.prefix_len:existing])
+            if existing > req.owned:
+                self.kv.free(slots[req.owned:existing])
             if n < len(slots):
                 self.kv.free(slots[n:])
             if self.hybrid:
@@ -175,7 +208,7 @@ class Scheduler:
                     self.states.free(displaced)
                 req.state_slot = -1
         else:
-            self.kv.free(slots[req.prefix_len:])
+            self.kv.free(slots[req.owned:])
         if req.state_slot >= 0:
             self.states.free(req.state_slot)
             req.state_slot = -1

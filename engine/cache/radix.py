@@ -87,6 +87,14 @@ class RadixCache:
             node.lock -= 1
             node = node.parent  # type: ignore[assignment]
 
+    def path_slots(self, node: Node) -> torch.Tensor:
+        """KV slots of every token from the root through `node`."""
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.value)
+            node = node.parent  # type: ignore[assignment]
+        return torch.cat(parts[::-1]) if parts else self.root.value
+
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[Node, int]:
         """Returns (node ending at len(tokens), number of leading tokens that were already cached)."""

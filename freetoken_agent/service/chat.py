@@ -49,6 +49,7 @@ class Prepared:
     starts_in_reasoning: bool
     parse_tools: bool
     key: str
+    checkpoints: list[int]
 
 
 class ChatService:
@@ -105,7 +106,15 @@ class ChatService:
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
-                        key=hashlib.sha256(key_src.encode()).hexdigest())
+                        key=hashlib.sha256(key_src.encode()).hexdigest(), checkpoints=self.checkpoints(ids))
+
+    def checkpoints(self, ids: list[int]) -> list[int]:
+        """Where prefill snapshots recurrent state: the end of the system turn, the start of the last
+        message and of the reply, and one token before the end (so a resent request reuses all but
+        one token). Turn starts are `<|im_start|>` tokens, which survive any edit after them."""
+        turn = self.tokenizer.token_to_id("<|im_start|>")
+        starts = [i for i, t in enumerate(ids) if t == turn and i > 0]
+        return sorted({*starts[:1], *starts[-2:], len(ids) - 1})
 
     # ------------------------------------------------------------------ running
     def start(self, req: ChatRequest) -> GenerationStream:
@@ -140,7 +149,7 @@ class GenerationStream:
         if prep.forced_prefix:
             self._publish(Chunk(prep.forced_prefix))
         self.handle: RequestHandle = service.engine.submit(
-            prep.ids, prep.params, constraint=prep.constraint,
+            prep.ids, prep.params, constraint=prep.constraint, checkpoints=prep.checkpoints,
             listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
 
     @property
