@@ -23,17 +23,22 @@ Rules:
   `parse_tool_calls` is on; otherwise `<tool_call>` is plain content. Calls to functions not in
   `tools` are still returned. `ToolCallStart` comes as soon as the name is known (JSON form: the
   object opens with `{"name": "<string>"`; otherwise when the block completes; XML form: at the
-  `>` of `<function=NAME>`). The arguments come as one `ToolCallArgsDelta` when the block
-  completes, equal to `ToolCallEnd.arguments` (compact JSON: `json.dumps(value,
-  ensure_ascii=False, separators=(",", ":"))`). Call ids are `id_prefix` + 24 random hex digits.
+  `>` of `<function=NAME>`). The `ToolCallArgsDelta`s of a call concatenate to its
+  `ToolCallEnd.arguments`, compact JSON (`json.dumps(value, ensure_ascii=False, separators=(",",
+  ":"))`). JSON form: one delta when the block completes. XML form: streamed as it settles (a
+  string value chunk by chunk, other values whole at their `</parameter>`, `}` at the end; a
+  parameter the model repeats appears twice, JSON readers keep the last). Call ids are
+  `id_prefix` + 24 random hex digits, unique within the parser.
 - A malformed block is content with its original text (see `adapters.parsers.stream`): bad JSON,
   a missing name, an unknown structure, a block unterminated at `finish`. If its call was already
   announced, it is abandoned: no `ToolCallEnd`, absent from `tool_calls`, index not reused.
 - Whitespace (`str.isspace`): reasoning is `strip()`ped (the `\\n` after `<think>` and the
   newlines before `</think>` go). Content is cut into segments at the start of content (start of
-  generation or just after `</think>`), at each announced tool call block and at the end of
+  generation or just after `</think>`), at each completed tool-call block and at the end of
   generation; every segment is `strip()`ped, so the blank lines after `</think>`, leading
-  whitespace, whitespace-only text between / around calls and trailing whitespace vanish.
+  whitespace, whitespace-only text between / around calls and trailing whitespace vanish. A
+  malformed or abandoned block is ordinary content text inside its segment: the whitespace
+  around it is kept, and its own text is verbatim.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ from adapters.parsers.stream import QwenOutputParser
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5")
 
 
+from adapters.parsers.settled import SettledParser  # noqa: E402
+
+
 def create_parser(
     family: str,
     tools: list[dict[str, Any]] | None = None,
@@ -64,17 +72,20 @@ def create_parser(
     parse_reasoning: bool = True,
     parse_tool_calls: bool = True,
     id_prefix: str = "call_",
+    settle_tool_calls: bool = True,
 ) -> OutputParser:
-    """A new parser for one request's output. Raises ValueError for an unknown family."""
+    """A new parser for one request's output. Raises ValueError for an unknown family. With
+    `settle_tool_calls` (the default) a call is announced only when complete (`SettledParser`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown parser family {family!r}; known: {', '.join(FAMILIES)}")
-    return QwenOutputParser(
+    parser = QwenOutputParser(
         types=ParamTypes(tools),
         starts_in_reasoning=starts_in_reasoning,
         parse_reasoning=parse_reasoning,
         parse_tool_calls=parse_tool_calls and bool(tools),
         id_prefix=id_prefix,
     )
+    return SettledParser(parser) if settle_tool_calls else parser
 
 
 __all__ = [

@@ -133,18 +133,20 @@ def loads_json(text: str) -> Any:
 
 @dataclass(frozen=True)
 class ScanResult:
-    """What a `CallScanner` knows about the body after its latest `scan`.
+    """What a `CallScanner` settled in its latest `scan`.
 
     status "more": the body may still become a valid call; wait for more text.
-    status "done": the body is a valid call: `end` body characters (up to and including the
-      closing `</tool_call>`) were consumed and `arguments` is the compact JSON arguments.
+    status "done": the body is a valid call; its first `end` characters (up to and including the
+      closing `</tool_call>`) were consumed.
     status "reject": the body is malformed: its first `end` characters go back to the caller as
       content; the rest is read again as ordinary text.
+    delta: arguments JSON text settled by this scan (only once the scanner has a name); the deltas
+      of all scans of a "done" body concatenate to the call's complete arguments.
     """
 
     status: Literal["more", "done", "reject"]
     end: int = 0
-    arguments: str = ""
+    delta: str = ""
 
 
 class CallScanner(Protocol):

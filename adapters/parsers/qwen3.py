@@ -67,7 +67,7 @@ class JsonCallScanner:
             arguments = self._decode(body[self._start : self._obj_end])
             if arguments is None:
                 return ScanResult("reject", end)
-            return ScanResult("done", end, arguments)
+            return ScanResult("done", end, delta=arguments)
         if tag_may_start(body, pos, TOOL_CALL_CLOSE):
             return ScanResult("more")
         return ScanResult("reject", pos)

@@ -7,16 +7,19 @@ Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
   body is read by a scanner chosen by its first non-whitespace character: `{` the JSON form
   (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`); anything else rejects the block at
   once. Both families accept both forms.
-- When the scanner commits to a function name the call is announced (`ToolCallStart`); a valid
-  block then yields one `ToolCallArgsDelta` with the whole arguments and a `ToolCallEnd`. A
+- When the scanner commits to a function name the call is announced (`ToolCallStart`); from
+  then on the arguments text the scanner settles is passed on as `ToolCallArgsDelta`s, and a
+  valid block ends with a `ToolCallEnd` whose arguments are their concatenation. A
   rejected block's text (from `<tool_call>` up to the point of rejection) is content, and the
   text after that point is read again as content (so a later `<tool_call>` there opens a new
   block). A block still open at `finish` is content verbatim. A rejected or unterminated block
   that was already announced is abandoned: no `ToolCallEnd`, its index is not reused.
 - Content is cut into segments by the start of content (start of generation or the end of
-  `</think>`), by each announced call, and by the end of generation; each segment is emitted
+  `</think>`), by each completed call, and by the end of generation; each segment is emitted
   with its leading and trailing whitespace removed (`TrimmedSegment`), so whitespace around and
-  between calls disappears while whitespace inside text, and around a rejected block, stays.
+  between calls disappears while whitespace inside text, and around a rejected or abandoned
+  block, stays (such a block is ordinary content text). Nothing reaches content while a block is
+  open, so the whitespace held before it is dropped or kept only once the block is settled.
 - Held back at any time: at most a proper prefix of the next possible tag, trailing whitespace
   of a segment, and the body of the open `<tool_call>` block.
 """
@@ -70,6 +73,7 @@ class QwenOutputParser(OutputParser):
         self._body: str | None = None  # the open block's body (text after <tool_call>)
         self._scanner: CallScanner | None = None
         self._started: ToolCallStart | None = None  # the open block's announced call
+        self._arguments: list[str] = []  # its arguments text so far
         self._next_index = 0
         self._calls: list[ToolCallEnd] = []
         self._events: list[ParseEvent] = []
@@ -124,8 +128,10 @@ class QwenOutputParser(OutputParser):
                 self._buf = ""
                 self._scanner = None
                 self._started = None
-            else:
-                self._body += self._buf
+            elif self._buf:
+                body, self._body = self._body, None
+                body += self._buf  # in place while `body` holds the only reference: linear growth
+                self._body = body
                 self._buf = ""
             result = self._scan(self._body)
             if result.status == "more":
@@ -152,21 +158,24 @@ class QwenOutputParser(OutputParser):
         name = self._scanner.name
         if self._started is None and name is not None:
             self._announce(name)
+        if result.delta and self._started is not None:
+            self._arguments.append(result.delta)
+            self._events.append(ToolCallArgsDelta(self._started.index, result.delta))
         return result
 
     def _announce(self, name: str) -> None:
-        self._content.end()
         self._started = ToolCallStart(self._next_index, new_call_id(self._id_prefix, self._ids), name)
+        self._arguments = []
         self._next_index += 1
         self._events.append(self._started)
 
     def _complete(self, result: ScanResult) -> None:
         assert self._body is not None and self._started is not None
         start = self._started
-        self._events.append(ToolCallArgsDelta(start.index, result.arguments))
-        end = ToolCallEnd(start.index, start.id, start.name, result.arguments)
+        end = ToolCallEnd(start.index, start.id, start.name, "".join(self._arguments))
         self._events.append(end)
         self._calls.append(end)
+        self._content.end()
         self._buf = self._body[result.end :]
         self._body = None
         self._scanner = None
