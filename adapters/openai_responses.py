@@ -140,9 +140,10 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
                        enable_thinking=effort not in ("none", "minimal"), headers=headers)
 
 
-def _usage(fin: Finish) -> dict[str, Any]:
+def _usage(fin: Finish, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": fin.prompt_tokens, "input_tokens_details": {"cached_tokens": fin.cached_tokens},
-            "output_tokens": fin.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": fin.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, fin.completion_tokens)},
             "total_tokens": fin.prompt_tokens + fin.completion_tokens}
 
 
@@ -255,8 +256,12 @@ async def responses(request: Request) -> Any:
 
     def final(builder: _Builder, fin: Finish) -> dict[str, Any]:
         cut = fin.reason == "length"
+        # Reasoning tokens are counted by re-encoding the reasoning text (plus its </think> marker).
+        reasoning = [i["content"][0]["text"] for i in builder.items if i["type"] == "reasoning"]
+        n_reasoning = sum(len(state.service.tokenizer.encode(t)) + 1 for t in reasoning)
         return {**base, "status": "incomplete" if cut else "completed", "output": builder.items,
-                "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(fin)}
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                "usage": _usage(fin, n_reasoning)}
 
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())

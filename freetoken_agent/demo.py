@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from freetoken_agent.tokenizer import write_tokenizer
 
 ARCHES = ("qwen3_5_moe", "qwen3_moe")
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 SEED = 1234
 
 
@@ -46,7 +46,14 @@ def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}}
 
 
-def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+# Rows of lm_head that make the random model end its reasoning and its turn by itself: the row of
+# `</think>` is STOP_GAIN * e_0, that of `<|im_end|>` STOP_GAIN * e_1, so each wins where one
+# coordinate of the normalised final hidden state is large (a few percent of positions). Without it
+# every reply runs into max_tokens, which Claude Code and Codex report as an error.
+STOP_GAIN = 16.0
+
+
+def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(SEED)
     h, std = cfg["hidden_size"], 0.05
     out: dict[str, torch.Tensor] = {}
@@ -59,6 +66,9 @@ def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     rand("model.embed_tokens.weight", cfg["vocab_size"], h, scale=0.5)
     # An untied random head: with tied embeddings a random model echoes its last input token forever.
     rand("lm_head.weight", cfg["vocab_size"], h, scale=0.5)
+    for dim, token_id in enumerate(stop_ids):
+        out["lm_head.weight"][token_id] = 0.0
+        out["lm_head.weight"][token_id, dim] = STOP_GAIN
     out["model.norm.weight"] = norm(h)
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for li in range(cfg["num_hidden_layers"]):
@@ -107,7 +117,8 @@ def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     info = write_tokenizer(out, "qwen3_5" if arch == "qwen3_5_moe" else "qwen3")
     cfg = _config(arch, info.vocab_size, info.eos_token_id, info.pad_token_id)
-    save_file(_weights(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    stop_ids = (info.special_ids["</think>"], info.eos_token_id)
+    save_file(_weights(cfg, stop_ids), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [info.eos_token_id, info.pad_token_id], "do_sample": False}, indent=2) + "\n")

@@ -235,7 +235,11 @@ class StreamDecoder:
         """Add one token; return the text it completes (possibly empty)."""
         if self._skip_special and self._tokenizer.is_special(token_id):
             return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        try:
+            raw = self._tokenizer.token_bytes(token_id)
+        except KeyError:
+            return ""  # a padding row of the embedding: the model's vocab is larger than the tokenizer's
+        return self._utf8.decode(raw)
 
     push = feed  # alias used by the CLI's streaming loop
 

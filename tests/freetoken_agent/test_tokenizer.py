@@ -575,3 +575,12 @@ def test_stream_decoder_skip_special_and_flush(chat_tok: ChatTokenizer) -> None:
     assert decoder.feed(emoji_ids[0]) == ""
     assert decoder.flush() == "\ufffd"  # incomplete character at end of stream, like decode()
     assert decoder.feed_many(emoji_ids) + decoder.flush() == "\U0001fa55"  # flush reset the state
+
+
+def test_stream_decoder_ignores_padding_ids(chat_tok: ChatTokenizer, built: tuple[Path, TokenizerInfo]) -> None:
+    """Model vocabularies are padded past the tokenizer's last id; such ids decode to nothing."""
+    padding = built[1].vocab_size - 1
+    ids = chat_tok.encode("héllo")
+    dec = chat_tok.stream_decoder()
+    text = dec.feed(ids[0]) + dec.feed(padding) + "".join(dec.feed(i) for i in ids[1:]) + dec.flush()
+    assert text == "héllo"
