@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import RequestError
+from engine.errors import EngineError, RequestError
 from engine.model.load import load_decoder, parse_dtype
 from engine.options import EngineOptions
 from engine.request import Request, RequestHandle
@@ -117,4 +117,7 @@ class Engine:
                 if not sched.has_work:
                     return
             with self._step_lock:
-                sched.step()
+                try:
+                    sched.step()
+                except Exception as e:  # never let the engine thread die with requests waiting on it
+                    sched.fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))

@@ -147,8 +147,8 @@ class Scheduler:
             req.handle.logits.append(logits.detach().cpu().clone())
         try:
             token = sample(logits, req.params, req.generator, req.constraint)
-        except RuntimeError as e:
-            self._finish(req, "error", EngineError(f"sampling failed: {e}"))
+        except Exception as e:  # a bad constraint must fail its request, not the engine
+            self._finish(req, "error", EngineError(f"sampling failed: {type(e).__name__}: {e}"))
             return
         req.output.append(token)
         req.handle._emit(token)
@@ -182,6 +182,13 @@ class Scheduler:
             displaced = self.cache.attach_state(node, snap)
             if displaced >= 0:
                 self.states.free(displaced)
+
+    def fail_all(self, err: EngineError) -> None:
+        """Ends every request with `err` after an unexpected failure, dropping their cache state."""
+        for req in list(self.running):
+            self._finish(req, "error", err, keep_cache=False)
+        while self.waiting:
+            self.waiting.popleft().handle._finish("error", err)
 
     # ------------------------------------------------------------------ finishing
     def _finish(self, req: Request, reason: str, error: EngineError | None = None, keep_cache: bool = True) -> None:

@@ -156,6 +156,7 @@ class ToolCallGrammar:
         self._choices: list[_ChoiceSet] = []
         self._choice_ids: dict[Any, int] = {}
         self._lock = threading.Lock()
+        self._choice_lock = threading.Lock()
         self._dfa: Any = None
         self._handlers = {
             _VALUE: self._value, _OBJ: self._obj, _ARR: self._arr, _STR: self._str, _NUM: self._num,
@@ -217,11 +218,14 @@ class ToolCallGrammar:
     def _choice_set(self, key: Any, build: Any) -> int | None:
         cid = self._choice_ids.get(key)
         if cid is None:
-            alts = build()
-            if not alts:
-                return None
-            self._choices.append(_ChoiceSet(alts))
-            cid = self._choice_ids[key] = len(self._choices) - 1
+            with self._choice_lock:  # engines on several threads may share this grammar
+                cid = self._choice_ids.get(key)
+                if cid is None:
+                    alts = build()
+                    if not alts:
+                        return None
+                    self._choices.append(_ChoiceSet(alts))
+                    cid = self._choice_ids[key] = len(self._choices) - 1
         return cid
 
     def _lit(self, text: bytes, action: Action) -> int:

@@ -6,9 +6,11 @@ frequencies; the engine consults and advances a constraint for every generated t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from checkpoints import TinySpec, qwen3_moe_text
 
+from engine.errors import EngineError
 from engine.sampling import SamplingParams, sample
 
 
@@ -57,3 +59,23 @@ def test_engine_applies_constraint(tiny_checkpoint, make_engine) -> None:  # typ
         if params.greedy:
             for row, tok in zip(h.logits, out, strict=True):
                 assert tok == int(torch.argmax(row.masked_fill(torch.arange(row.shape[0]) % 2 == 0, float("-inf"))))
+
+
+class Exploding:
+    def allowed(self, token_id: int) -> bool:
+        raise ValueError("broken constraint")
+
+    def advance(self, token_id: int) -> None:  # pragma: no cover
+        pass
+
+
+def test_failing_constraint_fails_only_its_request(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint(TinySpec("q3_constraint", "qwen3_moe", qwen3_moe_text()))
+    engine = make_engine(path)
+    bad = engine.submit([3, 4, 5], SamplingParams(max_tokens=4), constraint=Exploding())
+    good = engine.submit([3, 4, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(EngineError, match="broken constraint"):
+        bad.result(timeout=60)
+    assert bad.finish_reason == "error"
+    assert len(good.result(timeout=60)) == 4
+    assert len(engine.submit([1, 2], SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60)) == 2
