@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from adapters.common import ApiError, check_function_tool, pinged, sse, text_of, until_disconnect
+from adapters.common import ApiError, SSEResponse, check_function_tool, pinged, sse, text_of, until_disconnect
 from adapters.parsers import (
     ContentDelta,
     ReasoningDelta,
@@ -43,16 +43,24 @@ def _system_text(system: Any) -> str:
     if system is None:
         return ""
     if isinstance(system, str):
-        return "" if system.startswith(BILLING_PREFIX) else system
+        return _strip_billing(system)
     if not isinstance(system, list):
         raise ApiError(400, "system must be a string or a list of text blocks")
     parts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type", "text") != "text" or not isinstance(block.get("text"), str):
             raise ApiError(400, f"system[{i}] must be a text block")
-        if not block["text"].startswith(BILLING_PREFIX):
-            parts.append(block["text"])
+        text = _strip_billing(block["text"])
+        if text:
+            parts.append(text)
     return "\n\n".join(parts)
+
+
+def _strip_billing(text: str) -> str:
+    """Drops a leading billing-header line; the rest of the text is kept."""
+    if text.startswith(BILLING_PREFIX):
+        return text.partition("\n")[2].lstrip("\n")
+    return text
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -169,7 +177,10 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
     thinking = body.get("thinking") or {}
     tools = _tools(body.get("tools"))
     top_k = body.get("top_k")
+    choice = body.get("tool_choice")
+    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
     return ChatRequest(messages=parse_messages(body.get("system"), body.get("messages")), tools=tools,
+                       parallel_tool_calls=parallel,
                        tool_choice=_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
                        top_k=top_k if isinstance(top_k, int) and top_k > 0 else None, stop=stop,
@@ -300,5 +311,4 @@ async def messages(request: Request) -> Any:
                            "usage": _usage(item)}, "message_delta")
                 yield sse({"type": "message_stop"}, "message_stop")
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SSEResponse(events())

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.service import Chunk, Finish, GenerationStream
 
@@ -43,6 +45,26 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 def anthropic_error_body(err: ApiError) -> dict[str, Any]:
     kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose generator is closed as soon as the response ends, also when the client
+    went away mid-stream: closing it unsubscribes at once, which aborts the generation and frees its
+    slot (Starlette alone leaves the abandoned generator to the garbage collector)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> str:

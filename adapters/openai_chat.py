@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from adapters.common import (
     ApiError,
+    SSEResponse,
     check_function_tool,
     parse_arguments,
     pinged,
@@ -78,7 +79,10 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             msg.reasoning = reasoning if isinstance(reasoning, str) and reasoning else None
-            for j, call in enumerate(m.get("tool_calls") or []):
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ApiError(400, f"{where}.tool_calls must be a list", param="messages")
+            for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ApiError(400, f"{where}.tool_calls[{j}] needs function.name", param="messages")
@@ -120,14 +124,26 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     thinking = kwargs.get("enable_thinking", body.get("reasoning_effort") not in ("none", "minimal"))
     max_tokens = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
     return ChatRequest(
         messages=parse_messages(body.get("messages")), tools=tools,
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 1e-9, 1.0),
-        top_k=_int(body, "top_k", 0), seed=_int(body, "seed", -(2**63)), stop=stop or [],
-        enable_thinking=bool(thinking), headers=headers)
+        top_k=_int(body, "top_k", 0), seed=_seed(body), stop=stop or [],
+        enable_thinking=bool(thinking), parallel_tool_calls=parallel, headers=headers)
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _int(body, "seed", -(2**63))
+    if seed is not None and seed >= 2**64:
+        raise ApiError(400, f"seed must be below 2**64, got {seed}", param="seed")
+    return seed
 
 
 def _usage(fin: Finish) -> dict[str, Any]:
@@ -148,6 +164,10 @@ async def chat_completions(request: Request) -> Any:
     body = await read_json(request)
     state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    include_usage = bool(options.get("include_usage"))
     stream = state.start(req)
     parser = create_parser(state.service.family, req.tools or None, starts_in_reasoning=stream.prep.starts_in_reasoning,
                            parse_tool_calls=stream.prep.parse_tools)
@@ -170,7 +190,6 @@ async def chat_completions(request: Request) -> Any:
                              "choices": [{"index": 0, "message": message, "logprobs": None,
                                           "finish_reason": _finish_reason(fin, bool(calls))}],
                              "usage": _usage(fin)})
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -207,5 +226,4 @@ async def chat_completions(request: Request) -> Any:
                                "choices": [], "usage": _usage(item)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SSEResponse(events())

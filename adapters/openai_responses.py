@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from adapters.common import (
     ApiError,
+    SSEResponse,
     check_function_tool,
     parse_arguments,
     pinged,
@@ -134,10 +135,14 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
             raise ApiError(400, f"{key} must be a non-negative number", param=key)
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     return ChatRequest(messages=parse_input(body.get("instructions"), body.get("input")), tools=tools,
                        tool_choice=parse_tool_choice(choice, tools), max_tokens=max_tokens,
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
-                       enable_thinking=effort not in ("none", "minimal"), headers=headers)
+                       enable_thinking=effort not in ("none", "minimal"), parallel_tool_calls=parallel,
+                       headers=headers)
 
 
 def _usage(fin: Finish, reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -297,5 +302,4 @@ async def responses(request: Request) -> Any:
                 yield b.event("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                               response=done)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SSEResponse(events())

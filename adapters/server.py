@@ -15,9 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters import anthropic_messages, openai_chat, openai_responses
 from adapters.common import ApiError, anthropic_error_body, openai_error_body
@@ -29,7 +30,46 @@ log = logging.getLogger("freetoken.server")
 
 
 def _is_anthropic(request: Request) -> bool:
-    return request.url.path.startswith("/v1/messages")
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from handlers):
+    checks the API key in constant time and counts responses by route and status."""
+
+    OPEN = ("/health", "/", "/api/hello")
+
+    def __init__(self, app: ASGIApp, state: AppState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.state.api_key and path not in self.OPEN:
+            request = Request(scope)
+            given = request.headers.get("x-api-key") or ""
+            bearer = request.headers.get("authorization") or ""
+            if bearer.lower().startswith("bearer "):
+                given = given or bearer[7:].strip()
+            if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
+                err = ApiError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+                await _error_response(request, err)(scope, receive, send)
+                self.state.metrics.requests.labels(path, "401").inc()
+                return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.state.metrics.requests.labels(path, str(status)).inc()
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
@@ -52,19 +92,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="freetoken-agent", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ft = state
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next: Any) -> Response:
-        if state.api_key and request.url.path not in ("/health", "/", "/api/hello"):
-            given = request.headers.get("x-api-key") or ""
-            bearer = request.headers.get("authorization") or ""
-            if bearer.lower().startswith("bearer "):
-                given = given or bearer[7:].strip()
-            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                err = ApiError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-                return _error_response(request, err)
-        response: Response = await call_next(request)
-        state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthAndCount, state=state)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:

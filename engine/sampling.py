@@ -39,6 +39,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise RequestError(f"seed must be in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import jinja2
+
 from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import RequestHandle
@@ -72,8 +74,11 @@ class ChatService:
             raise RequestError("tool_choice requires a tool but no tools were given")
         thinking = req.enable_thinking and not forced
         messages = [m.to_template() for m in req.messages]
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                  enable_thinking=thinking, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                      enable_thinking=thinking, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise RequestError(f"the conversation cannot be rendered by the chat template: {e}") from None
         assert isinstance(text, str)
         prefix, constraint = "", None
         if forced:
@@ -81,7 +86,8 @@ class ChatService:
 
             try:
                 prefix, constraint = tool_call_constraint(self.tokenizer, self.family, req.tools, choice,
-                                                          self.engine.cfg.eos_token_ids)
+                                                          self.engine.cfg.eos_token_ids,
+                                                          parallel_tool_calls=req.parallel_tool_calls)
             except ValueError as e:
                 raise RequestError(str(e)) from None
         return self.tokenizer.encode(text + prefix), prefix, constraint, thinking
@@ -102,7 +108,7 @@ class ChatService:
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                 seed=req.seed)
         key_src = json.dumps([ids, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                              req.stop, prefix], separators=(",", ":"))
+                              req.stop, prefix, req.parallel_tool_calls], separators=(",", ":"))
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",

@@ -54,6 +54,7 @@ class ChatRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     enable_thinking: bool = True
+    parallel_tool_calls: bool = True
     headers: dict[str, str] = field(default_factory=dict)
 
     @property
