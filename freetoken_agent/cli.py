@@ -11,27 +11,8 @@ import argparse
 import sys
 
 from engine.errors import EngineError
+from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.models import UsageError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=_positive_int, default=128)
-    gen.add_argument("--temperature", type=_non_negative_float, default=None,
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
+    gen.add_argument("--temperature", type=non_negative_float, default=None,
                      help="sampling temperature (greedy when not given)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from freetoken_agent.argtypes import positive_int
 from freetoken_agent.clients import json5, toml_writer
 
 __all__ = [
@@ -427,16 +428,6 @@ def write_config(client: str, target: ClientTarget, path: Path | None = None) ->
 # -- command line --------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 _NEXT_STEP = {
     "claude-code": "start `claude` as usual; it reads the env block at start",
     "opencode": f"start `opencode`; the model is {PROVIDER_ID}/{{model}}",
@@ -457,9 +448,9 @@ def add_configure_parser(subparsers: Any) -> None:
     p.add_argument("--base-url", default=d.base_url, metavar="URL", help=f"server root URL (default {d.base_url})")
     p.add_argument("--model", default=d.model, metavar="NAME", help=f"model name the server serves (default {d.model})")
     p.add_argument("--api-key", default=None, metavar="KEY", help=f"API key to send (default: the placeholder {PLACEHOLDER_API_KEY!r})")
-    p.add_argument("--context-window", type=_positive_int, default=d.context_window, metavar="N",
+    p.add_argument("--context-window", type=positive_int, default=d.context_window, metavar="N",
                    help=f"context window in tokens (default {d.context_window})")
-    p.add_argument("--max-output-tokens", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-output-tokens", type=positive_int, default=None, metavar="N",
                    help=f"max tokens per response (default {d.max_output_tokens}, "
                         "at most a quarter of the context window)")
     p.add_argument("--write", action="store_true",

@@ -13,6 +13,7 @@ import sys
 
 from engine.engine import Engine
 from engine.options import EngineOptions
+from freetoken_agent.argtypes import positive_int
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
 from freetoken_agent.service import ChatService
@@ -23,14 +24,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI, Anthropic and Responses protocols)")
     p.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=positive_int, default=8000)
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--context-window", type=int, default=None, help="tokens per request (default: the model's)")
-    p.add_argument("--max-output-tokens", type=int, default=32768)
-    p.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (all requests together)")
-    p.add_argument("--max-running", type=int, default=8, help="requests decoded together")
+    p.add_argument("--context-window", type=positive_int, default=None, help="tokens per request (default: the model's)")
+    p.add_argument("--max-output-tokens", type=positive_int, default=32768)
+    p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
+    p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--log-level", default="warning")
