@@ -227,7 +227,6 @@ async def messages(request: Request) -> Any:
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())
         state.check_finish(fin)
-        state.record(fin, stream)
         events = parser.feed(text) + parser.finish()
         content: list[dict[str, Any]] = []
         reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
@@ -302,7 +301,6 @@ async def messages(request: Request) -> Any:
             if isinstance(item, Finish):
                 for s in close():
                     yield s
-                state.record(item, stream)
                 if item.error:
                     yield sse({"type": "error", "error": {"type": "api_error", "message": item.error}}, "error")
                     return

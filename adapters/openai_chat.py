@@ -185,7 +185,6 @@ async def chat_completions(request: Request) -> Any:
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        state.record(fin, stream)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": [{"index": 0, "message": message, "logprobs": None,
                                           "finish_reason": _finish_reason(fin, bool(calls))}],
@@ -215,7 +214,6 @@ async def chat_completions(request: Request) -> Any:
                 elif isinstance(e, ToolCallArgsDelta) and e.text:
                     yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
             if isinstance(item, Finish):
-                state.record(item, stream)
                 if item.error:
                     yield sse({"error": {"message": item.error, "type": "server_error", "code": None,
                                          "param": None}})

@@ -271,7 +271,6 @@ async def responses(request: Request) -> Any:
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())
         state.check_finish(fin)
-        state.record(fin, stream)
         builder = _Builder()
         for e in parser.feed(text) + parser.finish():
             builder.feed(e)
@@ -292,7 +291,6 @@ async def responses(request: Request) -> Any:
             if isinstance(item, Finish):
                 for s in b.close():
                     yield s
-                state.record(item, stream)
                 if item.error:
                     failed = {**base, "status": "failed", "output": b.items, "usage": _usage(item),
                               "error": {"code": "server_error", "message": item.error}}

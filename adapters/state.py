@@ -1,7 +1,7 @@
 """Per-app state shared by the protocol routers: the chat service, names, auth, metrics.
 
-Contract: `AppState.start(req)` starts (or joins) a generation and counts it; `record(finish)`
-adds its tokens and timings to the Prometheus metrics; `check_model(name)` refuses a model the
+Contract: `AppState.start(req)` starts (or joins) a generation and counts it; every generation's
+tokens and timings reach the Prometheus metrics once, when it ends (also when aborted); `check_model(name)` refuses a model the
 server does not serve (404); `read_json(request)` returns the body as an object or raises a 400.
 """
 
@@ -47,6 +47,9 @@ class AppState:
     ping_interval: float = 5.0
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.service.on_finish = lambda stream, fin: self.record(fin, stream)
 
     def check_model(self, name: Any) -> None:
         if name is None:

@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import jinja2
@@ -63,6 +63,8 @@ class ChatService:
                                   engine.opts.kv_tokens)
         self.max_output_tokens = min(max_output_tokens, self.context_window)
         self._inflight: dict[str, GenerationStream] = {}
+        # Called once per generation when it ends, however it ends (metrics hang here).
+        self.on_finish: Callable[[GenerationStream, Finish], None] | None = None
 
     # ------------------------------------------------------------------ rendering
     def render(self, req: ChatRequest) -> tuple[list[int], str, TokenConstraint | None, bool]:
@@ -207,6 +209,8 @@ class GenerationStream:
                              error=str(err) if err else None))
         self.finished = True
         self.service._forget(self)
+        if self.service.on_finish is not None:
+            self.service.on_finish(self, self.log[-1])  # type: ignore[arg-type]
 
     def _publish(self, item: Chunk | Finish) -> None:
         self.log.append(item)
