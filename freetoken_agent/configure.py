@@ -31,27 +31,27 @@ Clients, their files and what is written (see README "Configure a coding agent")
 - `codex`: `$CODEX_HOME/config.toml` or `~/.codex/config.toml`, provider `freetoken` with
   `wire_api = "responses"`; the key is read from `$FREETOKEN_API_KEY`.
 `~` is `$HOME`.
+
+Layout: this module is the public API and the command line. Each client's file location and
+fragment live in `freetoken_agent.clients.{claude_code,opencode,openclaw,codex}`; `ClientTarget`
+in `freetoken_agent.clients.target`; reading, merging, backing up and rewriting files in
+`freetoken_agent.clients.files`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import os
-import shlex
 import shutil
 import sys
-import tempfile
-import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from types import ModuleType
+from typing import Any
 
 from freetoken_agent.argtypes import positive_int
-from freetoken_agent.clients import json5, toml_writer
+from freetoken_agent.clients import claude_code, codex, files, openclaw, opencode
+from freetoken_agent.clients.files import ConfigError, ConfigFormat
+from freetoken_agent.clients.target import DEFAULTS, PLACEHOLDER_API_KEY, PROVIDER_ID, ClientTarget
 
 __all__ = [
     "CLIENTS",
@@ -64,92 +64,13 @@ __all__ = [
     "write_config",
 ]
 
-CLIENTS: tuple[str, ...] = ("claude-code", "opencode", "openclaw", "codex")
-ConfigFormat = Literal["json", "json5", "toml"]
-
-PROVIDER_ID = "freetoken"
-PROVIDER_NAME = "FreeToken (local)"
-PLACEHOLDER_API_KEY = "freetoken"  # sent when no key is configured; the local server ignores it
-CODEX_API_KEY_ENV = "FREETOKEN_API_KEY"
-REQUEST_TIMEOUT_MS = 3_000_000  # 50 min for a whole request: long prefills of large contexts
-CHUNK_TIMEOUT_MS = 600_000  # 10 min between streamed chunks
-
-_DEFAULTS = {"context_window": 32768, "max_output_tokens": 8192}
-
-
-class ConfigError(ValueError):
-    """A config file cannot be read or merged; the one-line message names the file."""
-
-
-@dataclass(frozen=True)
-class ClientTarget:
-    """The server a client is pointed at.
-
-    `base_url` is the server root: a trailing `/` or `/v1` is removed (Claude Code wants the
-    root, the OpenAI-style clients get `base_url + "/v1"`). `api_key=None` means the placeholder
-    `"freetoken"` is sent. `max_output_tokens` must be smaller than `context_window`.
-    """
-
-    base_url: str = "http://127.0.0.1:8000"
-    model: str = "freetoken-demo"
-    api_key: str | None = None
-    context_window: int = _DEFAULTS["context_window"]
-    max_output_tokens: int = _DEFAULTS["max_output_tokens"]
-
-    def __post_init__(self) -> None:
-        url = self.base_url.strip().rstrip("/")
-        url = url.removesuffix("/v1").rstrip("/")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"base URL must look like http://HOST:PORT, got {self.base_url!r}")
-        object.__setattr__(self, "base_url", url)
-        if not self.model or any(c.isspace() for c in self.model):
-            raise ValueError(f"model name must be non-empty without spaces, got {self.model!r}")
-        if self.api_key is not None and (not self.api_key or any(c.isspace() for c in self.api_key)):
-            raise ValueError("API key must be non-empty without spaces")
-        for name in ("context_window", "max_output_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_output_tokens >= self.context_window:
-            raise ValueError(f"max output tokens ({self.max_output_tokens}) must be smaller than "
-                             f"the context window ({self.context_window})")
-
-    @property
-    def openai_base_url(self) -> str:
-        return self.base_url + "/v1"
-
-    @property
-    def key(self) -> str:
-        return self.api_key or PLACEHOLDER_API_KEY
-
-
-# -- where each client reads its configuration --------------------------------------------------
-
-
-def _home() -> Path:
-    return Path(os.path.expanduser("~"))
-
-
-def _env_dir(name: str) -> Path | None:
-    value = os.environ.get(name, "")
-    return Path(value).expanduser() if value else None
-
-
-def default_config_path(client: str) -> Path:
-    """The file `client` reads its user configuration from, honouring `$HOME` and its own env vars."""
-    _check_client(client)
-    if client == "claude-code":
-        return (_env_dir("CLAUDE_CONFIG_DIR") or _home() / ".claude") / "settings.json"
-    if client == "opencode":
-        xdg = _env_dir("XDG_CONFIG_HOME")
-        base = (xdg if xdg is not None and xdg.is_absolute() else _home() / ".config") / "opencode"
-        if not (base / "opencode.json").exists() and (base / "opencode.jsonc").is_file():
-            return base / "opencode.jsonc"
-        return base / "opencode.json"
-    if client == "openclaw":
-        return _env_dir("OPENCLAW_CONFIG_PATH") or _home() / ".openclaw" / "openclaw.json"
-    return (_env_dir("CODEX_HOME") or _home() / ".codex") / "config.toml"
+_MODULES: dict[str, ModuleType] = {
+    "claude-code": claude_code,
+    "opencode": opencode,
+    "openclaw": openclaw,
+    "codex": codex,
+}
+CLIENTS: tuple[str, ...] = tuple(_MODULES)
 
 
 def _check_client(client: str) -> None:
@@ -157,112 +78,35 @@ def _check_client(client: str) -> None:
         raise ValueError(f"unknown client {client!r} (choose from {', '.join(CLIENTS)})")
 
 
-# -- what each client needs -----------------------------------------------------------------------
+def default_config_path(client: str) -> Path:
+    """The file `client` reads its user configuration from, honouring `$HOME` and its own env vars."""
+    _check_client(client)
+    path: Path = _MODULES[client].default_path()
+    return path
 
 
-def _claude_env(t: ClientTarget) -> dict[str, str]:
-    return {
-        "ANTHROPIC_BASE_URL": t.base_url,
-        "ANTHROPIC_AUTH_TOKEN": t.key,
-        "ANTHROPIC_MODEL": t.model,
-        "ANTHROPIC_SMALL_FAST_MODEL": t.model,
-        "ANTHROPIC_DEFAULT_OPUS_MODEL": t.model,
-        "ANTHROPIC_DEFAULT_SONNET_MODEL": t.model,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": t.model,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-        "API_TIMEOUT_MS": str(REQUEST_TIMEOUT_MS),
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(t.max_output_tokens),
-        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(t.context_window),
-    }
+def _format(client: str) -> ConfigFormat:
+    fmt: ConfigFormat = _MODULES[client].FORMAT
+    return fmt
 
 
 def _fragment(client: str, t: ClientTarget) -> dict[str, Any]:
     """The part of the client's config file that this server owns."""
-    if client == "claude-code":
-        return {"env": _claude_env(t)}
-    if client == "opencode":
-        return {
-            "provider": {PROVIDER_ID: {
-                "npm": "@ai-sdk/openai-compatible",
-                "name": PROVIDER_NAME,
-                "options": {"baseURL": t.openai_base_url, "apiKey": t.key,
-                            "timeout": REQUEST_TIMEOUT_MS, "chunkTimeout": CHUNK_TIMEOUT_MS},
-                "models": {t.model: {
-                    "name": t.model,
-                    "limit": {"context": t.context_window, "output": t.max_output_tokens},
-                    "reasoning": True,
-                    "tool_call": True,
-                    "interleaved": {"field": "reasoning_content"},
-                }},
-            }},
-            "model": f"{PROVIDER_ID}/{t.model}",
-            "small_model": f"{PROVIDER_ID}/{t.model}",
-        }
-    if client == "openclaw":
-        return {
-            "models": {"mode": "merge", "providers": {PROVIDER_ID: {
-                "baseUrl": t.openai_base_url,
-                "apiKey": t.key,
-                "api": "openai-completions",
-                "models": [{"id": t.model, "name": t.model, "reasoning": True, "input": ["text"],
-                            "contextWindow": t.context_window, "maxTokens": t.max_output_tokens}],
-            }}},
-            "agents": {"defaults": {"model": {"primary": f"{PROVIDER_ID}/{t.model}"}}},
-        }
-    return {
-        "model": t.model,
-        "model_provider": PROVIDER_ID,
-        "model_context_window": t.context_window,
-        "model_providers": {PROVIDER_ID: {
-            "name": PROVIDER_NAME,
-            "base_url": t.openai_base_url,
-            "env_key": CODEX_API_KEY_ENV,
-            "wire_api": "responses",
-        }},
-    }
-
-
-_FORMATS: dict[str, ConfigFormat] = {"claude-code": "json", "opencode": "json", "openclaw": "json5", "codex": "toml"}
-
-
-def _format(client: str) -> ConfigFormat:
-    return _FORMATS[client]
-
-
-def _dump(fmt: ConfigFormat, data: dict[str, Any]) -> str:
-    if fmt == "toml":
-        return toml_writer.dumps(data)
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    fragment: dict[str, Any] = _MODULES[client].fragment(t)
+    return fragment
 
 
 def _exports(client: str, t: ClientTarget) -> list[str]:
-    if client == "claude-code":
-        return [f"export {k}={shlex.quote(v)}" for k, v in _claude_env(t).items()]
-    if client == "codex":
-        return [f"export {CODEX_API_KEY_ENV}={shlex.quote(t.key)}"]
-    return []
-
-
-_HEADERS = {
-    "claude-code": "# Claude Code: merge this into {path} (or run again with --write)",
-    "opencode": "# OpenCode: merge this into {path} (or run again with --write)",
-    "openclaw": "# OpenClaw: merge this into {path} (JSON5; or run again with --write)",
-    "codex": "# Codex: merge this into {path} (or run again with --write)",
-}
-_EXPORT_HEADERS = {
-    "claude-code": "# Or, instead of the file, for one shell session:",
-    "codex": f"# Codex reads the API key from ${CODEX_API_KEY_ENV}; set it where codex runs:",
-}
+    lines: list[str] = _MODULES[client].exports(t)
+    return lines
 
 
 def _render(client: str, target: ClientTarget, path: Path) -> str:
-    text = _HEADERS[client].format(path=path) + "\n" + _dump(_format(client), _fragment(client, target))
+    module = _MODULES[client]
+    text = module.HEADER.format(path=path) + "\n" + files.dump(_format(client), _fragment(client, target))
     exports = _exports(client, target)
     if exports:
-        text += "\n" + "\n".join([_EXPORT_HEADERS[client], *exports]) + "\n"
+        text += "\n" + "\n".join([module.EXPORT_HEADER, *exports]) + "\n"
     return text
 
 
@@ -271,102 +115,6 @@ def render_config(client: str, target: ClientTarget) -> tuple[Path, ConfigFormat
     _check_client(client)
     path = default_config_path(client)
     return path, _format(client), _render(client, target, path)
-
-
-# -- merging into an existing file --------------------------------------------------------------
-
-# Keys whose existing value is the user's choice and is kept when present.
-_KEEP_EXISTING = {("models", "mode")}
-
-
-def _where(keys: tuple[str, ...]) -> str:
-    return ".".join(keys) or "the top level"
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            type(None): "null"}.get(type(value), "a number")
-
-
-def _merge(into: dict[str, Any], ours: dict[str, Any], file: Path, keys: tuple[str, ...] = ()) -> None:
-    """Set `ours` in `into` (in place): objects are merged key by key, lists of `{"id": ...}`
-    objects entry by entry (matched on `id`), anything else is replaced."""
-    for key, value in ours.items():
-        at = (*keys, key)
-        if key not in into:
-            into[key] = copy.deepcopy(value)
-        elif at in _KEEP_EXISTING:
-            continue
-        elif isinstance(value, dict):
-            old = into[key]
-            if at == ("agents", "defaults", "model") and isinstance(old, str):
-                old = into[key] = {"primary": old}  # OpenClaw's short form of the same setting
-            if not isinstance(old, dict):
-                raise ConfigError(f"{file}: {_where(at)} is {_kind(old)}, expected an object; "
-                                  "fix it by hand, the file is unchanged")
-            _merge(old, value, file, at)
-        elif isinstance(value, list) and value and all(isinstance(v, dict) and "id" in v for v in value):
-            old = into[key]
-            if not isinstance(old, list):
-                raise ConfigError(f"{file}: {_where(at)} is {_kind(old)}, expected a list; "
-                                  "fix it by hand, the file is unchanged")
-            for item in value:
-                match = next((o for o in old if isinstance(o, dict) and o.get("id") == item["id"]), None)
-                if match is None:
-                    old.append(copy.deepcopy(item))
-                else:
-                    _merge(match, item, file, (*at, str(item["id"])))
-        else:
-            into[key] = copy.deepcopy(value)
-
-
-def _parse(fmt: ConfigFormat, text: str, file: Path, notes: list[str]) -> dict[str, Any]:
-    if fmt == "toml":
-        try:
-            data: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{file}: not valid TOML ({e}); the file is unchanged") from None
-        if any(line.lstrip().startswith("#") for line in text.splitlines()):
-            notes.append(f"{file}: its comments were not carried over (the backup keeps them)")
-        return data
-    if not text.strip():
-        return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            data = json5.loads(text)
-        except json5.Json5Error as e:
-            raise ConfigError(f"{file}: not valid JSON ({e}); the file is unchanged") from None
-        notes.append(f"{file}: comments and JSON5 syntax were rewritten as plain JSON "
-                     "(the backup keeps the original)")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: the top level is {_kind(data)}, expected an object; the file is unchanged")
-    return data
-
-
-def _backup_name(file: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = file.with_name(f"{file.name}.bak-{stamp}")
-    n = 1
-    while candidate.exists() or candidate.is_symlink():
-        candidate = file.with_name(f"{file.name}.bak-{stamp}-{n}")
-        n += 1
-    return candidate
-
-
-def _atomic_write(file: Path, data: bytes, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)
@@ -387,18 +135,12 @@ def _write(client: str, target: ClientTarget, path: Path | None) -> _WriteResult
     if real.exists():
         if not real.is_file():
             raise ConfigError(f"{file}: not a regular file; the file is unchanged")
-        try:
-            old = real.read_bytes()
-            text = old.decode("utf-8-sig")
-        except OSError as e:
-            raise ConfigError(f"{file}: cannot read it ({e.strerror or e}); the file is unchanged") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{file}: not UTF-8 text; the file is unchanged") from None
-        data = _parse(fmt, text, file, notes)
+        old, text = files.read_text(real, name=file)
+        data = files.parse(fmt, text, file, notes)
     else:
         data = {}
-    _merge(data, _fragment(client, target), file)
-    new = _dump(fmt, data).encode("utf-8")
+    files.merge(data, _fragment(client, target), file)
+    new = files.dump(fmt, data).encode("utf-8")
     if new == old:
         return _WriteResult(file, None, False, ())
     backup = None
@@ -407,9 +149,9 @@ def _write(client: str, target: ClientTarget, path: Path | None) -> _WriteResult
         mode = 0o600
         if old is not None:
             mode = real.stat().st_mode & 0o7777
-            backup = _backup_name(real)
+            backup = files.backup_name(real)
             shutil.copy2(real, backup)
-        _atomic_write(real, new, mode)
+        files.atomic_write(real, new, mode)
     except OSError as e:
         raise ConfigError(f"{file}: cannot write it ({e.strerror or e})") from None
     return _WriteResult(file, backup, True, tuple(notes))
@@ -426,14 +168,6 @@ def write_config(client: str, target: ClientTarget, path: Path | None = None) ->
 
 
 # -- command line --------------------------------------------------------------------------------
-
-
-_NEXT_STEP = {
-    "claude-code": "start `claude` as usual; it reads the env block at start",
-    "opencode": f"start `opencode`; the model is {PROVIDER_ID}/{{model}}",
-    "openclaw": f"start `openclaw`; the default model is {PROVIDER_ID}/{{model}}",
-    "codex": "set the key in the shell that runs codex:",
-}
 
 
 def add_configure_parser(subparsers: Any) -> None:
@@ -462,7 +196,7 @@ def add_configure_parser(subparsers: Any) -> None:
 def _target(args: argparse.Namespace) -> ClientTarget:
     max_out = args.max_output_tokens
     if max_out is None:
-        max_out = max(1, min(_DEFAULTS["max_output_tokens"], args.context_window // 4))
+        max_out = max(1, min(DEFAULTS["max_output_tokens"], args.context_window // 4))
     return ClientTarget(base_url=args.base_url, model=args.model, api_key=args.api_key,
                         context_window=args.context_window, max_output_tokens=max_out)
 
@@ -493,7 +227,7 @@ def run_configure(args: argparse.Namespace) -> int:
         echo(f"updated {result.path} (the old file is saved as {result.backup})\n")
     else:
         echo(f"wrote {result.path}\n")
-    lines = [_NEXT_STEP[client].format(model=target.model)]
+    lines = [_MODULES[client].NEXT_STEP.format(model=target.model)]
     if client == "codex":  # the file names the variable; the key itself lives in the environment
         lines += [*_exports(client, target), f"then run `codex` (model {target.model}, provider {PROVIDER_ID})"]
     echo("\n".join(lines) + "\n")
