@@ -30,7 +30,6 @@ from adapters.parsers import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    create_parser,
 )
 from adapters.state import AppState, read_json
 from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
@@ -220,9 +219,7 @@ async def messages(request: Request) -> Any:
     body = await read_json(request)
     state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
-    stream = state.start(req)
-    parser = create_parser(state.service.family, req.tools or None, starts_in_reasoning=stream.prep.starts_in_reasoning,
-                           parse_tool_calls=stream.prep.parse_tools, id_prefix="toolu_")
+    stream, parser = state.start(req, id_prefix="toolu_")
     mid, model = f"msg_{uuid.uuid4().hex[:24]}", state.model_name
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())

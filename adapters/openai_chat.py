@@ -35,7 +35,6 @@ from adapters.parsers import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    create_parser,
 )
 from adapters.state import AppState, read_json
 from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
@@ -168,9 +167,7 @@ async def chat_completions(request: Request) -> Any:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage"))
-    stream = state.start(req)
-    parser = create_parser(state.service.family, req.tools or None, starts_in_reasoning=stream.prep.starts_in_reasoning,
-                           parse_tool_calls=stream.prep.parse_tools)
+    stream, parser = state.start(req)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())

@@ -39,7 +39,6 @@ from adapters.parsers import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    create_parser,
 )
 from adapters.state import AppState, read_json
 from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
@@ -248,9 +247,7 @@ async def responses(request: Request) -> Any:
     body = await read_json(request)
     state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
-    stream = state.start(req)
-    parser = create_parser(state.service.family, req.tools or None, starts_in_reasoning=stream.prep.starts_in_reasoning,
-                           parse_tool_calls=stream.prep.parse_tools)
+    stream, parser = state.start(req)
     rid = _new_id("resp")
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": state.model_name,
             "instructions": body.get("instructions"), "tools": body.get("tools") or [],

@@ -16,6 +16,7 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adapters.common import ApiError
+from adapters.parsers import OutputParser, create_parser
 from freetoken_agent.service import ChatRequest, ChatService, Finish, GenerationStream
 
 
@@ -60,11 +61,14 @@ class AppState:
             raise ApiError(404, f"The model {name!r} does not exist (this server serves {self.model_name!r})",
                            type="not_found_error", code="model_not_found", param="model")
 
-    def start(self, req: ChatRequest) -> GenerationStream:
+    def start(self, req: ChatRequest, id_prefix: str = "call_") -> tuple[GenerationStream, OutputParser]:
+        """Starts (or joins) the generation and returns it with a fresh output parser for this caller."""
         stream = self.service.start(req)
         if stream.joined:
             self.metrics.joined.inc()
-        return stream
+        parser = create_parser(self.service.family, req.tools or None, starts_in_reasoning=stream.prep.starts_in_reasoning,
+                               parse_tool_calls=stream.prep.parse_tools, id_prefix=id_prefix)
+        return stream, parser
 
     def record(self, fin: Finish, stream: GenerationStream | None = None) -> None:
         m = self.metrics
