@@ -41,45 +41,13 @@ from adapters.parsers.base import (
     skip_space,
     tag_may_start,
 )
+from freetoken_agent.constrain.schema import declared_types
 
 TOOL_CALL_CLOSE = "</tool_call>"
 FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
-
-_JSON_TYPES: tuple[tuple[type, str], ...] = (
-    (bool, "boolean"),
-    (int, "integer"),
-    (float, "number"),
-    (str, "string"),
-    (list, "array"),
-    (dict, "object"),
-    (type(None), "null"),
-)
-
-
-def _schema_types(schema: Any, depth: int = 0) -> set[str]:
-    """The JSON types a (sub)schema allows, as far as it says; empty when it does not say."""
-    if not isinstance(schema, dict) or depth > 8:
-        return set()
-    types: set[str] = set()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        types.add(declared)
-    elif isinstance(declared, list):
-        types.update(t for t in declared if isinstance(t, str))
-    for key in ("anyOf", "oneOf"):
-        members = schema.get(key)
-        if isinstance(members, list):
-            for member in members:
-                types |= _schema_types(member, depth + 1)
-    enum = schema.get("enum")
-    if not types and isinstance(enum, list):
-        for value in enum:
-            types.update(name for kind, name in _JSON_TYPES if isinstance(value, kind))
-    return types
-
 
 class ParamTypes:
     """Per function, per parameter: the JSON types its schema declares. Reads an OpenAI tools list
@@ -99,7 +67,7 @@ class ParamTypes:
             params: dict[str, frozenset[str]] = {}
             if isinstance(properties, dict):
                 for key, schema in properties.items():
-                    params[str(key)] = frozenset(_schema_types(schema))
+                    params[str(key)] = frozenset(declared_types(schema))
             self._types[function["name"]] = params
 
     def is_string(self, function: str, key: str) -> bool:

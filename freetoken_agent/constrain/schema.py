@@ -79,6 +79,13 @@ def _json_ok(value: Any) -> bool:
     return not (isinstance(value, float) and not math.isfinite(value))
 
 
+def declared_types(schema: Any) -> set[str]:
+    """The JSON types a (sub)schema allows, as far as it says (type, anyOf/oneOf, enum/const kinds);
+    empty when it does not say. The output parsers type XML parameter values by the same rule, so
+    what the constraint lets through is read back the same way."""
+    return _declared(schema) if isinstance(schema, dict) else set()
+
+
 def _declared(schema: dict[str, Any], depth: int = 0) -> set[str]:
     kinds: set[str] = set()
     declared = schema.get("type")
