@@ -32,7 +32,7 @@ class Engine:
         if opts.threads:
             torch.set_num_threads(opts.threads)
         dtype = parse_dtype(opts.dtype) if opts.dtype else None
-        self.decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress)
+        self.decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.threads)
         self.cfg = self.decoder.cfg
         self.dtype = self.decoder.weights.embed.dtype
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings

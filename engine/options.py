@@ -17,13 +17,13 @@ from engine.errors import ConfigError
 class EngineOptions:
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's dtype
-    executor: str = "torch"
+    executor: str = "auto"  # auto | native | torch (engine.moe.executor.create_executor)
     kv_tokens: int = 65536
     state_slots: int = 32
     max_running: int = 8
     prefill_chunk: int = 1024
     max_model_len: int = 0
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    threads: int = 0  # torch intra-op threads and the native executor's pool; 0 = their defaults
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "max_running", "prefill_chunk"):

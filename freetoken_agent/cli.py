@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_configure_parser(sub)
 
+    from freetoken_agent.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             from freetoken_agent.serve import run_serve
 
             return run_serve(args)
+        if args.command == "bench":
+            from freetoken_agent.bench import run_bench
+
+            return run_bench(args)
         if args.command == "generate":
             from freetoken_agent.generate import run_generate
 

@@ -1,10 +1,10 @@
-"""Build the native CPU expert executor: native/build/_ftnative<EXT_SUFFIX>.
+"""Developer build of the native CPU expert executor, in place: native/_ftnative<EXT_SUFFIX>.
 
-Usage: python native/build.py [--debug] [--cxx g++]
+Usage: python native/build.py [--debug] [--cxx g++] [-j N]
 
-Compiles native/src/*.cpp with the system C++ compiler and pybind11's headers (`pip install pybind11`).
-No libtorch, no OpenMP, no -march=native: the .so targets baseline x86-64 and picks its SIMD path at
-run time (AVX-512-BF16 / AVX-512F / AVX2+FMA / scalar), so it can be copied to another x86-64 machine.
+`pip install` builds the same extension through setup.py; this script is the quick rebuild while
+working on the C++ (each source compiled in parallel, then linked). Same flags: C++17, pybind11's
+headers, no libtorch, no OpenMP, no -march=native (the SIMD path is chosen at run time).
 """
 
 from __future__ import annotations
@@ -15,19 +15,22 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 NATIVE_DIR = Path(__file__).resolve().parent
 SRC_DIR = NATIVE_DIR / "src"
-BUILD_DIR = NATIVE_DIR / "build"
+OBJ_DIR = NATIVE_DIR / "build" / "obj"
 MODULE = "_ftnative"
+FLAGS = ["-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
+         "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 
 
 def output_path() -> Path:
-    return BUILD_DIR / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return NATIVE_DIR / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
-def build(debug: bool = False, cxx: str | None = None, verbose: bool = True) -> Path:
+def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: bool = True) -> Path:
     try:
         import pybind11
     except ImportError as exc:
@@ -35,35 +38,26 @@ def build(debug: bool = False, cxx: str | None = None, verbose: bool = True) -> 
     cxx = cxx or os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler {cxx!r} not found")
-    sources = sorted(str(p) for p in SRC_DIR.glob("*.cpp"))
+    sources = sorted(SRC_DIR.glob("*.cpp"))
     if not sources:
         raise RuntimeError(f"no sources in {SRC_DIR}")
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    OBJ_DIR.mkdir(parents=True, exist_ok=True)
+    opt = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+    inc = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+
+    def compile_one(src: Path) -> Path:
+        obj = OBJ_DIR / (src.stem + ".o")
+        cmd = [cxx, *FLAGS, *opt, *inc, "-c", str(src), "-o", str(obj)]
+        if verbose:
+            print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        return obj
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        objs = list(pool.map(compile_one, sources))
     out = output_path()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    flags = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
-    cmd = [
-        cxx,
-        "-std=c++17",
-        *flags,
-        "-shared",
-        "-fPIC",
-        "-pthread",
-        "-fvisibility=hidden",
-        "-Wall",
-        "-Wextra",
-        "-Wno-unused-parameter",
-        "-Wno-maybe-uninitialized",
-        "-Wno-uninitialized",  # GCC 12 _mm512_undefined_*
-        f"-I{pybind11.get_include()}",
-        f"-I{sysconfig.get_paths()['include']}",
-        *sources,
-        "-o",
-        str(tmp),
-    ]
-    if verbose:
-        print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(tmp)], check=True)
     os.replace(tmp, out)  # atomic: a process that already loaded the old .so keeps its mapping
     return out
 
@@ -72,9 +66,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="-O0 -g instead of -O3")
     ap.add_argument("--cxx", default=None, help="C++ compiler (default $CXX or g++)")
+    ap.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
     args = ap.parse_args()
     try:
-        path = build(debug=args.debug, cxx=args.cxx)
+        path = build(debug=args.debug, cxx=args.cxx, jobs=args.jobs)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"build failed: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """Open a model directory: config, checkpoint, weights, decoder.
 
-Contract: `load_decoder(model_dir, device, dtype=None, executor="torch", progress=None)` returns a
-ready `Decoder`; dtype defaults to the checkpoint's. All user-caused failures are `EngineError`s.
+Contract: `load_decoder(model_dir, device, dtype=None, executor="auto", progress=None, threads=0)`
+returns a ready `Decoder`; dtype defaults to the checkpoint's; `threads` sizes the CPU executor's pool.
+All user-caused failures are `EngineError`s.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def load_decoder(
     model_dir: Path | str,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-    executor: str = "torch",
+    executor: str = "auto",
     progress: Progress | None = None,
+    threads: int = 0,
 ) -> Decoder:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -44,4 +46,4 @@ def load_decoder(
         weights = load_weights(cfg, reader, torch.device(device), dtype, progress)
     finally:
         reader.close()
-    return Decoder(cfg, weights, create_executor(executor, weights.experts))
+    return Decoder(cfg, weights, create_executor(executor, weights.experts, device, threads))

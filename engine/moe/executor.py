@@ -5,17 +5,24 @@ weights `weights` [N, k] in MoE layer `moe_index`, the sum over k of
 weight * down(silu(gate(x)) * up(x)) -> [N, H] in x's dtype and device. `TorchExpertExecutor` is
 the reference: one gathered GEMM pair per distinct expert, weights read from the banks (moved to
 x's device per call when the banks live elsewhere). Faster backends (the native CPU executor, the
-GPU expert cache) implement the same call and are chosen through `create_executor`.
+GPU expert cache) implement the same call and are chosen through `create_executor(name, banks,
+device, threads)`: "torch", "native" (a `ConfigError` saying why when it cannot serve), or "auto":
+native when it can serve the configuration, otherwise torch, with the reason logged once.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.weights.layout import ExpertBanks
+
+log = logging.getLogger("freetoken.engine")
 
 
 class ExpertExecutor(Protocol):
@@ -47,11 +54,36 @@ class TorchExpertExecutor:
         return out
 
 
-_EXECUTORS = {"torch": lambda banks: TorchExpertExecutor(banks)}
+def _native(banks: ExpertBanks, device: torch.device, threads: int) -> ExpertExecutor:
+    from engine.moe.native import NativeExpertExecutor, native_unsupported
+
+    why = native_unsupported(banks, device)
+    if why is not None:
+        raise ConfigError(f"the native expert executor cannot be used: {why}")
+    return NativeExpertExecutor(banks, threads)
 
 
-def create_executor(name: str, banks: ExpertBanks) -> ExpertExecutor:
+def _auto(banks: ExpertBanks, device: torch.device, threads: int) -> ExpertExecutor:
+    from engine.moe.native import native_unsupported
+
+    why = native_unsupported(banks, device)
+    if why is None:
+        return _native(banks, device, threads)
+    log.info("expert executor: torch (native not used: %s)", why)
+    return TorchExpertExecutor(banks)
+
+
+_EXECUTORS: dict[str, Callable[[ExpertBanks, torch.device, int], ExpertExecutor]] = {
+    "auto": _auto,
+    "native": _native,
+    "torch": lambda banks, device, threads: TorchExpertExecutor(banks),
+}
+EXECUTORS = tuple(_EXECUTORS)
+
+
+def create_executor(name: str, banks: ExpertBanks, device: torch.device | str = "cpu", threads: int = 0) -> ExpertExecutor:
     try:
-        return _EXECUTORS[name](banks)
+        factory = _EXECUTORS[name]
     except KeyError:
-        raise ValueError(f"unknown expert executor {name!r} (known: {', '.join(_EXECUTORS)})") from None
+        raise ConfigError(f"unknown expert executor {name!r} (known: {', '.join(_EXECUTORS)})") from None
+    return factory(banks, torch.device(device), threads)

@@ -1,0 +1,73 @@
+"""The native CPU expert executor (native/) as an engine `ExpertExecutor`; the one place the engine
+loads the extension from.
+
+Contract: `load_native()` imports `native.ftnative` once and returns it, or raises `ConfigError`
+saying why (not built, or an unsupported forced ISA). `native_unsupported(banks, device)` says
+why the native executor cannot serve a configuration (None when it can): it reads host banks in
+bf16 or float32 and runs on the CPU. `NativeExpertExecutor(banks, threads)` runs every routed
+expert of a layer in one native call; `threads` > 0 resizes the process-wide worker pool
+(0 keeps it: one pinned worker per physical core).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.errors import ConfigError
+from engine.weights.layout import ExpertBanks
+
+_FORMATS = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def load_native() -> ModuleType:
+    global _module, _error
+    if _module is None and _error is None:
+        try:
+            from native import ftnative
+
+            _module = ftnative
+        except ImportError as exc:
+            _error = str(exc)
+    if _module is None:
+        raise ConfigError(f"native expert executor unavailable: {_error}")
+    return _module
+
+
+def native_unsupported(banks: ExpertBanks, device: torch.device | str) -> str | None:
+    if torch.device(device).type != "cpu":
+        return f"it runs experts on the CPU, but the engine computes on {device}"
+    if banks.w13.dtype not in _FORMATS:
+        return f"expert weights are {banks.w13.dtype}; it reads bfloat16 or float32"
+    try:
+        load_native()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+class NativeExpertExecutor:
+    def __init__(self, banks: ExpertBanks, threads: int = 0) -> None:
+        ft = load_native()
+        from native.formats import ExpertWeights
+
+        if banks.w13.dtype not in _FORMATS:
+            raise ConfigError(f"native expert executor reads bfloat16 or float32 weights, not {banks.w13.dtype}")
+        self._ft = ft
+        self.banks = banks
+        self.experts = ExpertWeights(_FORMATS[banks.w13.dtype], banks.w13, banks.w2)
+        if threads > 0 and ft.num_threads() != threads:
+            ft.set_num_threads(threads)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype not in (torch.bfloat16, torch.float32):
+            x2 = x2.float()
+        flat = (ids.reshape(x2.shape[0], -1).to(torch.int64) + moe_index * self.banks.num_experts).contiguous()
+        w = weights.reshape(x2.shape[0], -1).to(torch.float32).contiguous()
+        out = self._ft.moe_layer(x2, flat, w, self.experts)
+        return out.to(x.dtype).reshape(shape)

@@ -1,0 +1,102 @@
+// Python bindings of the native expert executor (raw addresses and sizes; native/ftnative.py checks
+// every tensor before calling, because a bad pointer here is a crash, not an exception).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "moe_layer.h"
+#include "pool.h"
+#include "read_bound.h"
+
+namespace py = pybind11;
+using namespace ft;
+
+namespace {
+
+void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld, int64_t T, int64_t H,
+           int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13, int64_t w13_es,
+           int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld,
+           uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows) {
+    LayerArgs a;
+    a.x = reinterpret_cast<const void*>(x);
+    a.x_bf16 = x_bf16;
+    a.x_ld = x_ld;
+    a.out = reinterpret_cast<void*>(out);
+    a.out_bf16 = out_bf16;
+    a.out_ld = out_ld;
+    a.T = T, a.H = H, a.I = I, a.k = k;
+    a.ids = reinterpret_cast<const int64_t*>(ids);
+    a.weights = reinterpret_cast<const float*>(weights);
+    a.fmt = fmt;
+    a.w13 = {reinterpret_cast<const uint8_t*>(w13), w13_es, w13_ld, reinterpret_cast<const uint8_t*>(s13), s13_es, s13_ld};
+    a.w2 = {reinterpret_cast<const uint8_t*>(w2), w2_es, w2_ld, reinterpret_cast<const uint8_t*>(s2), s2_es, s2_ld};
+    a.bn = bn, a.bk = bk;
+    a.num_rows = num_rows;
+    moe_layer(a);
+}
+
+uint64_t read_ranges_py(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& sizes) {
+    if (ptrs.size() != sizes.size()) throw std::invalid_argument("ptrs and sizes differ in length");
+    return read_ranges(ptrs.data(), sizes.data(), static_cast<int64_t>(ptrs.size()));
+}
+
+// Median wall time of `reps` back-to-back calls of a minimal layer (T=1, H=I=32, k=1, f32): the
+// fixed cost of one call (pool wake-up, two barriers, bookkeeping) with the GIL released.
+double call_overhead_us(int reps) {
+    std::vector<float> x(32, 0.5f), out(32), w13(64 * 32, 0.01f), w2(32 * 32, 0.01f), wt(1, 1.0f);
+    std::vector<int64_t> id(1, 0);
+    LayerArgs a;
+    a.x = x.data(), a.out = out.data(), a.x_ld = a.out_ld = 32;
+    a.T = 1, a.H = 32, a.I = 32, a.k = 1, a.ids = id.data(), a.weights = wt.data(), a.fmt = int(Fmt::f32);
+    a.w13 = {reinterpret_cast<const uint8_t*>(w13.data()), 64 * 32 * 4, 32 * 4, nullptr, 0, 0};
+    a.w2 = {reinterpret_cast<const uint8_t*>(w2.data()), 32 * 32 * 4, 32 * 4, nullptr, 0, 0};
+    a.num_rows = 1;
+    std::vector<double> t(reps > 0 ? reps : 1);
+    for (int i = 0; i < 10; ++i) moe_layer(a);
+    for (auto& v : t) {
+        auto t0 = std::chrono::steady_clock::now();
+        moe_layer(a);
+        v = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ftnative, m) {
+    m.doc() = "freetoken native CPU MoE expert executor (raw-address API; use native/ftnative.py)";
+    if (const char* env = std::getenv("FREETOKEN_NATIVE_ISA"); env && *env) set_isa(env);
+    if (const char* env = std::getenv("FREETOKEN_NATIVE_PREFETCH"); env && *env) g_prefetch_bytes = std::atoi(env);
+
+    m.def("moe_layer", &layer, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("x_bf16"),
+          py::arg("x_ld"), py::arg("out"), py::arg("out_bf16"), py::arg("out_ld"), py::arg("T"), py::arg("H"),
+          py::arg("I"), py::arg("ids"), py::arg("weights"), py::arg("k"), py::arg("fmt"), py::arg("w13"),
+          py::arg("w13_es"), py::arg("w13_ld"), py::arg("s13"), py::arg("s13_es"), py::arg("s13_ld"), py::arg("w2"),
+          py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
+          py::arg("bk"), py::arg("num_rows"), "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+    m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),
+          "Read the byte ranges with the pool threads (bandwidth reference); returns a checksum.");
+    m.def("call_overhead_us", &call_overhead_us, py::call_guard<py::gil_scoped_release>(), py::arg("reps") = 2000);
+    m.def("set_isa", &set_isa, py::arg("name"), "Force an ISA path: avx512bf16|avx512|avx2|scalar|auto.");
+    m.def("get_isa", [] { return std::string(isa_name(current_isa())); });
+    m.def("supported_isas", [] {
+        std::vector<std::string> out;
+        for (Isa i : {Isa::avx512bf16, Isa::avx512, Isa::avx2, Isa::scalar})
+            if (isa_supported(i)) out.push_back(isa_name(i));
+        return out;
+    });
+    m.def("set_num_threads", &set_num_threads, py::call_guard<py::gil_scoped_release>(), py::arg("n"),
+          py::arg("pin") = true, "Replace the pool; the next call starts n threads (0 = one per physical core).");
+    m.def("num_threads", [] { return pool()->size(); }, py::call_guard<py::gil_scoped_release>());
+    m.def("num_pinned", [] { return pool()->pinned(); }, py::call_guard<py::gil_scoped_release>());
+    m.def("physical_cores", &physical_cores);
+    m.def("prefetch_bytes", [] { return g_prefetch_bytes; });
+    m.def("shutdown", &shutdown_pool, py::call_guard<py::gil_scoped_release>(),
+          "Join the worker threads (restarted lazily by the next call).");
+}

@@ -1,0 +1,280 @@
+// One MoE layer's CPU share in one call, the SIMD path / ISA selection, and the plain-read
+// bandwidth reference.
+//
+// For T tokens routed to k experts each (flat expert rows into the banks):
+//   out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  float32 accumulation.
+// Phase 0 converts x into the kernel's activation format; phase 1 splits the gate/up rows of all
+// distinct experts of the call into chunks handed out by an atomic counter (dynamic scheduling: a
+// batch-1 step with one expert still keeps every thread busy, and a thread sharing its core simply
+// takes fewer chunks); phase 2 splits the hidden (down output) rows the same way, and the thread
+// holding a chunk loops over all experts for it, so no two threads write the same output element.
+#include "moe_layer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pool.h"
+
+namespace ft {
+
+namespace {
+
+struct Table {
+    GemvFn fn[kNumIsas][kNumFmts] = {};
+    Table() {
+        register_scalar(fn[int(Isa::scalar)]);
+        register_avx2(fn[int(Isa::avx2)]);
+        register_avx512(fn[int(Isa::avx512)]);
+        register_avx512bf16(fn[int(Isa::avx512bf16)]);
+        for (int f = 0; f < kNumFmts; ++f)  // avx512bf16 has only a bf16 kernel: other formats use avx512's
+            if (!fn[int(Isa::avx512bf16)][f]) fn[int(Isa::avx512bf16)][f] = fn[int(Isa::avx512)][f];
+    }
+};
+const Table& table() {
+    static const Table t;
+    return t;
+}
+
+std::atomic<int> g_isa{-1};
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+struct Group {
+    int64_t row;     // flat expert row in the banks
+    int begin, end;  // entry range [begin, end) in the sorted entry list
+};
+
+// Per calling thread (calls from one thread never overlap), so steady-state calls allocate nothing.
+struct Scratch {
+    std::vector<int> order, entry_token;
+    std::vector<float> entry_w, acc;
+    std::vector<Group> groups;
+    std::vector<char> xbuf, hbuf;
+    std::vector<const void*> xptr, hptr;
+};
+
+}  // namespace
+
+const char* isa_name(Isa i) {
+    switch (i) {
+        case Isa::avx512bf16: return "avx512bf16";
+        case Isa::avx512: return "avx512";
+        case Isa::avx2: return "avx2";
+        default: return "scalar";
+    }
+}
+
+bool isa_supported(Isa i) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    switch (i) {
+        case Isa::avx512bf16: return isa_supported(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+        case Isa::avx512:
+            return isa_supported(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl");
+        case Isa::avx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        default: return true;
+    }
+#else
+    return i == Isa::scalar;
+#endif
+}
+
+Isa best_isa() {
+    for (Isa i : {Isa::avx512bf16, Isa::avx512, Isa::avx2})
+        if (isa_supported(i)) return i;
+    return Isa::scalar;
+}
+
+Isa current_isa() {
+    int v = g_isa.load();
+    return v < 0 ? best_isa() : static_cast<Isa>(v);
+}
+
+void set_isa(const std::string& name) {
+    Isa i = Isa::scalar;
+    if (name == "auto") i = best_isa();
+    else {
+        bool found = false;
+        for (Isa c : {Isa::avx512bf16, Isa::avx512, Isa::avx2, Isa::scalar})
+            if (name == isa_name(c)) i = c, found = true;
+        if (!found) throw std::invalid_argument("unknown ISA '" + name + "' (known: avx512bf16, avx512, avx2, scalar)");
+    }
+    if (!isa_supported(i)) throw std::invalid_argument(std::string("ISA '") + isa_name(i) + "' is not supported by this CPU");
+    g_isa.store(static_cast<int>(i));
+}
+
+void moe_layer(const LayerArgs& a) {
+    const int64_t T = a.T, H = a.H, I = a.I, k = a.k;
+    if (T < 0 || H <= 0 || I <= 0 || k <= 0) throw std::invalid_argument("bad sizes");
+    if (H > INT32_MAX / 2 || I > INT32_MAX / 2) throw std::invalid_argument("dims too large");
+    if (a.fmt < 0 || a.fmt >= kNumFmts) throw std::invalid_argument("unknown weight format");
+    const Fmt fmt = static_cast<Fmt>(a.fmt);
+    if (fmt == Fmt::fp8 && (a.bn <= 0 || a.bk <= 0 || a.bn % kRows || a.bk % 16))
+        throw std::invalid_argument("fp8 block sizes must be positive, bn % 4 == 0 and bk % 16 == 0");
+    if (fmt == Fmt::mxfp4 && (H % 32 || I % 32))
+        throw std::invalid_argument("mxfp4 needs hidden and expert sizes that are multiples of 32");
+    if (T == 0) return;
+    const int64_t N = T * k;
+    if (N > INT32_MAX) throw std::invalid_argument("too many entries");
+    const int64_t* ids = a.ids;
+    for (int64_t i = 0; i < N; ++i)
+        if (ids[i] < 0 || ids[i] >= a.num_rows)
+            throw std::invalid_argument("expert id " + std::to_string(ids[i]) + " out of range [0, " +
+                                        std::to_string(a.num_rows) + ")");
+
+    const Isa isa = current_isa();
+    const GemvFn gemv = table().fn[int(isa)][int(fmt)];
+    const bool act_bf16 = isa == Isa::avx512bf16 && fmt == Fmt::bf16;  // kernel reads bf16 activations
+    const size_t act = act_bf16 ? 2 : 4;
+
+    // a thread_local named inside the job lambda would be each worker's own (empty) instance
+    thread_local Scratch tls;
+    Scratch& s = tls;
+    s.order.resize(N);
+    for (int64_t i = 0; i < N; ++i) s.order[i] = static_cast<int>(i);
+    std::stable_sort(s.order.begin(), s.order.end(), [&](int x, int y) { return ids[x] < ids[y]; });
+    s.groups.clear();
+    s.entry_token.resize(N);
+    s.entry_w.resize(N);
+    for (int64_t i = 0; i < N; ++i) {
+        const int e = s.order[i];
+        if (s.groups.empty() || s.groups.back().row != ids[e]) s.groups.push_back({ids[e], int(i), int(i)});
+        s.groups.back().end = int(i) + 1;
+        s.entry_token[i] = static_cast<int>(e / k);
+        s.entry_w[i] = a.weights[e];
+    }
+    s.xbuf.resize(static_cast<size_t>(T * H) * act);
+    s.hbuf.resize(static_cast<size_t>(N * I) * act);
+    s.acc.resize(static_cast<size_t>(T * H));
+    s.xptr.resize(N);
+    s.hptr.resize(N);
+    for (int64_t i = 0; i < N; ++i) {
+        s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
+        s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I) * act;
+    }
+
+    // Matrix views: gate rows [0, I) and up rows [I, 2I) of w13 are two matrices; fp8 scale rows of
+    // the up half start at block row ceil(I / bn) (see moe_layer.h for the layouts).
+    const int64_t nbI = (I + a.bn - 1) / a.bn;
+    auto mat = [&](const WeightArgs& w, int64_t row, int64_t row_off, int64_t block_row_off) {
+        Mat m;
+        m.w = w.ptr + row * w.expert_stride + row_off * w.row_stride;
+        m.ld = static_cast<size_t>(w.row_stride);
+        if (fmt == Fmt::fp8) {
+            m.fs = reinterpret_cast<const float*>(w.scale_ptr) + row * w.scale_expert_stride + block_row_off * w.scale_row_stride;
+            m.fs_ld = static_cast<size_t>(w.scale_row_stride);
+        } else if (fmt == Fmt::mxfp4) {
+            m.es = w.scale_ptr + row * w.scale_expert_stride + row_off * w.scale_row_stride;
+            m.es_ld = static_cast<size_t>(w.scale_row_stride);
+        }
+        m.bn = static_cast<int>(a.bn);
+        m.bk = static_cast<int>(a.bk);
+        return m;
+    };
+
+    constexpr int64_t kChunk = 4 * kRows;  // rows per work chunk
+    const int64_t cpg = (I + kChunk - 1) / kChunk;
+    const int64_t chunks1 = cpg * static_cast<int64_t>(s.groups.size());
+    const int64_t chunks2 = (H + kChunk - 1) / kChunk;
+    std::atomic<int64_t> next1{0}, next2{0};
+
+    std::shared_ptr<Pool> pool_ref = pool();
+    Pool& p = *pool_ref;
+    std::lock_guard<std::mutex> call(p.call_mutex);
+    const int nt = p.size();
+
+    auto job = [&](int tid) {
+        for (int64_t t = tid; t < T; t += nt) {  // phase 0
+            if (a.x_bf16) {
+                const uint16_t* src = reinterpret_cast<const uint16_t*>(a.x) + t * a.x_ld;
+                if (act_bf16) std::memcpy(s.xbuf.data() + t * H * 2, src, H * 2);
+                else {
+                    float* dst = reinterpret_cast<float*>(s.xbuf.data()) + t * H;
+                    for (int64_t i = 0; i < H; ++i) dst[i] = bf16_to_f32(src[i]);
+                }
+            } else {
+                const float* src = reinterpret_cast<const float*>(a.x) + t * a.x_ld;
+                if (act_bf16) {
+                    uint16_t* dst = reinterpret_cast<uint16_t*>(s.xbuf.data()) + t * H;
+                    for (int64_t i = 0; i < H; ++i) dst[i] = f32_to_bf16(src[i]);
+                } else {
+                    std::memcpy(s.xbuf.data() + t * H * 4, src, H * 4);
+                }
+            }
+        }
+        p.barrier();
+
+        {  // phase 1: gate/up
+            float gbuf[kRows * 64], ubuf[kRows * 64];
+            for (int64_t c; (c = next1.fetch_add(1, std::memory_order_relaxed)) < chunks1;) {
+                const Group& gr = s.groups[c / cpg];
+                const int64_t c0 = (c % cpg) * kChunk, c1 = std::min(I, c0 + kChunk);
+                const int ntok = gr.end - gr.begin;
+                const Mat gate = mat(a.w13, gr.row, 0, 0), up = mat(a.w13, gr.row, I, nbI);
+                for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
+                    const int nr = static_cast<int>(std::min<int64_t>(kRows, c1 - r0));
+                    for (int tb = 0; tb < ntok; tb += 64) {
+                        const int nb = std::min(64, ntok - tb);
+                        const void* const* X = s.xptr.data() + gr.begin + tb;
+                        gemv(gate, r0, nr, X, nb, int(H), gbuf, kRows);
+                        gemv(up, r0, nr, X, nb, int(H), ubuf, kRows);
+                        for (int t = 0; t < nb; ++t) {
+                            const int64_t e = gr.begin + tb + t;
+                            for (int r = 0; r < nr; ++r) {
+                                const float hv = silu(gbuf[t * kRows + r]) * ubuf[t * kRows + r];
+                                if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
+                                else reinterpret_cast<float*>(s.hbuf.data())[e * I + r0 + r] = hv;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        p.barrier();
+
+        {  // phase 2: down projection, output rows owned by the chunk's thread
+            float dbuf[kRows * 64];
+            for (int64_t c; (c = next2.fetch_add(1, std::memory_order_relaxed)) < chunks2;) {
+                const int64_t h0 = c * kChunk, h1 = std::min(H, h0 + kChunk);
+                for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
+                for (const Group& gr : s.groups) {
+                    const Mat down = mat(a.w2, gr.row, 0, 0);
+                    const int ntok = gr.end - gr.begin;
+                    for (int64_t r0 = h0; r0 < h1; r0 += kRows) {
+                        const int nr = static_cast<int>(std::min<int64_t>(kRows, h1 - r0));
+                        for (int tb = 0; tb < ntok; tb += 64) {
+                            const int nb = std::min(64, ntok - tb);
+                            gemv(down, r0, nr, s.hptr.data() + gr.begin + tb, nb, int(I), dbuf, kRows);
+                            for (int t = 0; t < nb; ++t) {
+                                const int64_t e = gr.begin + tb + t;
+                                float* acc = &s.acc[s.entry_token[e] * H + r0];
+                                const float w = s.entry_w[e];
+                                for (int r = 0; r < nr; ++r) acc[r] += w * dbuf[t * kRows + r];
+                            }
+                        }
+                    }
+                }
+                for (int64_t t = 0; t < T; ++t) {
+                    const float* acc = &s.acc[t * H];
+                    if (a.out_bf16) {
+                        uint16_t* o = reinterpret_cast<uint16_t*>(a.out) + t * a.out_ld;
+                        for (int64_t i = h0; i < h1; ++i) o[i] = f32_to_bf16(acc[i]);
+                    } else {
+                        float* o = reinterpret_cast<float*>(a.out) + t * a.out_ld;
+                        for (int64_t i = h0; i < h1; ++i) o[i] = acc[i];
+                    }
+                }
+            }
+        }
+    };
+    std::function<void(int)> fn = job;
+    p.run(fn);
+}
+
+}  // namespace ft

@@ -1,0 +1,50 @@
+// The MoE layer call and the ISA switch (see moe_layer.cpp). Layouts, per expert row e of a bank:
+//   w13: [2I, H] (gate rows, then up rows), w2: [H, I]; row r of expert e at
+//        ptr + e * expert_stride + r * row_stride (bytes; elements of a row are contiguous).
+//   bf16 / f32: no scales.
+//   fp8 (e4m3): float32 block scales, w13: [2 * ceil(I/bn), ceil(H/bk)] (gate block rows, then up),
+//        w2: [ceil(H/bn), ceil(I/bk)]; element (i, j) of a scale matrix at
+//        scale_ptr + e * scale_expert_stride + i * scale_row_stride + j (float elements).
+//   mxfp4: rows of K/2 bytes (two e2m1 codes per byte, element 2i in the low nibble), uint8 e8m0
+//        scales [rows, K/32] at scale_ptr + e * scale_expert_stride + r * scale_row_stride (bytes).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace ft {
+
+struct WeightArgs {
+    const uint8_t* ptr = nullptr;
+    int64_t expert_stride = 0, row_stride = 0;  // bytes
+    const uint8_t* scale_ptr = nullptr;
+    int64_t scale_expert_stride = 0, scale_row_stride = 0;  // scale elements
+};
+
+struct LayerArgs {
+    const void* x = nullptr;  // [T, H] float32 or bf16, row stride x_ld elements
+    bool x_bf16 = false;
+    int64_t x_ld = 0;
+    void* out = nullptr;  // [T, H] float32 or bf16, row stride out_ld elements; overwritten
+    bool out_bf16 = false;
+    int64_t out_ld = 0;
+    int64_t T = 0, H = 0, I = 0, k = 0;
+    const int64_t* ids = nullptr;  // [T, k] flat expert rows
+    const float* weights = nullptr;  // [T, k]
+    int fmt = 0;  // Fmt
+    WeightArgs w13, w2;
+    int64_t bn = 128, bk = 128;  // fp8 block (rows, columns)
+    int64_t num_rows = 0;  // expert rows in the banks (ids must be below)
+};
+
+void moe_layer(const LayerArgs& a);
+
+const char* isa_name(Isa i);
+bool isa_supported(Isa i);
+Isa best_isa();
+Isa current_isa();
+void set_isa(const std::string& name);
+
+}  // namespace ft
