@@ -2,7 +2,7 @@
 #include "pool.h"
 
 #include <algorithm>
-#include <fstream>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <utility>
@@ -19,10 +19,15 @@ bool g_pin = true;
 }  // namespace
 
 namespace {
+// stdio, not iostreams: a std::ifstream here crashed in a process whose libstdc++ (loaded by torch)
+// differs from the compiler's (locale facets are shared process state).
 int read_int(const std::string& path, int fallback) {
-    std::ifstream f(path);
-    int v;
-    return (f >> v) ? v : fallback;
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (!f) return fallback;
+    int v = fallback;
+    if (std::fscanf(f, "%d", &v) != 1) v = fallback;
+    std::fclose(f);
+    return v;
 }
 }  // namespace
 

@@ -108,7 +108,7 @@ class Pool {
         for (;;) {
             // spin briefly for low wake-up latency between back-to-back layer calls, then sleep
             bool got = false;
-            for (int s = 0; s < 20000; ++s) {
+            for (int s = 0; s < 2000; ++s) {  // ~50-100 us of pause: then sleep, so torch ops between layers get the cores
                 if (gen_.load(std::memory_order_acquire) != seen) {
                     got = true;
                     break;
