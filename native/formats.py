@@ -2,7 +2,8 @@
 
 Contract: `ExpertWeights(fmt, w13, w2, s13, s2, block)` describes a bank of R experts, each a
 gate+up matrix w13 [2I, H] (gate rows first) and a down matrix w2 [H, I]; construction checks
-every dtype, shape and stride once, so per-call checks stay cheap. Formats:
+every dtype, shape and stride once and keeps the raw call arguments (`native_args`), so per-call
+checks stay cheap. Formats:
 
 - "bf16" / "f32": w13 [R, 2I, H], w2 [R, H, I] in that dtype, no scales.
 - "fp8": e4m3 (torch.float8_e4m3fn or its uint8 bytes), block-scaled as in Qwen3 / DeepSeek FP8
@@ -74,6 +75,17 @@ class ExpertWeights:
             if t.stride(1) < t.shape[2] or t.stride(0) < 0:
                 _fail(f"{name} has overlapping or negative strides {t.stride()}")
         getattr(self, f"_check_{self.fmt}")()
+        # The raw addresses and strides the extension takes, computed once: a bank's tensors must not
+        # be reallocated afterwards (the engine never does; slices and views are fine).
+        s13, s2 = self.s13, self.s2
+        object.__setattr__(self, "native_args", (
+            FMT_CODE[self.fmt],
+            self.w13.data_ptr(), self.w13.stride(0) * self.w13.element_size(), self.w13.stride(1) * self.w13.element_size(),
+            0 if s13 is None else s13.data_ptr(), 0 if s13 is None else s13.stride(0), 0 if s13 is None else s13.stride(1),
+            self.w2.data_ptr(), self.w2.stride(0) * self.w2.element_size(), self.w2.stride(1) * self.w2.element_size(),
+            0 if s2 is None else s2.data_ptr(), 0 if s2 is None else s2.stride(0), 0 if s2 is None else s2.stride(1),
+            self.block[0], self.block[1], self.rows,
+        ))  # fmt: skip
 
     # ---------------------------------------------------------------- shape checks per format
     @property

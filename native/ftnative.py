@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from native.formats import FMT_CODE, ExpertWeights
+from native.formats import ExpertWeights
 
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
 
@@ -90,15 +90,21 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
-def _row_major(name: str, t: Any, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
+def _check_rows(name: str, t: Any, shape: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A CPU tensor of one of `dtypes`, [rows, cols] with contiguous rows (the checks cost ~1 us)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         _fail(f"{name} must be on the CPU, got {t.device}")
     if t.dtype not in dtypes:
         _fail(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != shape:
-        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dim() != 2 or (shape is not None and t.shape != shape):
+        _fail(f"{name} must have shape {shape or '[rows, cols]'}, got {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        _fail(f"{name} rows must be contiguous (stride(1) == 1), got strides {t.stride()}")
+
+
+_ACT = (torch.bfloat16, torch.float32)
 
 
 def moe_layer(
@@ -107,44 +113,31 @@ def moe_layer(
     weights: torch.Tensor,
     experts: ExpertWeights,
     out: torch.Tensor | None = None,
+    id_offset: int = 0,
 ) -> torch.Tensor:
     """See the module docstring. x, out: [T, H] bf16/float32 with contiguous rows (any row stride);
-    ids: [T, k] int64 contiguous; weights: [T, k] float32 contiguous; out is overwritten."""
-    if not isinstance(experts, ExpertWeights):
+    ids: [T, k] int64 contiguous, bank row = id + id_offset; weights: [T, k] float32 contiguous;
+    out is overwritten."""
+    if type(experts) is not ExpertWeights:
         _fail(f"experts must be a native.formats.ExpertWeights, got {type(experts).__name__}")
-    _row_major("x", x, (torch.bfloat16, torch.float32))
-    if x.dim() != 2 or x.shape[1] != experts.hidden:
+    _check_rows("x", x, None, _ACT)
+    t_count, hidden = x.shape
+    if hidden != experts.hidden:
         _fail(f"x must be [T, {experts.hidden}], got shape {tuple(x.shape)}")
-    if x.stride(1) != 1 and x.shape[1] > 1:
-        _fail(f"x rows must be contiguous (stride(1) == 1), got strides {x.stride()}")
-    t_count = x.shape[0]
-    _row_major("ids", ids, (torch.int64,))
-    if ids.dim() != 2 or ids.shape[0] != t_count or ids.shape[1] == 0:
+    _check_rows("ids", ids, None, (torch.int64,))
+    if ids.shape[0] != t_count or ids.shape[1] == 0:
         _fail(f"ids must be [T={t_count}, k>0], got shape {tuple(ids.shape)}")
-    _row_major("weights", weights, (torch.float32,), tuple(ids.shape))
+    _check_rows("weights", weights, ids.shape, (torch.float32,))
     if not (ids.is_contiguous() and weights.is_contiguous()):
         _fail("ids and weights must be contiguous")
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty((t_count, hidden), dtype=x.dtype)
     else:
-        _row_major("out", out, (torch.bfloat16, torch.float32), tuple(x.shape))
-        if out.stride(1) != 1 and out.shape[1] > 1:
-            _fail(f"out rows must be contiguous, got strides {out.stride()}")
-    if t_count == 0:
-        return out
-    e = experts
-    s13, s2 = e.s13, e.s2
-    _ext.moe_layer(
-        x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0),
-        out.data_ptr(), out.dtype == torch.bfloat16, out.stride(0),
-        t_count, e.hidden, e.inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1], FMT_CODE[e.fmt],
-        e.w13.data_ptr(), e.w13.stride(0) * e.w13.element_size(), e.w13.stride(1) * e.w13.element_size(),
-        0 if s13 is None else s13.data_ptr(), 0 if s13 is None else s13.stride(0),
-        0 if s13 is None else s13.stride(1),
-        e.w2.data_ptr(), e.w2.stride(0) * e.w2.element_size(), e.w2.stride(1) * e.w2.element_size(),
-        0 if s2 is None else s2.data_ptr(), 0 if s2 is None else s2.stride(0), 0 if s2 is None else s2.stride(1),
-        e.block[0], e.block[1], e.rows,
-    )  # fmt: skip
+        _check_rows("out", out, x.shape, _ACT)
+    if t_count:
+        _ext.moe_layer(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(),
+                       out.dtype == torch.bfloat16, out.stride(0), t_count, hidden, experts.inter,
+                       ids.data_ptr(), weights.data_ptr(), ids.shape[1], *experts.native_args, id_offset)
     return out
 
 
@@ -156,7 +149,6 @@ def read_ranges(ranges: list[tuple[int, int]]) -> int:
 
 def read_tensor(t: torch.Tensor) -> int:
     """Reads all of a contiguous CPU tensor's bytes with the pool's threads."""
-    _row_major("t", t, (t.dtype,))
-    if not t.is_contiguous():
-        _fail("t must be contiguous")
+    if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
+        _fail("t must be a contiguous CPU tensor")
     return read_ranges([(t.data_ptr(), t.numel() * t.element_size())])

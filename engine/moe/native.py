@@ -63,11 +63,10 @@ class NativeExpertExecutor:
             ft.set_num_threads(threads)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype not in (torch.bfloat16, torch.float32):
-            x2 = x2.float()
-        flat = (ids.reshape(x2.shape[0], -1).to(torch.int64) + moe_index * self.banks.num_experts).contiguous()
-        w = weights.reshape(x2.shape[0], -1).to(torch.float32).contiguous()
-        out = self._ft.moe_layer(x2, flat, w, self.experts)
-        return out.to(x.dtype).reshape(shape)
+        # the router's outputs go through as they are (int64 ids, weights widened exactly to float32);
+        # the layer's bank offset is applied in C++, so a call makes no temporary besides `out`
+        w = weights if weights.dtype == torch.float32 else weights.float()
+        if x.dtype in (torch.bfloat16, torch.float32):
+            return self._ft.moe_layer(x, ids, w.contiguous(), self.experts, None, moe_index * self.banks.num_experts)
+        return self._ft.moe_layer(x.float(), ids, w.contiguous(), self.experts, None,
+                                  moe_index * self.banks.num_experts).to(x.dtype)

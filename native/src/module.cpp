@@ -21,7 +21,7 @@ namespace {
 void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld, int64_t T, int64_t H,
            int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13, int64_t w13_es,
            int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld,
-           uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows) {
+           uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows, int64_t id_offset) {
     LayerArgs a;
     a.x = reinterpret_cast<const void*>(x);
     a.x_bf16 = x_bf16;
@@ -37,6 +37,7 @@ void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16,
     a.w2 = {reinterpret_cast<const uint8_t*>(w2), w2_es, w2_ld, reinterpret_cast<const uint8_t*>(s2), s2_es, s2_ld};
     a.bn = bn, a.bk = bk;
     a.num_rows = num_rows;
+    a.id_offset = id_offset;
     moe_layer(a);
 }
 
@@ -79,7 +80,7 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("I"), py::arg("ids"), py::arg("weights"), py::arg("k"), py::arg("fmt"), py::arg("w13"),
           py::arg("w13_es"), py::arg("w13_ld"), py::arg("s13"), py::arg("s13_es"), py::arg("s13_ld"), py::arg("w2"),
           py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
-          py::arg("bk"), py::arg("num_rows"), "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+          py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
     m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),
           "Read the byte ranges with the pool threads (bandwidth reference); returns a checksum.");
     m.def("call_overhead_us", &call_overhead_us, py::call_guard<py::gil_scoped_release>(), py::arg("reps") = 2000);

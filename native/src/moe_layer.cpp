@@ -50,6 +50,7 @@ struct Group {
 
 // Per calling thread (calls from one thread never overlap), so steady-state calls allocate nothing.
 struct Scratch {
+    std::vector<int64_t> rows;  // ids + id_offset
     std::vector<int> order, entry_token;
     std::vector<float> entry_w, acc;
     std::vector<Group> groups;
@@ -122,20 +123,23 @@ void moe_layer(const LayerArgs& a) {
     if (T == 0) return;
     const int64_t N = T * k;
     if (N > INT32_MAX) throw std::invalid_argument("too many entries");
-    const int64_t* ids = a.ids;
-    for (int64_t i = 0; i < N; ++i)
-        if (ids[i] < 0 || ids[i] >= a.num_rows)
-            throw std::invalid_argument("expert id " + std::to_string(ids[i]) + " out of range [0, " +
+    thread_local Scratch tls;  // named inside the job lambda it would be each worker's own (empty) instance
+    Scratch& s = tls;
+    s.rows.resize(N);
+    for (int64_t i = 0; i < N; ++i) {
+        const int64_t row = a.ids[i] + a.id_offset;
+        if (row < 0 || row >= a.num_rows)
+            throw std::invalid_argument("expert row " + std::to_string(row) + " out of range [0, " +
                                         std::to_string(a.num_rows) + ")");
+        s.rows[i] = row;
+    }
+    const int64_t* ids = s.rows.data();
 
     const Isa isa = current_isa();
     const GemvFn gemv = table().fn[int(isa)][int(fmt)];
     const bool act_bf16 = isa == Isa::avx512bf16 && fmt == Fmt::bf16;  // kernel reads bf16 activations
     const size_t act = act_bf16 ? 2 : 4;
 
-    // a thread_local named inside the job lambda would be each worker's own (empty) instance
-    thread_local Scratch tls;
-    Scratch& s = tls;
     s.order.resize(N);
     for (int64_t i = 0; i < N; ++i) s.order[i] = static_cast<int>(i);
     std::stable_sort(s.order.begin(), s.order.end(), [&](int x, int y) { return ids[x] < ids[y]; });

@@ -31,7 +31,8 @@ struct LayerArgs {
     bool out_bf16 = false;
     int64_t out_ld = 0;
     int64_t T = 0, H = 0, I = 0, k = 0;
-    const int64_t* ids = nullptr;  // [T, k] flat expert rows
+    const int64_t* ids = nullptr;  // [T, k] expert ids; bank row = id + id_offset
+    int64_t id_offset = 0;
     const float* weights = nullptr;  // [T, k]
     int fmt = 0;  // Fmt
     WeightArgs w13, w2;

@@ -88,6 +88,8 @@ def _bad_calls():
         "ids non-contiguous": dict(good, ids=torch.zeros(k, T, dtype=torch.int64).t()),
         "ids out of range": dict(good, ids=torch.full((T, k), R)),
         "ids negative": dict(good, ids=torch.full((T, k), -1)),
+        "id offset past the bank": dict(good, id_offset=R - 0),
+        "id offset negative": dict(good, id_offset=-1),
         "weights float64": dict(good, weights=w.double()),
         "weights shape": dict(good, weights=torch.ones(T, k + 1)),
         "experts not ExpertWeights": dict(good, experts=(ew.w13, ew.w2)),
