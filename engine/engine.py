@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.anchors import Anchor, DecodeAnchor, anchors_from
 from engine.errors import EngineError, RequestError
 from engine.model.load import load_decoder, parse_dtype
 from engine.options import EngineOptions
@@ -48,7 +49,14 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
                capture_logits: bool = False, constraint: TokenConstraint | None = None,
                listener: Callable[[int | None], None] | None = None,
-               checkpoints: list[int] | None = None) -> RequestHandle:
+               checkpoints: list[int] | None = None, anchors: list[Anchor] | None = None,
+               decode_anchors: list[DecodeAnchor] | None = None, session: str | None = None,
+               forced_output: list[int] | None = None) -> RequestHandle:
+        """Queues a request. `checkpoints` (legacy) and `anchors` ask for recurrent-state snapshots
+        at prompt positions, `decode_anchors` after generated tokens (engine/anchors.py);
+        `session` tags them for the eviction policy; `forced_output` replaces each sampled token by
+        the next forced id (the forward pass and captured logits are the real ones) and finishes
+        the request with "stop" when the list is exhausted (trace replay only)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -66,7 +74,9 @@ class Engine:
             handle = RequestHandle(f"req-{self._next_id}", len(prompt), listener)
             self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
                                        capture_logits=capture_logits, constraint=constraint, max_len=limit,
-                                       checkpoints=list(checkpoints or [])))
+                                       anchors=anchors_from(checkpoints, anchors),
+                                       decode_anchors=list(decode_anchors or []), session=session,
+                                       forced=None if forced_output is None else [int(t) for t in forced_output]))
             self._ensure_thread()
             self._cv.notify()
         return handle

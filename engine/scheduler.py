@@ -55,7 +55,7 @@ class Scheduler:
             self.cache.lock(match.node)
             req.match_node, req.prefix_len, req.computed = match.node, match.length, match.length
             req.owned = match.length
-            req.checkpoints = sorted({p for p in req.checkpoints if match.length < p < len(req.prompt)})
+            req.anchors = [a for a in req.anchors if match.length < a.position < len(req.prompt)]
             req.kv_slots = match.slots.clone()
             req.handle.cached_tokens = match.length
             if self.hybrid:
@@ -102,7 +102,7 @@ class Scheduler:
         for req in self.running:
             if req.phase is Phase.PREFILL and budget > 0:
                 end = min(req.computed + budget, len(req.prompt))
-                stop_at = next((p for p in req.checkpoints if p > req.computed), None)
+                stop_at = next((a.position for a in req.anchors if a.position > req.computed), None)
                 if stop_at is not None:
                     end = min(end, stop_at)  # a chunk ends at each checkpoint so its state can be saved
                 chunk = req.prompt[req.computed:end]
@@ -135,7 +135,7 @@ class Scheduler:
             return
         for row, (req, toks) in enumerate(entries):
             req.computed += len(toks)
-            if req.phase is Phase.PREFILL and req.computed in req.checkpoints:
+            if req.phase is Phase.PREFILL and any(a.position == req.computed for a in req.anchors):
                 self._checkpoint(req)
             if req.phase is Phase.PREFILL and req.computed < len(req.prompt):
                 continue
