@@ -81,6 +81,27 @@ class Engine:
             self._cv.notify()
         return handle
 
+    def checkpoints(self, session: str | None = None) -> list[dict[str, object]]:
+        """Held recurrent-state checkpoints (of `session` only, when given), shallowest first: each
+        {"session", "position", "kind", "priority", "bytes", "tier": "device"|"host", "last_access"}.
+        Empty for models without recurrent layers. Safe from any thread."""
+        with self._step_lock:
+            s = self.scheduler
+            return s.store.listing(session, s.states.slot_bytes())
+
+    def checkpoint_budget(self) -> dict[str, int]:
+        """{"device_slots", "device_used", "host_slots", "host_used", "slot_bytes"}; safe from any thread."""
+        with self._step_lock:
+            s = self.scheduler
+            return s.store.budget(s.states.slot_bytes())
+
+    def reset_cache(self) -> None:
+        """Drops all cached prefixes and checkpoints; raises EngineError while requests run."""
+        with self._cv, self._step_lock:
+            if self._inbox or self.scheduler.has_work:
+                raise EngineError("cannot reset the prefix cache while requests are queued or running")
+            self.scheduler.reset_cache()
+
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[int]:
         handle = self.submit(prompt_ids, params)
         try:
