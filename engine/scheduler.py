@@ -91,10 +91,10 @@ class Scheduler:
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _alloc_kv(self, n: int) -> torch.Tensor:
+    def _alloc_kv(self, n: int, requester: str | None) -> torch.Tensor:
         slots = self.kv.alloc(n)
         if slots is None:
-            self.cache.evict(n - self.kv.num_free)
+            self.cache.evict(n - self.kv.num_free, self.store.kv_leaf_key(requester))
             slots = self.kv.alloc(n)
         if slots is None:
             raise CapacityError(f"KV cache full: {n} more tokens needed, {self.kv.num_free} free of {self.kv.capacity}")
@@ -128,7 +128,7 @@ class Scheduler:
         batch_entries, ids, pos = [], [], []
         for req, toks in list(entries):
             try:
-                new = self._alloc_kv(len(toks))
+                new = self._alloc_kv(len(toks), req.session)
             except CapacityError as e:
                 entries.remove((req, toks))
                 if req.finish_pending is not None:  # only the extra step for a decode anchor: skip it

@@ -14,10 +14,14 @@ Contract:
 - `restore(match, dst)` copies the matched checkpoint (either tier) into working slot `dst`.
 - Spilling into a full host tier drops the first host snapshot in eviction order, or the spilled
   one itself when it ranks strictly below all of them on (protected, priority).
+- `kv_leaf_key(requester)` orders radix leaves for KV eviction by the same policy.
 - `listing(session)` / `budget()` report what is held. Only the engine thread mutates.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from engine.anchors import PROTECT_PER_SESSION, SessionActivity, SnapshotMeta, eviction_key
 from engine.cache.pools import HostStatePool, StatePool
@@ -61,6 +65,19 @@ class CheckpointStore:
         a = self._key(new, new in prot, requester)[:2]
         b = self._key(first, first in prot, requester)[:2]
         return a < b
+
+    def kv_leaf_key(self, requester: str | None) -> Callable[[Node], tuple[Any, ...]]:
+        """Order for evicting radix leaves (KV): leaves without a snapshot first (least recent
+        first; on a hybrid model no request can resume inside them), then leaves holding one in
+        the checkpoint eviction order (their snapshot goes with their KV)."""
+        protected = self._protected([])
+
+        def key(x: Node) -> tuple[Any, ...]:
+            if x.meta is None:
+                return (0, (), x.last_access)
+            return (1, self._key(x, x in protected, requester), x.last_access)
+
+        return key
 
     # ------------------------------------------------------------------ device tier
     def _device_nodes(self, exclude: Node | None = None) -> list[Node]:

@@ -15,8 +15,8 @@ Contract:
   `snapshot_nodes()` lists the nodes holding one; which to move or drop is the caller's policy
   (engine/cache/checkpoints.py).
 - `match(..., need_state=True)` accepts a snapshot in either tier (`Match.host_slot`).
-- `evict(n_tokens)` frees least-recently-used unlocked leaves until n KV slots were released;
-  leaves holding a higher-priority snapshot go after lower ones. `evict_state()` drops the
+- `evict(n_tokens, key)` frees unlocked leaves in ascending `key` order until n KV slots were
+  released (default key: the leaf's snapshot priority, then least recently used). `evict_state()` drops the
   least-recently-used unlocked device snapshot. Freed slots go back through the callbacks given
   at construction.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,6 +72,7 @@ class RadixCache:
         self.cached_tokens = 0
         self.num_snapshots = 0  # device snapshots
         self.num_host_snapshots = 0
+        self._held: dict[Node, None] = {}  # nodes holding a snapshot, in insertion order
 
     # ------------------------------------------------------------------ lookup
     def match(self, tokens: list[int], limit: int, need_state: bool) -> Match:
@@ -141,6 +143,7 @@ class RadixCache:
             self.num_host_snapshots -= 1
         node.state_slot = slot
         node.meta = meta or node.meta or SnapshotMeta()
+        self._held[node] = None
         if old < 0:
             self.num_snapshots += 1
         return old
@@ -166,9 +169,10 @@ class RadixCache:
             node.host_slot = -1
             self.num_host_snapshots -= 1
         node.meta = None
+        self._held.pop(node, None)
 
     def snapshot_nodes(self) -> list[Node]:
-        return [x for x in self._nodes() if x.has_state]
+        return list(self._held)
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (no snapshot)."""
@@ -190,21 +194,22 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
-    def evict(self, n_tokens: int) -> int:
+    def evict(self, n_tokens: int, key: Callable[[Node], Any] | None = None) -> int:
+        # Default: a leaf holding a high-priority snapshot goes after lower ones; LRU among equals.
+        key = key or (lambda x: (x.meta.priority if x.meta else 0, x.last_access))
         freed = 0
         while freed < n_tokens:
             leaves = [x for x in self._nodes() if not x.children and x.lock == 0 and x is not self.root]
             if not leaves:
                 break
-            # A leaf holding a high-priority snapshot goes after lower ones; LRU among equals.
-            for leaf in sorted(leaves, key=lambda x: (x.meta.priority if x.meta else 0, x.last_access)):
+            for leaf in sorted(leaves, key=key):
                 freed += self._remove_leaf(leaf)
                 if freed >= n_tokens:
                     break
         return freed
 
     def evict_state(self) -> bool:
-        held = [x for x in self._nodes() if x.state_slot >= 0 and x.lock == 0]
+        held = [x for x in self._held if x.state_slot >= 0 and x.lock == 0]
         if not held:
             return False
         self.drop_state(min(held, key=lambda x: x.last_access))  # a node never holds both tiers
@@ -228,8 +233,10 @@ class RadixCache:
                 self._free_kv(node.value)
                 self.drop_state(node)
         self.root.children.clear()
+        self._held.clear()
         self.cached_tokens = 0  # device snapshots
         self.num_host_snapshots = 0
+        self._held: dict[Node, None] = {}  # nodes holding a snapshot, in insertion order
 
 
 def _common(key: list[int], tokens: list[int], pos: int, limit: int) -> int:

@@ -354,3 +354,29 @@ def test_forced_output_feeds_the_forced_ids(hybrid, make_engine) -> None:  # typ
     h = engine.submit(PROMPT, greedy(5), forced_output=[], capture_logits=True)
     assert h.result(timeout=120) == [] and h.finish_reason == "stop" and h.logits == []
     assert_baseline(engine)
+
+
+def test_kv_pressure_evicts_leaves_without_snapshots_first(hybrid, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """On a hybrid model a radix leaf without a snapshot cannot be resumed inside; under KV
+    pressure it goes before an older leaf that holds a (protected) checkpoint."""
+    path, _, cold = hybrid
+    engine = make_engine(path, kv_tokens=80, checkpoint_slots=1, host_checkpoint_slots=0, max_running=1)
+    a, b, c = PROMPT, toks(30, 61), toks(30, 62)
+    for _ in range(2):  # session "a" returns: its best checkpoint is protected
+        engine.submit(a, greedy(1), session="a", anchors=[Anchor(30, "prompt_end", 0)]).result(timeout=120)
+    engine.submit(b, greedy(1), session="b").result(timeout=120)  # its end state is not kept
+    assert held(engine) == {30: ("prompt_end", 0, "device")}
+    engine.submit(c, greedy(1), session="c").result(timeout=120)  # needs b's or a's KV
+    assert reuse(served(engine, cold, [*a, 1], session="a")) == (30, 30, "prompt_end", False, 1)
+    assert_baseline(engine)
+
+
+def test_bad_forced_ids_are_rejected(hybrid, make_engine) -> None:  # type: ignore[no-untyped-def]
+    from engine.errors import RequestError
+
+    path, _, _ = hybrid
+    engine = make_engine(path)
+    with pytest.raises(RequestError, match="forced_output"):
+        engine.submit(PROMPT, forced_output=[1, 128])
+    with pytest.raises(RequestError, match="Anchor"):
+        engine.submit(PROMPT, anchors=[10])  # type: ignore[list-item]
