@@ -31,7 +31,7 @@ from engine.cache.radix import Match, Node, RadixCache
 class CheckpointStore:
     def __init__(self, cache: RadixCache, states: StatePool, host: HostStatePool, device_cap: int) -> None:
         self.cache, self.states, self.host = cache, states, host
-        self.device_cap = device_cap if states.capacity else 0
+        self.device_cap = min(device_cap, states.capacity)  # an explicit shared pool may be smaller
         self.activity = SessionActivity()
 
     # ------------------------------------------------------------------ policy

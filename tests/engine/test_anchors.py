@@ -380,3 +380,31 @@ def test_bad_forced_ids_are_rejected(hybrid, make_engine) -> None:  # type: igno
         engine.submit(PROMPT, forced_output=[1, 128])
     with pytest.raises(RequestError, match="Anchor"):
         engine.submit(PROMPT, anchors=[10])  # type: ignore[list-item]
+
+
+def test_concurrent_requests_with_anchors_under_tight_budgets(hybrid, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Requests batched together, each checkpointing prefill and decode anchors into two tiny
+    tiers: every output equals its cold run, no budget is ever exceeded, nothing leaks."""
+    path, _, cold = hybrid
+    engine = make_engine(path, checkpoint_slots=2, host_checkpoint_slots=2, max_running=3, prefill_chunk=16)
+    probe, bad = budget_probe(engine)
+    prompts = [[*PROMPT[:12], *toks(14 + 4 * i, 70 + i)] for i in range(3)]
+    refs = [cold.run(p, 6) for p in prompts]
+    handles = [engine.submit(p, greedy(6), capture_logits=True, session=f"s{i}", listener=probe,
+                             anchors=[Anchor(8, "system_end", 2), Anchor(12, "user_start", i)],
+                             decode_anchors=[DecodeAnchor(refs[i][0][2], "tool_call_start", 1)])
+               for i, p in enumerate(prompts)]
+    for h, (out, logits) in zip(handles, refs, strict=True):
+        assert h.result(timeout=120) == out
+        assert rel_err(torch.stack(h.logits), logits) < TOL
+    assert not bad
+    b = engine.checkpoint_budget()
+    assert b["device_used"] <= 2 and b["host_used"] <= 2
+    for c in engine.checkpoints():  # every held checkpoint restores to the cold result
+        i = int(str(c["session"])[1:])
+        full = prompts[i] + refs[i][0]
+        pos = int(c["position"])  # type: ignore[call-overload]
+        still = pos in {x["position"] for x in engine.checkpoints()}  # earlier probes may evict it
+        h = served(engine, cold, [*full[:pos], 127])
+        assert h.reuse.state_position == pos if still else h.reuse.state_position <= pos
+    assert_baseline(engine)
