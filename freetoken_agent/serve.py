@@ -1,7 +1,8 @@
 """`freetoken-agent serve`: load the model once and serve every protocol over HTTP.
 
 Contract: binds 127.0.0.1:8000 by default; `--api-key` turns on authentication; the served model
-name defaults to `freetoken-demo` for the demo model and to the directory name otherwise. The HTTP
+name defaults to `freetoken-demo` for the demo model and to the directory name otherwise;
+`--anchor-policy` picks where prefill checkpoints go (freetoken_agent/sessions/anchors.py). The HTTP
 layer lives in `adapters/` (the top layer); this command is the composition root that wires it to
 the engine and the chat service, so it imports it lazily.
 """
@@ -17,6 +18,7 @@ from freetoken_agent.argtypes import positive_int
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
 from freetoken_agent.service import ChatService
+from freetoken_agent.sessions import AnchorPolicy, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer
 
 
@@ -34,6 +36,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
+    p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
+                   help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
+                        "(every 8192 tokens + request end) or user-only (user-turn starts + request end); "
+                        "the last two are benchmark baselines")
     p.add_argument("--log-level", default="warning")
 
 
@@ -55,7 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_running=args.max_running, state_slots=max(32, 2 * args.max_running))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
-    service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens)
+    sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)
+    service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens, sessions=sessions)
     state = AppState(service=service, model_name=name, api_key=args.api_key, aliases=(str(model_dir),),
                      ping_interval=args.ping_interval)
     app = create_app(state)
