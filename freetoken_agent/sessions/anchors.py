@@ -93,7 +93,7 @@ class AnchorPlanner:
         responses = [i for i, t in enumerate(ids) if t == self.tool_response] if self.tool_response is not None else []
         starts: list[int] = []
         b = 0
-        resp_i = 0
+        resp_i = 0  # next unclaimed <tool_response>
         for i, m in enumerate(messages):
             if i == 0 and m.role == "system":
                 if not blocks:
@@ -103,18 +103,21 @@ class AnchorPlanner:
                 continue
             if i == 0 and has_tools:
                 b = 1  # the tool block renders as a system turn of its own
-            if m.role == "tool" and i > 0 and messages[i - 1].role == "tool":
-                # a later result of the same merged user turn: its own <tool_response> marks it
-                while resp_i < len(responses) and responses[resp_i] <= starts[-1]:
+            grouped = m.role == "tool" and i > 0 and messages[i - 1].role == "tool"
+            if not grouped:
+                if b >= len(blocks):
+                    return None
+                starts.append(blocks[b])
+                b += 1
+            if m.role == "tool":
+                # each result of a merged user turn opens with its own <tool_response>
+                while resp_i < len(responses) and responses[resp_i] <= (starts[-1] if not grouped else -1):
                     resp_i += 1
                 if resp_i >= len(responses):
                     return None
-                starts.append(responses[resp_i])
-                continue
-            if b >= len(blocks):
-                return None
-            starts.append(blocks[b])
-            b += 1
+                if grouped:
+                    starts.append(responses[resp_i])
+                resp_i += 1
         if b != len(blocks) - 1:
             return None  # an <|im_start|> the structure does not explain
         starts.append(blocks[b])

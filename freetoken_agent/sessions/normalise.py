@@ -23,14 +23,16 @@ BILLING_PREFIX = "x-anthropic-billing-header"
 
 
 def strip_billing_header(text: str) -> str:
-    """Drops every paragraph that starts with the billing header; the rest of the text is kept."""
+    """Drops every billing-header line that starts a paragraph; the rest of the text is kept."""
     if BILLING_PREFIX not in text:
         return text
-    parts = [p for p in text.split("\n\n") if not p.lstrip().startswith(BILLING_PREFIX)]
-    out = "\n\n".join(parts)
-    if out.startswith(BILLING_PREFIX):  # a header line glued to the next line without a blank line
-        out = out.partition("\n")[2].lstrip("\n")
-    return out
+    kept = []
+    for para in text.split("\n\n"):
+        if para.lstrip().startswith(BILLING_PREFIX):
+            para = para.lstrip().partition("\n")[2].lstrip("\n")  # the header is one line
+        if para:
+            kept.append(para)
+    return "\n\n".join(kept)
 
 
 def normalise(req: ChatRequest) -> ChatRequest:
