@@ -108,8 +108,9 @@ def test_generic_session_header() -> None:
 def test_equal_content_forms_render_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A string and a list of text blocks (Claude Code sends its in-messages system turn both ways;
     mini-swe-agent's cache_control moves turn a string into a list) are one prompt."""
-    from adapters import anthropic_messages, openai_chat
     from sessions_support import make_tokenizer
+
+    from adapters import anthropic_messages, openai_chat
 
     tok = make_tokenizer("qwen3_5", tmp_path)
     a = openai_chat.to_chat_request({"messages": [{"role": "system", "content": "S"},
