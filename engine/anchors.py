@@ -9,8 +9,9 @@ Contract:
 - `DecodeAnchor(token_id, kind, priority)`: while decoding, each time the engine generates
   `token_id`, snapshot the state after that token. A token's state only exists once the next step
   has fed it through the model, so the checkpoint's position is (index of the token in
-  prompt + output) + 1 and it is taken at the end of that next step; a request that ends on the
-  token itself (stop token, max_tokens) never computes it, so no checkpoint is taken there.
+  prompt + output) + 1 and it is taken at the end of that next step. A request that ends on the
+  token (stop token, max_tokens, forced output exhausted) runs that one extra step before it
+  finishes; the caller sees the same tokens, finish reason and logits as without the anchor.
 - `ReuseInfo`: what admission reused, on `RequestHandle.reuse` before the first token is emitted.
 - `SnapshotMeta` / `eviction_key`: the eviction policy, below.
 
@@ -25,10 +26,16 @@ host it is dropped). The key is, in order:
    snapshots before anyone else's of the same priority;
 4. snapshots of sessions with fewer recent requests first (one-off side sessions before the
    main conversation);
-5. least recently used first (LRU is the floor when everything else ties).
+5. least recently used first (LRU is the floor when everything else ties); a snapshot's recency
+   is the last time a request's match or insert passed through its radix node.
 A new snapshot competes with the ones already in a full tier: when it would be the first to go it
 goes straight to the next tier (or is not kept), so a flood of low-value snapshots never pushes
-out better ones. Snapshots whose radix node is locked by a running request are not candidates.
+out better ones. A live request always gets a working state slot: when the device pool is
+full, the first device snapshot in this order moves to the host tier. Snapshots of nodes locked
+by running requests are candidates too (admission copies a snapshot into the request's working
+slot at once; locks only pin KV). KV eviction uses the same order for radix leaves that hold a
+snapshot, after the leaves that hold none (nothing can resume inside those on a hybrid model).
+Session None is never "returning": untagged requests get LRU-by-priority only.
 
 Sliding-window attention needs no checkpoint: the KV pool keeps every token's keys and values
 (page size 1) and the window is a mask in `engine/model/attention.py`, so any cached prefix is

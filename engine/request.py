@@ -112,7 +112,8 @@ class Request:
     decode_anchors: list[DecodeAnchor] = field(default_factory=list)
     session: str | None = None
     forced: list[int] | None = None  # replay: these ids replace the sampled ones, then "stop"
-    pending_decode_anchor: DecodeAnchor | None = None  # generated last step: snapshot after the next
+    pending_anchor: DecodeAnchor | None = None  # generated last step: checkpoint after this step
+    finish_pending: str | None = None  # finish reason held back for that one extra step
     match_node: Node | None = None
     state_slot: int = -1
     generator: torch.Generator | None = None
