@@ -25,8 +25,10 @@ def _state(request: Request) -> AppState:
     return request.app.state.ft  # type: ignore[no-any-return]
 
 
+# Plain `def` handlers run in the threadpool: listing the engine's checkpoints waits for the
+# current engine step to end, which must not stall the event loop that streams other replies.
 @router.get("/v1/sessions")
-async def list_sessions(request: Request) -> dict[str, Any]:
+def list_sessions(request: Request) -> dict[str, Any]:
     sessions = _state(request).service.sessions
     budget_fn = getattr(sessions.engine, "checkpoint_budget", None)
     budget = None
@@ -40,7 +42,7 @@ async def list_sessions(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/sessions/{session_id:path}")
-async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+def get_session(session_id: str, request: Request) -> dict[str, Any]:
     data = _state(request).service.sessions.session(session_id)
     if data is None:
         raise ApiError(404, f"no session {session_id!r} on this server", type="not_found_error",

@@ -34,6 +34,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--max-output-tokens", type=positive_int, default=32768)
     p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
     p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
+    p.add_argument("--checkpoint-slots", type=int, default=32,
+                   help="recurrent-state checkpoints kept on the device (hybrid models)")
+    p.add_argument("--host-checkpoint-slots", type=int, default=128,
+                   help="checkpoints spilled to host memory before they are dropped (hybrid models)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
@@ -58,7 +62,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, kv_tokens=args.kv_tokens,
-                         max_running=args.max_running, state_slots=max(32, 2 * args.max_running))
+                         max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
+                         host_checkpoint_slots=args.host_checkpoint_slots)
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)

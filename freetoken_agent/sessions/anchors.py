@@ -158,7 +158,7 @@ class AnchorPlanner:
     def realised_decode_positions(self, prompt_len: int, output: Sequence[int],
                                   decode: Sequence[DecodeAnchor]) -> list[tuple[int, str]]:
         """Where the decode anchors fired in a finished generation: (position in prompt + output, kind).
-        A token's state exists only once the next step fed it through the model, so the final token
-        of the output (the stop token, or the last one at max_tokens) never gets its checkpoint."""
+        The engine feeds a final anchor token through one extra step, so the reply's closing
+        `<|im_end|>` gets its checkpoint too (engine/anchors.py)."""
         kinds = {d.token_id: d.kind for d in decode}
-        return [(prompt_len + i + 1, kinds[t]) for i, t in enumerate(output[:-1]) if t in kinds]
+        return [(prompt_len + i + 1, kinds[t]) for i, t in enumerate(output) if t in kinds]

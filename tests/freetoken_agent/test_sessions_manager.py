@@ -80,7 +80,8 @@ def test_append_only(tok: ChatTokenizer) -> None:
     t2 = c.turn(sys_(), user("list files"), A1, tool(OUT), reply=A2)
     assert t2["divergence_cause"] == "appended"
     assert t2["divergence_position"] == t1["prompt_tokens"] + t1["completion_tokens"]
-    assert t2["would_serve_kind"] in ("tool_call_start", "thinking_end")  # message_end is never computed
+    assert t2["would_serve_kind"] == "message_end"  # the reply's own end: exactly where the next turn starts
+    assert t2["would_serve_position"] == t2["divergence_position"]
 
 
 def test_reasoning_dropped_by_template_at_new_user_turn(tok: ChatTokenizer) -> None:
