@@ -15,10 +15,11 @@ Contract (used by `ChatService`, from one asyncio loop):
 - `sessions()` / `session(id)` -> JSON-ready inspection dicts (`GET /v1/sessions[/{id}]`).
 
 Side requests (titles, summaries, compaction prompts: a profile marker, or a request in a known
-session whose system prompt and tool list both differ from the session's main ones) get the tag
-`<session>#side` (or none), only `system_end` + `prompt_end` anchors, no decode anchors and
-priorities lowered by `SIDE_PENALTY`, so the engine evicts their checkpoints before any of the
-main conversation's. Sub-agents (parent headers) are sessions of their own with a `parent`.
+session whose system prompt and tool list both differ from the session's main ones) get no engine
+session tag (the engine's policy evicts untagged, non-returning snapshots first), only
+`system_end` + `prompt_end` anchors, no decode anchors and priorities lowered by `SIDE_PENALTY`,
+so they never evict the main conversation's checkpoints. They are still counted in their
+session's record. Sub-agents (parent headers) are sessions of their own with a `parent`.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ class SessionManager:
         divergence = None
         if not side and sess is not None and sess.snapshot is not None:
             divergence = classify(sess.snapshot, messages, tools, ids, starts)
-        tag = None if sid is None else (f"{sid}#side" if side else sid)
+        # Side requests carry no tag: a shared "<id>#side" tag would make the side calls look like a
+        # returning conversation to the engine, whose policy then protects their snapshots.
+        tag = None if side else sid
         return RequestPlan(detection=det, session_id=sid, side=side, engine_session=tag, anchors=anchors,
                            decode_anchors=decode, messages=messages, tools=tools, starts=starts,
                            divergence=divergence)
@@ -208,10 +211,8 @@ class SessionManager:
         if self.engine is None:
             return None, None
         held = engine_checkpoints(self.engine, sid)
-        side = engine_checkpoints(self.engine, f"{sid}#side")
         if held is None:
             return None, None
-        held = held + (side or [])
         return held, sum(int(c.get("bytes", 0) or 0) for c in held)
 
     def sessions(self) -> list[dict[str, Any]]:
