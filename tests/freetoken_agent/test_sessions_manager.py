@@ -204,3 +204,12 @@ def test_headerless_sessions_by_prefix(tok: ChatTokenizer) -> None:
                 user("Please solve this issue: bug"), A1, tool(OUT), reply=A2)
     assert s1["_plan"].session_id == s2["_plan"].session_id and s1["_plan"].session_id.startswith("h-")
     assert s2["client"] == "mini-swe-agent" and s2["divergence_cause"] == "appended"
+
+
+def test_resend_and_truncation(tok: ChatTokenizer) -> None:
+    c = Conversation(tok)
+    c.turn(sys_(), user("list files"), A1, tool(OUT), reply=A2)
+    t = c.turn(sys_(), user("list files"), A1, tool(OUT))
+    assert t["divergence_cause"] == "resend" and t["divergence_position"] == t["prompt_tokens"]
+    t = c.turn(sys_(), user("list files"))
+    assert t["divergence_cause"] == "truncated"
