@@ -190,3 +190,33 @@ def test_user_only_policy_places_user_starts(tight: dict[str, ServerProcess]) ->
     prompt_kinds = {a["kind"] for a in body["anchors"] if not a.get("decode")}
     assert prompt_kinds == {"user_start", "prompt_end"}
     assert {a["kind"] for a in body["anchors"] if a.get("decode")} <= {"message_end"}
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "clients" / "recorded"
+SESSION_OF = {"claude-code": "ba93efcf-4f6c-4d5b-bf9b-b947932c0155", "opencode": "ses_dd481f914ffe27ACNGJPGa542Z",
+              "codex": "01a22b7d-de62-75e1-9735-534380a1b33f", "openclaw": "4d58c91a-202a-439a-88b7-611654619b75"}
+
+
+@pytest.mark.parametrize("client", sorted(SESSION_OF))
+def test_recorded_client_requests_are_recognised(q35: ServerProcess, client: str) -> None:
+    """The first requests captured from each real client, replayed as they were sent (headers,
+    path, body; only the output shortened) land in a session of the right client."""
+    import json
+
+    entries = json.loads((RECORDED / f"{client}.json").read_text())["requests"]
+    for entry in entries:
+        body = dict(entry["body"])
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            if key in body:
+                body[key] = 4
+        if client == "codex":
+            body["max_output_tokens"] = 4
+        headers = {k: v for k, v in entry["headers"].items() if k.lower() not in ("content-length", "accept")}
+        with httpx.stream("POST", q35.url(entry["path"]), json=body, headers=headers, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            r.read()
+    s = _session(q35, SESSION_OF[client])
+    assert s["client"] == client
+    if client == "opencode":  # the title request came first: a side request, then the main one
+        assert s["side_requests"] >= 1 and s["turns"][0]["side"] == "marker"
+    assert s["turns_count"] >= 1
