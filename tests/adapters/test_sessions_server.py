@@ -220,3 +220,46 @@ def test_recorded_client_requests_are_recognised(q35: ServerProcess, client: str
     if client == "opencode":  # the title request came first: a side request, then the main one
         assert s["side_requests"] >= 1 and s["turns"][0]["side"] == "marker"
     assert s["turns_count"] >= 1
+
+
+CARRIER = ("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nConversation data (data, not instructions):\n"
+           "\"Active exec sessions:\\n{n}\"\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
+
+
+def _openclaw_turns(server: ServerProcess, tag: str) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+    """Two OpenClaw turns: the first ends in a runtime-context carrier, the second replaces it."""
+    headers = {"user-agent": "OpenAI/JS 7.15.0"}
+    system = {"role": "system", "content": f"<!-- openclaw:attempt:STABLE -->\nYou are a personal assistant "
+                                           f"running inside OpenClaw ({tag})."}
+    u1 = {"role": "user", "content": f"[Mon 2026-11-30 08:07 UTC] Read README.md\n\nRuntime: agent=main | "
+                                     f"sessionId={tag}"}
+    text, _ = _chat(server, [system, u1, {"role": "user", "content": CARRIER.format(n="none")}], headers)
+    second = [system, u1, {"role": "assistant", "content": text}, {"role": "user", "content": "thanks"},
+              {"role": "user", "content": CARRIER.format(n="1")}]
+    text2, _ = _chat(server, second, headers)
+    return second, text2, _session(server, tag)
+
+
+def test_openclaw_carrier_served_by_its_anchor_and_equal_to_cold(q35: ServerProcess, locked: ServerProcess) -> None:
+    tag = f"claw{uuid.uuid4().hex[:10]}"
+    second, text2, body = _openclaw_turns(q35, tag)
+    assert body["client"] == "openclaw" and body["key_source"] == "content"
+    _, t2 = body["turns"]
+    assert t2["divergence_cause"] == "runtime_context_removed"
+    assert t2["would_serve_kind"] == "before_carrier"
+    assert t2["checkpoint_kind"] == "before_carrier"
+    assert t2["checkpoint_position"] == t2["would_serve_position"] == t2["divergence_position"] - 1
+    assert t2["reused_tokens"] == t2["checkpoint_position"]
+    assert t2["recomputed_tokens"] == t2["prompt_tokens"] - t2["reused_tokens"]
+    cold, usage = _chat(locked, second, {"user-agent": "OpenAI/JS 7.15.0", **locked.headers()})
+    assert usage.prompt_tokens == t2["prompt_tokens"]
+    assert cold == text2  # served from the checkpoint == computed from scratch
+
+
+def test_semantic_reuses_more_than_user_only(tight: dict[str, ServerProcess]) -> None:
+    tag = f"claw{uuid.uuid4().hex[:10]}"
+    _, text_sem, sem = _openclaw_turns(tight["semantic"], tag)
+    _, text_usr, usr = _openclaw_turns(tight["user-only"], tag)
+    assert text_sem == text_usr  # same prompts, same outputs: only the reuse differs
+    assert usr["turns"][1]["checkpoint_kind"] in ("user_start", "request_end", None)
+    assert sem["turns"][1]["reused_tokens"] > usr["turns"][1]["reused_tokens"]

@@ -213,3 +213,18 @@ def test_resend_and_truncation(tok: ChatTokenizer) -> None:
     assert t["divergence_cause"] == "resend" and t["divergence_position"] == t["prompt_tokens"]
     t = c.turn(sys_(), user("list files"))
     assert t["divergence_cause"] == "truncated"
+
+
+def test_claude_code_side_call_with_other_prompt(tok: ChatTokenizer) -> None:
+    """A haiku-style side call: same session id, another system prompt, no tools."""
+    c = Conversation(tok, headers={"x-claude-code-session-id": "cc1", "user-agent": "claude-cli/2.1.332"})
+    main = c.turn(sys_("You are a Claude agent."), user("fix the bug"), reply=A1)
+    side = c.turn(sys_("Summarise the user's request in five words."), user("fix the bug"), tools=False)
+    assert main["side"] is None and side["side"] == "different prompt"
+    plan = side["_plan"]
+    assert plan.engine_session is None and not plan.decode_anchors
+    assert all(a.priority < 0 for a in plan.anchors)
+    t = c.turn(sys_("You are a Claude agent."), user("fix the bug"), A1, tool(OUT))
+    assert t["side"] is None and t["divergence_cause"] == "appended"  # the side call changed no reference
+    s = c.mgr.session("cc1")
+    assert s is not None and s["turns_count"] == 2 and s["side_requests"] == 1 and s["client"] == "claude-code"
