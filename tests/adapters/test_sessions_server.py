@@ -61,6 +61,7 @@ def test_list_and_detail(q35: ServerProcess) -> None:
     assert turn["divergence_position"] is None and turn["divergence_cause"] is None
     assert turn["ttft_ms"] is not None and turn["ttft_ms"] > 0
     assert turn["expert_cache_hit_rate"] is None
+    assert turn["checkpoints_held"] >= 1 and turn["checkpoint_bytes"] > 0
     kinds = {a["kind"] for a in body["anchors"]}
     assert {"system_end", "reply_start", "prompt_end"} <= kinds
     held = {c["kind"] for c in body["checkpoints"]}
