@@ -228,3 +228,21 @@ def test_claude_code_side_call_with_other_prompt(tok: ChatTokenizer) -> None:
     assert t["side"] is None and t["divergence_cause"] == "appended"  # the side call changed no reference
     s = c.mgr.session("cc1")
     assert s is not None and s["turns_count"] == 2 and s["side_requests"] == 1 and s["client"] == "claude-code"
+
+
+def test_kind_scores_policy() -> None:
+    from freetoken_agent.sessions.learning import BONUS, DECAY, KindScores, serving_anchor
+    from freetoken_agent.sessions.profiles import CODEX
+
+    scores = KindScores()
+    for _ in range(5):
+        scores.learn("codex", ["message_end"])
+    expected = round(BONUS * (1 - DECAY ** 5))
+    assert scores.bonus("codex", "message_end") == expected > 0
+    assert scores.priority(CODEX, "message_end") == CODEX.priority("message_end") + expected
+    scores.learn("codex", ["user_start"])  # one lesson for another kind: the old one decays
+    assert scores.bonus("codex", "message_end") < expected
+    assert scores.bonus("opencode", "message_end") == 0  # per client
+    assert scores.lessons("codex") == 6
+    assert serving_anchor([(5, "a"), (9, "b"), (12, "c")], 10) == (9, "b")
+    assert serving_anchor([(5, "a")], 4) is None
