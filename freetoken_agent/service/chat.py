@@ -12,6 +12,9 @@ Contract:
   generation is aborted at once, freeing its slot.
 - Stop strings are matched on the decoded text; text that may start a stop string is held back
   until it cannot.
+- Every request passes through the session manager (`freetoken_agent/sessions`): it is normalised
+  before rendering, planned (client, session, ranked anchors, divergence) before `engine.submit`,
+  and its turn is recorded when the generation ends.
 Must be used from one asyncio event loop; the engine thread reaches it via call_soon_threadsafe.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,9 +35,11 @@ from engine.errors import RequestError
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
 from freetoken_agent.service.types import ChatRequest, Chunk, Finish
+from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
 FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
+log = logging.getLogger("freetoken.service")
 
 
 class ContextTooLong(RequestError):
@@ -51,13 +57,15 @@ class Prepared:
     starts_in_reasoning: bool
     parse_tools: bool
     key: str
-    checkpoints: list[int]
+    plan: RequestPlan
 
 
 class ChatService:
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, model_name: str,
-                 context_window: int | None = None, max_output_tokens: int = 32768) -> None:
+                 context_window: int | None = None, max_output_tokens: int = 32768,
+                 sessions: SessionManager | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.sessions = sessions or SessionManager(tokenizer, engine=engine)
         self.family = FAMILIES[engine.cfg.family]
         self.context_window = min(context_window or engine.max_model_len, engine.max_model_len,
                                   engine.opts.kv_tokens)
@@ -68,7 +76,7 @@ class ChatService:
 
     # ------------------------------------------------------------------ rendering
     def render(self, req: ChatRequest) -> tuple[list[int], str, TokenConstraint | None, bool]:
-        """-> (prompt ids, forced prefix, constraint, thinking enabled)."""
+        """-> (prompt ids, forced prefix, constraint, thinking enabled). `req` is normalised already."""
         choice = req.tool_choice
         tools = req.tools if choice != "none" else []
         forced = choice == "required" or isinstance(choice, dict)
@@ -95,9 +103,10 @@ class ChatService:
         return self.tokenizer.encode(text + prefix), prefix, constraint, thinking
 
     def count_tokens(self, req: ChatRequest) -> int:
-        return len(self.render(req)[0])
+        return len(self.render(self.sessions.normalise(req))[0])
 
     def prepare(self, req: ChatRequest) -> Prepared:
+        req = self.sessions.normalise(req)
         ids, prefix, constraint, thinking = self.render(req)
         room = self.context_window - len(ids)
         if room < 1:
@@ -114,15 +123,7 @@ class ChatService:
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
-                        key=hashlib.sha256(key_src.encode()).hexdigest(), checkpoints=self.checkpoints(ids))
-
-    def checkpoints(self, ids: list[int]) -> list[int]:
-        """Where prefill snapshots recurrent state: the end of the system turn, the start of the last
-        message and of the reply, and one token before the end (so a resent request reuses all but
-        one token). Turn starts are `<|im_start|>` tokens, which survive any edit after them."""
-        turn = self.tokenizer.token_to_id("<|im_start|>")
-        starts = [i for i, t in enumerate(ids) if t == turn and i > 0]
-        return sorted({*starts[:1], *starts[-2:], len(ids) - 1})
+                        key=hashlib.sha256(key_src.encode()).hexdigest(), plan=self.sessions.plan(req, ids))
 
     # ------------------------------------------------------------------ running
     def start(self, req: ChatRequest) -> GenerationStream:
@@ -154,10 +155,13 @@ class GenerationStream:
         self._stopped: str | None = None
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.turn: dict[str, object] | None = None  # the session manager's record, once finished
         if prep.forced_prefix:
             self._publish(Chunk(prep.forced_prefix))
+        plan = prep.plan
         self.handle: RequestHandle = service.engine.submit(
-            prep.ids, prep.params, constraint=prep.constraint, checkpoints=prep.checkpoints,
+            prep.ids, prep.params, constraint=prep.constraint, anchors=plan.anchors,
+            decode_anchors=plan.decode_anchors, session=plan.engine_session,
             listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
 
     @property
@@ -209,6 +213,12 @@ class GenerationStream:
                              error=str(err) if err else None))
         self.finished = True
         self.service._forget(self)
+        ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
+        try:
+            self.turn = self.service.sessions.record(self.prep.plan, self.prep.ids, list(self.handle.output_ids),
+                                                     self.handle, ttft, reason)
+        except Exception:  # bookkeeping must never cost the client its answer
+            log.exception("recording the session turn failed")
         if self.service.on_finish is not None:
             self.service.on_finish(self, self.log[-1])  # type: ignore[arg-type]
 
