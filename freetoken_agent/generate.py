@@ -13,6 +13,7 @@ import sys
 
 from engine.engine import Engine
 from engine.errors import RequestError
+from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from freetoken_agent.models import resolve_model
@@ -37,7 +38,9 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     with load_progress("loading weights") as progress:
-        engine = Engine(model_dir, EngineOptions(device=args.device, threads=args.threads), progress=progress)
+        engine = Engine(model_dir, EngineOptions(device=args.device, threads=args.threads, executor=args.executor,
+                                                 dtype=args.dtype), progress=progress)
+    print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)
     out_ids: list[int] = []
     decoder = StreamDecoder(tok)
     try:

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from engine.engine import Engine
+from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from freetoken_agent.argtypes import positive_int
 from freetoken_agent.models import resolve_model
@@ -38,7 +39,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="recurrent-state checkpoints kept on the device (hybrid models)")
     p.add_argument("--host-checkpoint-slots", type=int, default=128,
                    help="checkpoints spilled to host memory before they are dropped (hybrid models)")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch and the native expert executor (default: one per physical core)")
+    p.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
+                   help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                   help="compute dtype (default: the checkpoint's)")
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
@@ -61,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
-    opts = EngineOptions(device=device, threads=args.threads, kv_tokens=args.kv_tokens,
+    opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
+                         kv_tokens=args.kv_tokens,
                          max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
                          host_checkpoint_slots=args.host_checkpoint_slots)
     with load_progress("loading weights") as progress:
@@ -72,7 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      ping_interval=args.ping_interval)
     app = create_app(state)
     print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {device}) on http://{args.host}:{args.port}"
-          f" (context {service.context_window} tokens, anchor policy {sessions.policy.value})", file=sys.stderr,
+          f" (context {service.context_window} tokens, anchor policy {sessions.policy.value}, experts: "
+          f"{describe_executor(engine.decoder.executor)})", file=sys.stderr,
           flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -34,6 +34,9 @@ class TorchExpertExecutor:
         self.banks = banks
         self.inter = banks.w2.shape[-1]
 
+    def describe(self) -> str:
+        return f"torch ({torch.get_num_threads()} threads)"
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
         out = torch.zeros_like(x)
         base = moe_index * self.banks.num_experts
@@ -79,6 +82,12 @@ _EXECUTORS: dict[str, Callable[[ExpertBanks, torch.device, int], ExpertExecutor]
     "torch": lambda banks, device, threads: TorchExpertExecutor(banks),
 }
 EXECUTORS = tuple(_EXECUTORS)
+
+
+def describe_executor(executor: ExpertExecutor) -> str:
+    """One line for logs and banners: which executor runs the experts, and how."""
+    describe = getattr(executor, "describe", None)
+    return describe() if callable(describe) else type(executor).__name__
 
 
 def create_executor(name: str, banks: ExpertBanks, device: torch.device | str = "cpu", threads: int = 0) -> ExpertExecutor:

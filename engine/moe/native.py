@@ -62,6 +62,9 @@ class NativeExpertExecutor:
         if threads > 0 and ft.num_threads() != threads:
             ft.set_num_threads(threads)
 
+    def describe(self) -> str:
+        return f"native ({self._ft.get_isa()}, {self.experts.fmt}, {self._ft.num_threads()} threads)"
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
         # the router's outputs go through as they are (int64 ids, weights widened exactly to float32);
         # the layer's bank offset is applied in C++, so a call makes no temporary besides `out`

@@ -249,3 +249,20 @@ def test_cpu_generate_uses_the_native_executor(ft, tmp_path):
                 assert isinstance(eng.decoder.executor, NativeExpertExecutor)
             outs[name] = list(eng.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)))
     assert outs["auto"] == outs["torch"]
+
+
+@pytest.mark.slow
+def test_cli_generate_reports_and_uses_the_native_executor(ft, tmp_path):
+    from freetoken_agent.demo import write_demo_model
+
+    model = write_demo_model(tmp_path / "demo", arch="qwen3_5_moe")
+    outs = {}
+    for name in ("native", "torch"):
+        cmd = [sys.executable, "-m", "freetoken_agent", "generate", "--model", str(model), "--prompt", "hi",
+               "--max-tokens", "12", "--executor", name, "--output-ids"]
+        res = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert f"expert executor: {name} (" in res.stderr
+        outs[name] = res.stdout.strip().splitlines()[-1]
+    assert outs["native"] == outs["torch"]
