@@ -1,0 +1,146 @@
+"""`CachedExpertExecutor`: routed experts through the GPU expert cache, misses split between PCIe
+fetches and the CPU executor (paper 3.2), both halves merged exactly.
+
+Contract: `CachedExpertExecutor(banks, slots, table, cpu_executor, ratio)` implements the
+`ExpertExecutor` protocol (engine/moe/executor.py). Per call (one MoE layer):
+1. `plan_layer` (engine/gpu/plan.py) updates the cache state and rewrites routed ids into slot ids
+   (hits and fetched misses) or -1 (misses left to the CPU);
+2. `slots.apply_copies` brings the fetched experts into their slots;
+3. the device part runs every entry with a slot id from the slot pool, grouped by expert;
+4. the CPU part runs the remaining entries through `cpu_executor` on host tensors (the native
+   executor when it can serve the banks, else the torch reference: `default_cpu_executor`);
+5. the output is device part + CPU part, in x's dtype and device.
+The result is the reference's (TorchExpertExecutor) up to float summation order: when every entry
+lands on one side, or with top-1 routing, it is bit-identical to the torch reference (the device
+part accumulates experts in the reference's order, ascending expert id, and the CPU part is
+handed exactly the CPU entries); when the entries are split, the two partial sums are added
+once, which rounds differently from the reference's single running sum.
+
+The CPU part gets only its own entries: per token, its CPU entries first, padded to the widest
+token's count with a zero-weight duplicate of an expert the call reads anyway (the native
+executor computes every entry it is given, so zeroing the weights of device entries would still
+read their weights from DRAM).
+
+`stats` counts hits, misses and fetched experts over all calls (host-side ints). On a real GPU
+this version synchronises with the host once per layer (copy list and CPU split are read on the
+host) and runs the two halves one after the other; the graph-captured, overlapped version is the
+next step (see the module docstring of engine/gpu/slots.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.plan import plan_layer
+from engine.gpu.policy import check_ratio
+from engine.gpu.slots import ExpertSlots
+from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
+from engine.weights.layout import ExpertBanks
+
+
+def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
+    """The native CPU executor when it can serve the banks, else the torch reference."""
+    from engine.moe.native import NativeExpertExecutor, native_unsupported
+
+    if native_unsupported(banks, "cpu") is None:
+        return NativeExpertExecutor(banks, threads)
+    return TorchExpertExecutor(banks)
+
+
+@dataclass
+class CacheStats:
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetched: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else 0.0
+
+
+def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                         slots: ExpertSlots) -> torch.Tensor:
+    """sum over entries with slot_ids >= 0 of weight * expert(x), experts read from `slots`,
+    accumulated in ascending expert id as TorchExpertExecutor does."""
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    flat_slot = slot_ids.reshape(-1)
+    # device entries sorted by expert id; CPU entries (key E_max) last and never visited
+    key = torch.where(flat_slot >= 0, ids.reshape(-1).to(torch.int64), torch.iinfo(torch.int64).max)
+    order = torch.argsort(key, stable=True)
+    n_dev = int((flat_slot >= 0).sum())
+    order = order[:n_dev]
+    slot_sorted = flat_slot[order]
+    flat_w = weights.reshape(-1)[order]
+    token_of = order // k
+    slot_groups, counts = torch.unique_consecutive(slot_sorted, return_counts=True)
+    start = 0
+    for slot, count in zip(slot_groups.tolist(), counts.tolist(), strict=True):
+        rows = token_of[start:start + count]
+        gate, up = F.linear(x[rows], slots.w13[slot]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, slots.w2[slot]) * flat_w[start:start + count, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
+
+
+def cpu_entries(ids: torch.Tensor, weights: torch.Tensor, on_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids [N, k'], weights [N, k']) holding only the CPU entries (k' = the widest token's count),
+    padded with zero-weight duplicates of a CPU expert; None when there is none."""
+    per_token = on_cpu.sum(dim=1)
+    width = int(per_token.max()) if on_cpu.numel() else 0
+    if width == 0:
+        return None
+    # stable sort of (not on_cpu) puts each token's CPU entries first, in their routed order
+    order = torch.sort((~on_cpu).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    valid = on_cpu.gather(1, order)
+    filler = ids[on_cpu][0]
+    cids = torch.where(valid, ids.gather(1, order), filler)
+    cw = torch.where(valid, weights.gather(1, order), torch.zeros((), dtype=weights.dtype))
+    return cids.contiguous(), cw.contiguous()
+
+
+class CachedExpertExecutor:
+    def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
+                 ratio: float) -> None:
+        if table.slots != slots.slots:
+            raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
+        if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
+            raise ValueError("cache table shape does not match the expert banks")
+        if table.device != slots.device:
+            raise ValueError(f"cache table on {table.device} but slots on {slots.device}")
+        self.banks, self.slots, self.table = banks, slots, table
+        self.cpu_executor = cpu_executor
+        self.ratio = check_ratio(ratio)
+        self.stats = CacheStats()
+
+    def describe(self) -> str:
+        return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}; "
+                f"misses on {describe_executor(self.cpu_executor)})")
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        dev = self.table.device
+        plan = plan_layer(self.table, moe_index, ids.to(dev), self.ratio)
+        self.slots.apply_copies(plan.copy_src, plan.copy_dst, self.banks)
+        self._count(plan.hits, plan.misses, plan.fetched)
+        on_dev = plan.slot_ids >= 0
+        out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots).to(x.device)
+        on_cpu = (~on_dev).cpu()
+        part = cpu_entries(ids.cpu(), weights.cpu(), on_cpu)
+        if part is not None:
+            cpu_out = self.cpu_executor(x.cpu(), part[0], part[1], moe_index)
+            out = out + cpu_out.to(x.device, x.dtype) if bool(on_dev.any()) else cpu_out.to(x.device, x.dtype)
+        return out
+
+    def _count(self, hits: torch.Tensor, misses: torch.Tensor, fetched: torch.Tensor) -> None:
+        h, m, f = torch.stack([hits, misses, fetched]).tolist()
+        self.stats.calls += 1
+        self.stats.hits += h
+        self.stats.misses += m
+        self.stats.fetched += f
