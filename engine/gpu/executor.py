@@ -16,10 +16,10 @@ part accumulates experts in the reference's order, ascending expert id, and the 
 handed exactly the CPU entries); when the entries are split, the two partial sums are added
 once, which rounds differently from the reference's single running sum.
 
-The CPU part gets only its own entries: per token, its CPU entries first, padded to the widest
-token's count with a zero-weight duplicate of an expert the call reads anyway (the native
-executor computes every entry it is given, so zeroing the weights of device entries would still
-read their weights from DRAM).
+The CPU part gets only its own entries (`cpu_entries`): the tokens that have any, each with its
+CPU entries first, padded to the widest token's count with a zero-weight duplicate of one of its
+own experts (the native executor computes every entry it is given, so zeroing the weights of
+device entries would still read their weights from DRAM).
 
 `stats` counts hits, misses and fetched experts over all calls (host-side ints). On a real GPU
 this version synchronises with the host once per layer (copy list and CPU split are read on the
@@ -90,20 +90,26 @@ def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Ten
     return out
 
 
-def cpu_entries(ids: torch.Tensor, weights: torch.Tensor, on_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ids [N, k'], weights [N, k']) holding only the CPU entries (k' = the widest token's count),
-    padded with zero-weight duplicates of a CPU expert; None when there is none."""
+def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
+                on_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(tokens [T'], ids [T', k'], weights [T', k']): the tokens that have CPU entries and only
+    those entries, k' = the widest token's count, narrower tokens padded with zero-weight
+    duplicates of one of their own experts; None when there is no CPU entry. Tokens without CPU
+    work are left out, so each expert the CPU runs sees exactly the reference's rows whenever no
+    padding is needed (decode at batch 1, top-1 routing, or every entry on the CPU)."""
     per_token = on_cpu.sum(dim=1)
     width = int(per_token.max()) if on_cpu.numel() else 0
     if width == 0:
         return None
-    # stable sort of (not on_cpu) puts each token's CPU entries first, in their routed order
+    tokens = torch.nonzero(per_token > 0).reshape(-1)
+    ids, weights, on_cpu = ids[tokens], weights[tokens], on_cpu[tokens]
+    # a stable sort of (not on_cpu) puts each token's CPU entries first, in their routed order
     order = torch.sort((~on_cpu).to(torch.int8), dim=1, stable=True).indices[:, :width]
     valid = on_cpu.gather(1, order)
-    filler = ids[on_cpu][0]
-    cids = torch.where(valid, ids.gather(1, order), filler)
+    cids = ids.gather(1, order)
+    cids = torch.where(valid, cids, cids[:, :1])  # every kept token has >= 1 CPU entry, first
     cw = torch.where(valid, weights.gather(1, order), torch.zeros((), dtype=weights.dtype))
-    return cids.contiguous(), cw.contiguous()
+    return tokens, cids.contiguous(), cw.contiguous()
 
 
 class CachedExpertExecutor:
@@ -133,10 +139,16 @@ class CachedExpertExecutor:
         out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots).to(x.device)
         on_cpu = (~on_dev).cpu()
         part = cpu_entries(ids.cpu(), weights.cpu(), on_cpu)
-        if part is not None:
-            cpu_out = self.cpu_executor(x.cpu(), part[0], part[1], moe_index)
-            out = out + cpu_out.to(x.device, x.dtype) if bool(on_dev.any()) else cpu_out.to(x.device, x.dtype)
-        return out
+        if part is None:
+            return out
+        tokens, cids, cw = part
+        x_cpu = x.cpu()
+        if tokens.numel() == x.shape[0]:
+            cpu_out = self.cpu_executor(x_cpu, cids, cw, moe_index).to(x.device, x.dtype)
+            # nothing on the device: the CPU part is the whole result (no "+ 0" rounding question)
+            return out + cpu_out if bool(on_dev.any()) else cpu_out
+        cpu_out = self.cpu_executor(x_cpu[tokens].contiguous(), cids, cw, moe_index)
+        return out.index_add_(0, tokens.to(x.device), cpu_out.to(x.device, x.dtype))
 
     def _count(self, hits: torch.Tensor, misses: torch.Tensor, fetched: torch.Tensor) -> None:
         h, m, f = torch.stack([hits, misses, fetched]).tolist()
@@ -144,3 +156,12 @@ class CachedExpertExecutor:
         self.stats.hits += h
         self.stats.misses += m
         self.stats.fetched += f
+
+
+def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
+                           cpu_executor: ExpertExecutor | None = None, threads: int = 0) -> CachedExpertExecutor:
+    """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
+    slots = ExpertSlots.from_budget(banks, budget_bytes, device)
+    layers = banks.w13.shape[0] // banks.num_experts
+    table = CacheTable(layers, banks.num_experts, slots.slots, device)
+    return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio)
