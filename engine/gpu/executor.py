@@ -21,14 +21,17 @@ CPU entries first, padded to the widest token's count with a zero-weight duplica
 own experts (the native executor computes every entry it is given, so zeroing the weights of
 device entries would still read their weights from DRAM).
 
-`stats` counts hits, misses and fetched experts over all calls (host-side ints). On a real GPU
-this version synchronises with the host once per layer (copy list and CPU split are read on the
-host) and runs the two halves one after the other; the graph-captured, overlapped version is the
-next step (see the module docstring of engine/gpu/slots.py).
+`stats` counts hits, misses and fetched experts over all calls (kept on the device, read on
+demand). On a real GPU this version reads the plan's small outputs on the host once per layer
+(slot ids and copy list, one transfer), runs the CPU branch in a worker thread while the copies
+and the device part are queued, and the device part still loops over experts in Python (a few
+more syncs); the graph-captured version (device-side copy kernel, the CPU branch as a host node,
+one grouped kernel) is the next step. `close()` stops the worker thread.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +127,15 @@ class CachedExpertExecutor:
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
         self.ratio = check_ratio(ratio)
-        self.stats = CacheStats()
+        self._worker: ThreadPoolExecutor | None = None
+        self._calls = 0
+        self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
+
+    @property
+    def stats(self) -> CacheStats:
+        """Counts over all calls so far (reads the device counters: a host sync)."""
+        hits, misses, fetched = self._counts.tolist()
+        return CacheStats(self._calls, hits, misses, fetched)
 
     def describe(self) -> str:
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}; "
@@ -133,30 +144,67 @@ class CachedExpertExecutor:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
         dev = self.table.device
         plan = plan_layer(self.table, moe_index, ids.to(dev), self.ratio)
-        self.slots.apply_copies(plan.copy_src, plan.copy_dst, self.banks)
-        self._count(plan.hits, plan.misses, plan.fetched)
-        on_dev = plan.slot_ids >= 0
-        out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots).to(x.device)
-        on_cpu = (~on_dev).cpu()
+        self._calls += 1
+        self._counts += torch.stack([plan.hits, plan.misses, plan.fetched])  # on the device: no sync
+        # one device->host read of the small per-layer decisions (the sync a device-side copy
+        # kernel and CPU-branch host node would remove)
+        n = ids.numel()
+        host = torch.cat([plan.slot_ids.reshape(-1), plan.copy_src, plan.copy_dst]).cpu()
+        on_cpu = (host[:n] < 0).view(ids.shape)
+        copy_src, copy_dst = host[n:].chunk(2)
         part = cpu_entries(ids.cpu(), weights.cpu(), on_cpu)
-        if part is None:
+        cpu_job = None
+        if part is not None:
+            # the CPU branch starts first (paper 3.2); on a GPU it runs in a worker thread (the
+            # native executor releases the GIL) while copies and the device part are queued. With
+            # the CPU standing in for the GPU both halves share the same cores: run it inline.
+            if dev.type == "cpu":
+                cpu_job = _Done(self._cpu_part(x, part, moe_index))
+            else:
+                cpu_job = self._pool().submit(self._cpu_part, x, part, moe_index)
+        self.slots.apply_copies(copy_src, copy_dst, self.banks)
+        out = None
+        if not bool(on_cpu.all()):
+            out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots)
+            out = out.to(x.device)
+        if cpu_job is None:
+            assert out is not None
             return out
+        tokens, cpu_out = cpu_job.result()
+        cpu_out = cpu_out.to(x.device, x.dtype)
+        if out is None:  # nothing on the device: the CPU part is the whole result
+            return cpu_out
+        if tokens.numel() == x.shape[0]:
+            return out + cpu_out
+        return out.index_add_(0, tokens.to(x.device), cpu_out)
+
+    def _cpu_part(self, x: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  moe_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, cids, cw = part
         x_cpu = x.cpu()
-        if tokens.numel() == x.shape[0]:
-            cpu_out = self.cpu_executor(x_cpu, cids, cw, moe_index).to(x.device, x.dtype)
-            # nothing on the device: the CPU part is the whole result (no "+ 0" rounding question)
-            return out + cpu_out if bool(on_dev.any()) else cpu_out
-        cpu_out = self.cpu_executor(x_cpu[tokens].contiguous(), cids, cw, moe_index)
-        return out.index_add_(0, tokens.to(x.device), cpu_out.to(x.device, x.dtype))
+        if tokens.numel() != x.shape[0]:
+            x_cpu = x_cpu[tokens].contiguous()
+        return tokens, self.cpu_executor(x_cpu, cids, cw, moe_index)
 
-    def _count(self, hits: torch.Tensor, misses: torch.Tensor, fetched: torch.Tensor) -> None:
-        h, m, f = torch.stack([hits, misses, fetched]).tolist()
-        self.stats.calls += 1
-        self.stats.hits += h
-        self.stats.misses += m
-        self.stats.fetched += f
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-experts")
+        return self._worker
 
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+
+class _Done:
+    """An already computed result with a future's `result()`."""
+
+    def __init__(self, value: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.value = value
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.value
 
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0) -> CachedExpertExecutor:
