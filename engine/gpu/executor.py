@@ -158,10 +158,11 @@ class CachedExpertExecutor:
             # the CPU branch starts first (paper 3.2); on a GPU it runs in a worker thread (the
             # native executor releases the GIL) while copies and the device part are queued. With
             # the CPU standing in for the GPU both halves share the same cores: run it inline.
+            x_cpu = x.cpu()  # here, on the caller's stream, not from the worker thread
             if dev.type == "cpu":
-                cpu_job = _Done(self._cpu_part(x, part, moe_index))
+                cpu_job = _Done(self._cpu_part(x_cpu, part, moe_index))
             else:
-                cpu_job = self._pool().submit(self._cpu_part, x, part, moe_index)
+                cpu_job = self._pool().submit(self._cpu_part, x_cpu, part, moe_index)
         self.slots.apply_copies(copy_src, copy_dst, self.banks)
         out = None
         if not bool(on_cpu.all()):
@@ -178,11 +179,10 @@ class CachedExpertExecutor:
             return out + cpu_out
         return out.index_add_(0, tokens.to(x.device), cpu_out)
 
-    def _cpu_part(self, x: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def _cpu_part(self, x_cpu: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   moe_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, cids, cw = part
-        x_cpu = x.cpu()
-        if tokens.numel() != x.shape[0]:
+        if tokens.numel() != x_cpu.shape[0]:
             x_cpu = x_cpu[tokens].contiguous()
         return tokens, self.cpu_executor(x_cpu, cids, cw, moe_index)
 
