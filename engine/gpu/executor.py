@@ -26,7 +26,8 @@ demand). On a real GPU this version reads the plan's small outputs on the host o
 (slot ids and copy list, one transfer), runs the CPU branch in a worker thread while the copies
 and the device part are queued, and the device part still loops over experts in Python (a few
 more syncs); the graph-captured version (device-side copy kernel, the CPU branch as a host node,
-one grouped kernel) is the next step. `close()` stops the worker thread.
+one grouped kernel) is the next step. `overlap` (default: on unless the slots live on the CPU)
+runs the CPU branch in that worker; `close()` stops it.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
-                 ratio: float) -> None:
+                 ratio: float, overlap: bool | None = None) -> None:
         if table.slots != slots.slots:
             raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
         if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
@@ -127,6 +128,8 @@ class CachedExpertExecutor:
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
         self.ratio = check_ratio(ratio)
+        # CPU branch in a worker thread: by default only when a real device runs the other half
+        self.overlap = table.device.type != "cpu" if overlap is None else overlap
         self._worker: ThreadPoolExecutor | None = None
         self._calls = 0
         self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
@@ -157,9 +160,9 @@ class CachedExpertExecutor:
         if part is not None:
             # the CPU branch starts first (paper 3.2); on a GPU it runs in a worker thread (the
             # native executor releases the GIL) while copies and the device part are queued. With
-            # the CPU standing in for the GPU both halves share the same cores: run it inline.
+            # the CPU standing in for the GPU both halves share the same cores: inline (`overlap`).
             x_cpu = x.cpu()  # here, on the caller's stream, not from the worker thread
-            if dev.type == "cpu":
+            if not self.overlap:
                 cpu_job = _Done(self._cpu_part(x_cpu, part, moe_index))
             else:
                 cpu_job = self._pool().submit(self._cpu_part, x_cpu, part, moe_index)

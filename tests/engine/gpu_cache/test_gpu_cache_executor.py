@@ -113,6 +113,21 @@ def test_all_resident_is_bit_identical() -> None:
         assert ex.stats.misses == before
 
 
+def test_overlapped_cpu_branch_matches() -> None:
+    # the worker-thread path a GPU device takes, forced on the CPU stand-in
+    banks = _banks(seed=7)
+    ref = TorchExpertExecutor(banks)
+    slots = ExpertSlots.from_budget(banks, 6 * banks.expert_bytes)
+    ex = CachedExpertExecutor(banks, slots, CacheTable(L, E, 6), TorchExpertExecutor(banks), 0.5, overlap=True)
+    try:
+        for x, ids, w, layer in _steps(k=3, n_steps=8, seed=8):
+            torch.testing.assert_close(ex(x, ids, w, layer), ref(x, ids, w, layer), rtol=1e-5, atol=1e-6)
+        assert ex._worker is not None and ex.stats.fetched > 0
+    finally:
+        ex.close()
+    assert ex._worker is None
+
+
 def test_cpu_entries_keep_only_cpu_work() -> None:
     ids = torch.tensor([[4, 1, 7], [2, 4, 6]])
     w = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
