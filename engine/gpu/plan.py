@@ -83,7 +83,8 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -
         copy_dst[:K] = torch.where(take, victims, -1)
         # evict: the victims' old owners leave the table (masked writes go to the trash element)
         old = owner[victims]
-        state.table_flat[torch.where(take & (old >= 0), old, state.trash_flat_id)] = -1
+        # (index_fill_ takes -1 as a kernel argument: no host scalar tensor to move to the device)
+        state.table_flat.index_fill_(0, torch.where(take & (old >= 0), old, state.trash_flat_id), -1)
         # fill
         dst = torch.where(take, victims, state.trash_slot)
         state.table_flat[torch.where(take, new_flat, state.trash_flat_id)] = victims.to(torch.int32)
