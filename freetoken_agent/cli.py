@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sessions_parser(sub)
 
+    from freetoken_agent.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args)
 
+        if args.command == "calibrate":
+            from freetoken_agent.calibrate import run_calibrate
+
+            return run_calibrate(args)
         if args.command == "sessions":
             from freetoken_agent.sessions.cli import run_sessions
 

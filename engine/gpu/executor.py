@@ -1,0 +1,218 @@
+"""`CachedExpertExecutor`: routed experts through the GPU expert cache, misses split between PCIe
+fetches and the CPU executor (paper 3.2), both halves merged exactly.
+
+Contract: `CachedExpertExecutor(banks, slots, table, cpu_executor, ratio)` implements the
+`ExpertExecutor` protocol (engine/moe/executor.py). Per call (one MoE layer):
+1. `plan_layer` (engine/gpu/plan.py) updates the cache state and rewrites routed ids into slot ids
+   (hits and fetched misses) or -1 (misses left to the CPU);
+2. `slots.apply_copies` brings the fetched experts into their slots;
+3. the device part runs every entry with a slot id from the slot pool, grouped by expert;
+4. the CPU part runs the remaining entries through `cpu_executor` on host tensors (the native
+   executor when it can serve the banks, else the torch reference: `default_cpu_executor`);
+5. the output is device part + CPU part, in x's dtype and device.
+The result is the reference's (TorchExpertExecutor) up to float summation order: when every entry
+lands on one side, or with top-1 routing, it is bit-identical to the torch reference (the device
+part accumulates experts in the reference's order, ascending expert id, and the CPU part is
+handed exactly the CPU entries); when the entries are split, the two partial sums are added
+once, which rounds differently from the reference's single running sum.
+
+The CPU part gets only its own entries (`cpu_entries`): the tokens that have any, each with its
+CPU entries first, padded to the widest token's count with a zero-weight duplicate of one of its
+own experts (the native executor computes every entry it is given, so zeroing the weights of
+device entries would still read their weights from DRAM).
+
+`stats` counts hits, misses and fetched experts over all calls (kept on the device, read on
+demand). On a real GPU this version reads the plan's small outputs on the host once per layer
+(slot ids and copy list, one transfer), runs the CPU branch in a worker thread while the copies
+and the device part are queued, and the device part still loops over experts in Python (a few
+more syncs); the graph-captured version (device-side copy kernel, the CPU branch as a host node,
+one grouped kernel) is the next step. `overlap` (default: on unless the slots live on the CPU)
+runs the CPU branch in that worker; `close()` stops it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.plan import plan_layer
+from engine.gpu.policy import check_ratio
+from engine.gpu.slots import ExpertSlots
+from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
+from engine.weights.layout import ExpertBanks
+
+
+def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
+    """The native CPU executor when it can serve the banks, else the torch reference."""
+    from engine.moe.native import NativeExpertExecutor, native_unsupported
+
+    if native_unsupported(banks, "cpu") is None:
+        return NativeExpertExecutor(banks, threads)
+    return TorchExpertExecutor(banks)
+
+
+@dataclass
+class CacheStats:
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetched: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else 0.0
+
+
+def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                         slots: ExpertSlots) -> torch.Tensor:
+    """sum over entries with slot_ids >= 0 of weight * expert(x), experts read from `slots`,
+    accumulated in ascending expert id as TorchExpertExecutor does."""
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    flat_slot = slot_ids.reshape(-1)
+    # device entries sorted by expert id; CPU entries (key E_max) last and never visited
+    key = torch.where(flat_slot >= 0, ids.reshape(-1).to(torch.int64), torch.iinfo(torch.int64).max)
+    order = torch.argsort(key, stable=True)
+    n_dev = int((flat_slot >= 0).sum())
+    order = order[:n_dev]
+    slot_sorted = flat_slot[order]
+    flat_w = weights.reshape(-1)[order]
+    token_of = order // k
+    slot_groups, counts = torch.unique_consecutive(slot_sorted, return_counts=True)
+    start = 0
+    for slot, count in zip(slot_groups.tolist(), counts.tolist(), strict=True):
+        rows = token_of[start:start + count]
+        gate, up = F.linear(x[rows], slots.w13[slot]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, slots.w2[slot]) * flat_w[start:start + count, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
+
+
+def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
+                on_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(tokens [T'], ids [T', k'], weights [T', k']): the tokens that have CPU entries and only
+    those entries, k' = the widest token's count, narrower tokens padded with zero-weight
+    duplicates of one of their own experts; None when there is no CPU entry. Tokens without CPU
+    work are left out, so each expert the CPU runs sees exactly the reference's rows whenever no
+    padding is needed (decode at batch 1, top-1 routing, or every entry on the CPU)."""
+    per_token = on_cpu.sum(dim=1)
+    width = int(per_token.max()) if on_cpu.numel() else 0
+    if width == 0:
+        return None
+    tokens = torch.nonzero(per_token > 0).reshape(-1)
+    ids, weights, on_cpu = ids[tokens], weights[tokens], on_cpu[tokens]
+    # a stable sort of (not on_cpu) puts each token's CPU entries first, in their routed order
+    order = torch.sort((~on_cpu).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    valid = on_cpu.gather(1, order)
+    cids = ids.gather(1, order)
+    cids = torch.where(valid, cids, cids[:, :1])  # every kept token has >= 1 CPU entry, first
+    cw = torch.where(valid, weights.gather(1, order), torch.zeros((), dtype=weights.dtype))
+    return tokens, cids.contiguous(), cw.contiguous()
+
+
+class CachedExpertExecutor:
+    def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
+                 ratio: float, overlap: bool | None = None) -> None:
+        if table.slots != slots.slots:
+            raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
+        if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
+            raise ValueError("cache table shape does not match the expert banks")
+        if table.device != slots.device:
+            raise ValueError(f"cache table on {table.device} but slots on {slots.device}")
+        self.banks, self.slots, self.table = banks, slots, table
+        self.cpu_executor = cpu_executor
+        self.ratio = check_ratio(ratio)
+        # CPU branch in a worker thread: by default only when a real device runs the other half
+        self.overlap = table.device.type != "cpu" if overlap is None else overlap
+        self._worker: ThreadPoolExecutor | None = None
+        self._calls = 0
+        self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
+
+    @property
+    def stats(self) -> CacheStats:
+        """Counts over all calls so far (reads the device counters: a host sync)."""
+        hits, misses, fetched = self._counts.tolist()
+        return CacheStats(self._calls, hits, misses, fetched)
+
+    def describe(self) -> str:
+        return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}; "
+                f"misses on {describe_executor(self.cpu_executor)})")
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        dev = self.table.device
+        plan = plan_layer(self.table, moe_index, ids.to(dev), self.ratio)
+        self._calls += 1
+        self._counts += torch.stack([plan.hits, plan.misses, plan.fetched])  # on the device: no sync
+        # one device->host read of the small per-layer decisions (the sync a device-side copy
+        # kernel and CPU-branch host node would remove)
+        n = ids.numel()
+        host = torch.cat([plan.slot_ids.reshape(-1), plan.copy_src, plan.copy_dst]).cpu()
+        on_cpu = (host[:n] < 0).view(ids.shape)
+        copy_src, copy_dst = host[n:].chunk(2)
+        part = cpu_entries(ids.cpu(), weights.cpu(), on_cpu)
+        cpu_job = None
+        if part is not None:
+            # the CPU branch starts first (paper 3.2); on a GPU it runs in a worker thread (the
+            # native executor releases the GIL) while copies and the device part are queued. With
+            # the CPU standing in for the GPU both halves share the same cores: inline (`overlap`).
+            x_cpu = x.cpu()  # here, on the caller's stream, not from the worker thread
+            if not self.overlap:
+                cpu_job = _Done(self._cpu_part(x_cpu, part, moe_index))
+            else:
+                cpu_job = self._pool().submit(self._cpu_part, x_cpu, part, moe_index)
+        self.slots.apply_copies(copy_src, copy_dst, self.banks)
+        out = None
+        if not bool(on_cpu.all()):
+            out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots)
+            out = out.to(x.device)
+        if cpu_job is None:
+            assert out is not None
+            return out
+        tokens, cpu_out = cpu_job.result()
+        cpu_out = cpu_out.to(x.device, x.dtype)
+        if out is None:  # nothing on the device: the CPU part is the whole result
+            return cpu_out
+        if tokens.numel() == x.shape[0]:
+            return out + cpu_out
+        return out.index_add_(0, tokens.to(x.device), cpu_out)
+
+    def _cpu_part(self, x_cpu: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  moe_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, cids, cw = part
+        if tokens.numel() != x_cpu.shape[0]:
+            x_cpu = x_cpu[tokens].contiguous()
+        return tokens, self.cpu_executor(x_cpu, cids, cw, moe_index)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-experts")
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+
+class _Done:
+    """An already computed result with a future's `result()`."""
+
+    def __init__(self, value: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.value = value
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.value
+
+def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
+                           cpu_executor: ExpertExecutor | None = None, threads: int = 0) -> CachedExpertExecutor:
+    """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
+    slots = ExpertSlots.from_budget(banks, budget_bytes, device)
+    layers = banks.w13.shape[0] // banks.num_experts
+    table = CacheTable(layers, banks.num_experts, slots.slots, device)
+    return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio)

@@ -1,0 +1,98 @@
+"""The per-layer cache plan of a decode step: dedupe, lookup, q*, victims, state update, id
+rewrite, copy list. Fully vectorised: no `.item()`, no Python loop over data, every output of a
+fixed shape (padded with -1, counts as 0-d tensors), so it can be captured in a CUDA graph.
+
+Contract: `plan_layer(state, layer, ids, ratio)` for routed ids [N, k] (int, expert ids of MoE
+layer `layer`, on `state.device`) updates `state` (engine/gpu/cache_table.py) and returns a
+`LayerPlan`. The policy, which tests/engine/gpu's pure-Python reference restates:
+1. the distinct experts routed in this call are split into hits (resident) and misses (m of them);
+2. q = min(fetch_count(m, ratio), S - hits) (engine/gpu/policy.py; S slots; hits are never
+   evicted within their own call, so at most S - hits slots can be refilled);
+3. the misses to fetch are the first q by (tokens routed to them descending, expert id ascending):
+   an expert many tokens use costs the CPU most;
+4. victims, in one sort over the slots: empty slots first (by index), then the least recently used
+   (by last_use, then index); slots holding this call's hits are excluded. Fetched expert i goes
+   to victim i; the victim's old owner leaves the table;
+5. the step counter advances by one; hits and fetched slots get last_use = the new step;
+6. `slot_ids` [N, k] int64: each entry's slot when its expert is resident after the update (hits
+   and fetched), else -1 (run on the CPU); `copy_src` / `copy_dst` [E] int64: flat expert ids
+   (`layer * E + expert`) and their destination slots, the q valid pairs first, padded with -1:
+   one batched host->device copy for every bank (engine/gpu/slots.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.policy import fetch_count
+
+_NEVER = torch.iinfo(torch.int64).max  # sort key of protected slots: never chosen
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    slot_ids: torch.Tensor  # [N, k] int64: slot, or -1 = CPU
+    copy_src: torch.Tensor  # [E] int64: flat expert ids to copy, -1 padded
+    copy_dst: torch.Tensor  # [E] int64: destination slots, -1 padded
+    hits: torch.Tensor  # 0-d int64: distinct routed experts already resident
+    misses: torch.Tensor  # 0-d int64: distinct routed experts not resident (m)
+    fetched: torch.Tensor  # 0-d int64: q, misses copied in this call (the rest run on the CPU)
+
+
+def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -> LayerPlan:
+    if not 0 <= layer < state.layers:
+        raise ValueError(f"MoE layer {layer} out of range [0, {state.layers})")
+    E, S, dev = state.experts, state.slots, state.device
+    flat = ids.reshape(-1).to(torch.int64)
+    # 1. dedupe with a fixed-size histogram (bincount would size its output from the data)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    present = counts > 0
+    base = layer * E
+    row = state.table_flat[base:base + E].to(torch.int64)
+    hit = present & (row >= 0)
+    miss = present & (row < 0)
+    n_hit = hit.sum()
+    m = miss.sum()
+    state.step.add_(1)
+    now = state.step
+
+    copy_src = torch.full((E,), -1, dtype=torch.int64, device=dev)
+    copy_dst = torch.full((E,), -1, dtype=torch.int64, device=dev)
+    hit_slot = torch.where(hit, row, S)  # trash slot where not a hit
+    if S == 0:
+        q = torch.zeros_like(m)
+    else:
+        # 2. how many misses to fetch
+        q = torch.minimum(fetch_count(m, ratio), S - n_hit)
+        # 3. which misses: most tokens first, then lowest id (stable sort keeps id order on ties)
+        miss_key = torch.where(miss, -counts, 1)
+        K = min(S, E)  # q <= min(m, S) <= K
+        fetch_e = torch.sort(miss_key, stable=True).indices[:K]
+        # 4. victims in one pass: empty (-1) < least recently used < ... ; this call's hits never
+        protected = torch.zeros(S + 1, dtype=torch.bool, device=dev).index_fill_(0, hit_slot, True)[:S]
+        owner = state.owner_flat[:S]
+        slot_key = torch.where(owner < 0, -1, state.last_use_flat[:S])
+        slot_key = torch.where(protected, _NEVER, slot_key)
+        victims = torch.sort(slot_key, stable=True).indices[:K]
+        take = torch.arange(K, device=dev) < q
+        new_flat = base + fetch_e
+        copy_src[:K] = torch.where(take, new_flat, -1)
+        copy_dst[:K] = torch.where(take, victims, -1)
+        # evict: the victims' old owners leave the table (masked writes go to the trash element)
+        old = owner[victims]
+        # (index_fill_ takes -1 as a kernel argument: no host scalar tensor to move to the device)
+        state.table_flat.index_fill_(0, torch.where(take & (old >= 0), old, state.trash_flat_id), -1)
+        # fill
+        dst = torch.where(take, victims, state.trash_slot)
+        state.table_flat[torch.where(take, new_flat, state.trash_flat_id)] = victims.to(torch.int32)
+        state.owner_flat[dst] = new_flat
+        state.last_use_flat[dst] = now.expand(K)
+    # 5. hits are used now
+    state.last_use_flat[hit_slot] = now.expand(E)
+    # 6. rewrite routed ids: resident after the update -> slot, else CPU (-1)
+    slot_of = state.table_flat[base:base + E].to(torch.int64)
+    slot_ids = slot_of[flat].view(ids.shape)
+    return LayerPlan(slot_ids, copy_src, copy_dst, n_hit, m, q)

@@ -1,0 +1,51 @@
+"""The miss split (q*) as small pure functions.
+
+Contract:
+- `fetch_ratio(b_pcie, b_cpu, contended=True)` -> the fraction of a layer's misses to fetch over
+  PCIe into cache slots (the rest run on the CPU), in [0, 1]:
+  * contended=True (default): ratio = B_P' / (B_P' + B_C'), with B_P' and B_C' the PCIe copy and
+    CPU expert throughputs measured *while both run at once*. Balancing q*S/B_P' against
+    (m-q)*S/B_C' gives q* = m * B_P' / (B_P' + B_C').
+  * contended=False: the paper's form (section 3.2, eq. 4): ratio = B_P / B_H (clamped to 1), with
+    B_H the host-side expert throughput alone. It assumes the CPU alone saturates host memory, so
+    the CPU keeps B_H - B_P while PCIe runs; when that holds B_P' = B_P and B_C' = B_H - B_P and
+    both forms agree. Where the CPU alone does not saturate DRAM (BENCHMARKS.md: 8 threads, CPU 50,
+    PCIe 55, ~100 together) the paper's form sends every miss over PCIe; the contended form does not.
+- `fetch_count(misses, ratio)` -> q for a tensor of miss counts m (any shape, integer dtype):
+  q = clamp(round(m * ratio), 1, m) when m > 0, else 0. round is half-to-even on the float64
+  product (as Python's `round`). At least one fetch per layer keeps the cache warming even when
+  the CPU takes most misses (paper 3.2). ratio == 0 is the one exception: fetching is off, q = 0
+  (a pure CPU tier, e.g. a slot pool of size 0 or a machine where the copy path is unusable).
+  The caller further caps q by the free victim slots (engine/gpu/plan.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fetch_ratio(b_pcie: float, b_cpu: float, contended: bool = True) -> float:
+    if b_pcie < 0 or b_cpu < 0:
+        raise ValueError(f"bandwidths must be >= 0 (got B_P={b_pcie}, B_C={b_cpu})")
+    if contended:
+        total = b_pcie + b_cpu
+        return b_pcie / total if total > 0 else 0.0
+    if b_cpu == 0:
+        return 1.0 if b_pcie > 0 else 0.0
+    return min(b_pcie / b_cpu, 1.0)
+
+
+def check_ratio(ratio: float) -> float:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"fetch ratio must be in [0, 1], got {ratio}")
+    return float(ratio)
+
+
+def fetch_count(misses: torch.Tensor, ratio: float) -> torch.Tensor:
+    ratio = check_ratio(ratio)
+    m = misses.to(torch.int64)
+    if ratio == 0.0:
+        return torch.zeros_like(m)
+    q = torch.round(m.to(torch.float64) * ratio).to(torch.int64)
+    # clamp(q, 1, m) is 0 for m == 0 because the upper bound wins
+    return torch.minimum(torch.clamp(q, min=1), m)

@@ -1,0 +1,65 @@
+"""Calibration (engine/gpu/calibrate.py, calibration_store.py): the store round-trips records per
+machine key, merges keys, survives a corrupt or foreign file; the fetch ratio picks the contended
+form when it was measured, else the paper's, else 0; and on a machine without CUDA a real
+measurement gives a positive B_C, no B_P and says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.gpu.calibrate import NO_GPU, CalibrationSpec, calibrate
+from engine.gpu.calibration_store import Calibration, MachineKey, load, load_all, save
+from engine.moe.native import native_unsupported
+from engine.weights.layout import ExpertBanks
+
+KEY = MachineKey("NVIDIA H200", "Xeon", 8, "bf16", 2048, 768)
+
+
+def test_store_round_trip_and_merge(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "calibration.json"
+    assert load(path, KEY) is None and load_all(path) == {}
+    a = Calibration(KEY, 50.0, 55.0, 49.0, 52.0, "2026-11-30T10:00:00+00:00")
+    save(path, a)
+    assert load(path, KEY) == a
+    other = MachineKey("none", "Xeon", 2, "bf16", 2048, 768)
+    b = Calibration(other, 5.0, note=NO_GPU)
+    save(path, b)
+    assert load(path, KEY) == a and load(path, other) == b
+    a2 = Calibration(KEY, 51.0, 54.0, 48.0, 50.0, "2026-11-30T11:00:00+00:00")
+    save(path, a2)  # same machine: replaced, others kept
+    assert load_all(path) == {KEY.as_string(): a2, other.as_string(): b}
+    assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("text", ["not json", '{"version": 99, "machines": {}}', "[1, 2]", '{"version": 1}'])
+def test_unreadable_store_is_empty_and_replaced(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    assert load_all(path) == {}
+    save(path, Calibration(KEY, 1.0))
+    assert load(path, KEY) == Calibration(KEY, 1.0)
+
+
+def test_ratio_forms() -> None:
+    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0).ratio() == pytest.approx(52 / 101)  # contended
+    assert Calibration(KEY, 110.0, 55.0).ratio() == pytest.approx(0.5)  # paper: B_P / B_H
+    assert Calibration(KEY, 50.0, 55.0).ratio() == 1.0
+    assert Calibration(KEY, 50.0).ratio() == 0.0  # no copy path
+
+
+def test_measures_cpu_and_reports_missing_gpu() -> None:
+    probe = ExpertBanks(torch.zeros(1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 1, dtype=torch.bfloat16), 1)
+    why = native_unsupported(probe, "cpu")
+    if why:
+        pytest.skip(why)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA (test_gpu_cache_cuda.py measures B_P)")
+    cal = calibrate(CalibrationSpec(hidden=128, inter=64, top_k=2, bank_bytes=4_000_000, seconds=0.02, rounds=1))
+    assert cal.b_cpu > 0
+    assert cal.b_pcie is None and cal.b_pcie_contended is None and cal.b_cpu_contended is None
+    assert cal.note == NO_GPU and cal.ratio() == 0.0
+    assert cal.key.gpu == "none" and cal.key.threads >= 1 and (cal.key.hidden, cal.key.inter) == (128, 64)

@@ -1,0 +1,192 @@
+"""CachedExpertExecutor (engine/gpu/executor.py) gives the torch reference's outputs, with the CPU
+standing in for the GPU: for slot pools of 0 slots, a few slots and every expert, fetch ratios 0
+(every miss on the CPU), 1 (every miss fetched) and in between, with the torch and the native CPU
+executor for misses. Bit-identical where the executor promises it (every entry on one side, or
+top-1 routing); otherwise equal up to float summation order. Also: the slot pool holds exactly
+the bank rows the cache table says, and a tiny model generates the same tokens and logits
+through the cache as through the torch executor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import FULL, LIN, TinySpec, qwen3_5_moe_text, qwen3_moe_text
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.executor import CachedExpertExecutor, cpu_entries, create_cached_executor
+from engine.gpu.slots import ExpertSlots
+from engine.moe.executor import ExpertExecutor, TorchExpertExecutor
+from engine.moe.native import native_unsupported
+from engine.sampling import SamplingParams
+from engine.weights.layout import ExpertBanks
+
+L, E, H, INTER = 3, 8, 32, 24
+RATIOS = [0.0, 0.4, 1.0]
+
+
+def _banks(seed: int = 0) -> ExpertBanks:
+    g = torch.Generator().manual_seed(seed)
+    return ExpertBanks(torch.randn(L * E, 2 * INTER, H, generator=g) / H ** 0.5,
+                       torch.randn(L * E, H, INTER, generator=g) / INTER ** 0.5, E)
+
+
+def _cpu(kind: str, banks: ExpertBanks) -> ExpertExecutor:
+    if kind == "native":
+        why = native_unsupported(banks, "cpu")
+        if why:
+            pytest.skip(why)
+        from engine.moe.native import NativeExpertExecutor
+
+        return NativeExpertExecutor(banks)
+    return TorchExpertExecutor(banks)
+
+
+def _steps(k: int, n_steps: int, seed: int):  # type: ignore[no-untyped-def]
+    """Decode-like (N=1) and prefill-like (N=5) calls over every layer, routing skewed to a few
+    experts so the cache sees hits, misses and evictions."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.tensor([2.0 ** -(e % 5) for e in range(E)])
+    for step in range(n_steps):
+        n = 5 if step % 4 == 0 else 1
+        x = torch.randn(n, H, generator=g)
+        ids = torch.stack([torch.multinomial(probs, k, replacement=False, generator=g) for _ in range(n)])
+        w = torch.rand(n, k, generator=g)
+        for layer in range(L):
+            yield x, ids, w, layer
+
+
+def _slot_pool_matches_table(ex: CachedExpertExecutor) -> None:
+    for flat, slot in ex.table.resident().items():
+        assert torch.equal(ex.slots.w13[slot], ex.banks.w13[flat]) and torch.equal(ex.slots.w2[slot], ex.banks.w2[flat])
+
+
+@pytest.mark.parametrize("cpu", ["torch", "native"])
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("slots", [0, 5, L * E])
+def test_matches_torch_reference(slots: int, ratio: float, cpu: str) -> None:
+    banks = _banks()
+    ref = TorchExpertExecutor(banks)
+    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cpu", ratio, _cpu(cpu, banks))
+    assert ex.slots.slots == slots
+    for x, ids, w, layer in _steps(k=3, n_steps=12, seed=1):
+        want = ref(x, ids, w, layer)
+        got = ex(x, ids, w, layer)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert ex.table.invariant_errors() == []
+        _slot_pool_matches_table(ex)
+    s = ex.stats
+    assert s.calls == 12 * L and s.fetched <= s.misses
+    if slots == 0 or ratio == 0:
+        assert s.fetched == 0 and s.hits == 0
+    else:
+        assert s.fetched > 0
+    if slots == L * E and ratio == 1.0:
+        assert s.fetched == s.misses  # everything fits: every miss is fetched once, then hits
+        assert s.misses <= L * E and s.hits > 0
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("slots", [0, 5, L * E])
+def test_bit_identical_where_promised(slots: int, ratio: float) -> None:
+    banks = _banks(seed=2)
+    ref = TorchExpertExecutor(banks)
+    top1 = create_cached_executor(banks, slots * banks.expert_bytes, "cpu", ratio, TorchExpertExecutor(banks))
+    for x, ids, w, layer in _steps(k=1, n_steps=10, seed=3):  # top-1: nothing to sum across experts
+        assert torch.equal(top1(x, ids, w, layer), ref(x, ids, w, layer))
+    if slots == 0 or ratio == 0:  # every entry on the CPU
+        topk = create_cached_executor(banks, slots * banks.expert_bytes, "cpu", ratio, TorchExpertExecutor(banks))
+        for x, ids, w, layer in _steps(k=3, n_steps=10, seed=4):
+            assert torch.equal(topk(x, ids, w, layer), ref(x, ids, w, layer))
+
+
+def test_all_resident_is_bit_identical() -> None:
+    banks = _banks(seed=5)
+    ref = TorchExpertExecutor(banks)
+    ex = create_cached_executor(banks, L * E * banks.expert_bytes, "cpu", 1.0, TorchExpertExecutor(banks))
+    for x, ids, w, layer in _steps(k=3, n_steps=6, seed=6):
+        ex(x, torch.arange(E).repeat(x.shape[0], 1), torch.ones(x.shape[0], E), layer)  # warm: all resident
+        before = ex.stats.misses
+        assert torch.equal(ex(x, ids, w, layer), ref(x, ids, w, layer))
+        assert ex.stats.misses == before
+
+
+def test_overlapped_cpu_branch_matches() -> None:
+    # the worker-thread path a GPU device takes, forced on the CPU stand-in
+    banks = _banks(seed=7)
+    ref = TorchExpertExecutor(banks)
+    slots = ExpertSlots.from_budget(banks, 6 * banks.expert_bytes)
+    ex = CachedExpertExecutor(banks, slots, CacheTable(L, E, 6), TorchExpertExecutor(banks), 0.5, overlap=True)
+    try:
+        for x, ids, w, layer in _steps(k=3, n_steps=8, seed=8):
+            torch.testing.assert_close(ex(x, ids, w, layer), ref(x, ids, w, layer), rtol=1e-5, atol=1e-6)
+        assert ex._worker is not None and ex.stats.fetched > 0
+    finally:
+        ex.close()
+    assert ex._worker is None
+
+
+def test_cpu_entries_keep_only_cpu_work() -> None:
+    ids = torch.tensor([[4, 1, 7], [2, 4, 6]])
+    w = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    on_cpu = torch.tensor([[False, True, True], [False, False, False]])
+    got = cpu_entries(ids, w, on_cpu)
+    assert got is not None
+    tokens, cids, cw = got
+    assert tokens.tolist() == [0] and cids.tolist() == [[1, 7]]  # token 1 has no CPU work
+    assert torch.equal(cw, torch.tensor([[0.2, 0.3]]))
+    on_cpu = torch.tensor([[False, True, False], [True, True, True]])
+    tokens, cids, cw = cpu_entries(ids, w, on_cpu)  # type: ignore[misc]
+    assert tokens.tolist() == [0, 1] and cids.tolist() == [[1, 1, 1], [2, 4, 6]]  # padded with its own expert
+    assert torch.equal(cw, torch.tensor([[0.2, 0.0, 0.0], [0.4, 0.5, 0.6]]))
+    assert cpu_entries(ids, w, torch.zeros_like(on_cpu)) is None
+
+
+def test_mismatched_parts_are_refused() -> None:
+    banks = _banks()
+    slots = ExpertSlots.from_budget(banks, 4 * banks.expert_bytes)
+    with pytest.raises(ValueError):
+        CachedExpertExecutor(banks, slots, CacheTable(L, E, 3), TorchExpertExecutor(banks), 0.5)
+    with pytest.raises(ValueError):
+        CachedExpertExecutor(banks, slots, CacheTable(L, E, 4), TorchExpertExecutor(banks), 1.5)
+    assert ExpertSlots.slots_for_budget(banks, 10 ** 12) == L * E  # never more slots than experts
+    assert ExpertSlots.slots_for_budget(banks, banks.expert_bytes - 1) == 0
+
+
+# ------------------------------------------------------------------ end to end, tiny models
+SPECS = [
+    TinySpec("gpucache_q3", "qwen3_moe", qwen3_moe_text(num_experts=8, num_experts_per_tok=2), seed=11),
+    TinySpec("gpucache_q35", "qwen3_5_moe", qwen3_5_moe_text(num_hidden_layers=2, layer_types=[LIN, FULL]), seed=12),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize(("slots_frac", "ratio"), [(0.0, 1.0), (0.25, 0.0), (0.25, 0.5), (0.25, 1.0), (1.0, 1.0)])
+def test_tiny_model_generates_the_same(spec: TinySpec, slots_frac: float, ratio: float, tiny_checkpoint,  # type: ignore[no-untyped-def]
+                                       make_engine) -> None:
+    path, _ = tiny_checkpoint(spec)
+    prompt = torch.randint(0, 100, (23,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run(engine) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
+        h = engine.submit(prompt, params, capture_logits=True)
+        out = h.result(timeout=120)
+        return out, torch.stack(h.logits)
+
+    ref_tokens, ref_logits = run(make_engine(Path(path), executor="torch"))
+    engine = make_engine(Path(path), executor="torch")
+    banks = engine.decoder.weights.experts
+    n = int(slots_frac * banks.w13.shape[0])
+    cached = create_cached_executor(banks, n * banks.expert_bytes, "cpu", ratio, TorchExpertExecutor(banks))
+    engine.decoder.executor = cached
+    tokens, logits = run(engine)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    s = cached.stats
+    assert s.calls > 0 and cached.table.invariant_errors() == []
+    if n == 0 or ratio == 0:
+        assert s.hits == 0 and s.fetched == 0
+    else:
+        assert s.hits > 0 and s.fetched > 0

@@ -1,0 +1,58 @@
+"""`freetoken-agent calibrate` as a user runs it (subprocess): it measures, stores the record in
+FREETOKEN_CACHE_DIR, prints it (text and --json), `--show` reads it back, and without a CUDA
+device it says that B_P was not measured. Bad arguments are one `error:` line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "freetoken_agent", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+
+
+def test_calibrate_stores_and_shows(tmp_path: Path) -> None:
+    try:
+        from native import ftnative  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    fast = ("--shape", "qwen3.6-35b-a3b", "--bank-gb", "0.03", "--seconds", "0.02", "--rounds", "1")
+    proc = run_cli("calibrate", *fast, "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    assert rec["path"] == str(tmp_path / "calibration.json") and rec["b_cpu"] > 0
+    assert rec["key"]["hidden"] == 2048 and rec["key"]["inter"] == 512 and rec["key"]["fmt"] == "bf16"
+    if not torch.cuda.is_available():
+        assert rec["b_pcie"] is None and rec["ratio"] == 0.0 and "no CUDA device" in rec["note"]
+
+    shown = run_cli("calibrate", "--show", "--json", cache=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    machines = json.loads(shown.stdout)["machines"]
+    assert len(machines) == 1 and next(iter(machines.values()))["b_cpu"] == rec["b_cpu"]
+
+    text = run_cli("calibrate", *fast, "--threads", "1", cache=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "B_C  CPU experts alone:" in text.stdout and "stored in" in text.stdout
+    if not torch.cuda.is_available():
+        assert "not measured" in text.stdout and "no CUDA device" in text.stdout
+    assert len(json.loads((tmp_path / "calibration.json").read_text())["machines"]) == 2  # 1 thread: another key
+
+
+def test_show_without_records_and_bad_args(tmp_path: Path) -> None:
+    proc = run_cli("calibrate", "--show", cache=tmp_path)
+    assert proc.returncode == 0 and "no calibration stored" in proc.stdout
+    bad = run_cli("calibrate", "--threads", "-2", cache=tmp_path)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
+    bad = run_cli("calibrate", "--shape", "nope", cache=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
