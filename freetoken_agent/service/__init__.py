@@ -1,7 +1,20 @@
-"""The session-facing chat service: protocol-neutral requests in, streamed text chunks out."""
+"""The session-facing chat service: protocol-neutral requests in, streamed text chunks out.
 
-from freetoken_agent.service.chat import ChatService, ContextTooLong, GenerationStream
+The request types load eagerly; the service itself lazily, because the session manager (which the
+service uses) needs the types first: `import freetoken_agent.sessions` must work on its own.
+"""
+
+from typing import Any
+
 from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finish, ToolCall
 
 __all__ = ["ChatMessage", "ChatRequest", "ChatService", "Chunk", "ContextTooLong", "Finish", "GenerationStream",
            "ToolCall"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ChatService", "ContextTooLong", "GenerationStream"):
+        from freetoken_agent.service import chat
+
+        return getattr(chat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
