@@ -10,6 +10,8 @@ Contract:
   still running is joined instead of run twice. `stream.subscribe()` is an async iterator of
   `Chunk`s then one `Finish`; when the last subscriber leaves before the end (client gone), the
   generation is aborted at once, freeing its slot.
+- `req.forced_output` (benchmark only: trace replay, scripted capture) is tokenised and emitted
+  instead of sampled tokens; the forward pass still runs, so caches are those of a real reply.
 - Stop strings are matched on the decoded text; text that may start a stop string is held back
   until it cannot.
 Must be used from one asyncio event loop; the engine thread reaches it via call_soon_threadsafe.
@@ -30,6 +32,7 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
+from freetoken_agent.service.forced import submit_options
 from freetoken_agent.service.types import ChatRequest, Chunk, Finish
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
@@ -52,6 +55,7 @@ class Prepared:
     parse_tools: bool
     key: str
     checkpoints: list[int]
+    forced: list[int] | None = None  # benchmark only: ids emitted instead of sampled ones
 
 
 class ChatService:
@@ -106,15 +110,19 @@ class ChatService:
             raise RequestError(f"max_tokens {req.max_tokens} exceeds the model's context window "
                                f"of {self.context_window} tokens")
         max_tokens = min(req.max_tokens or self.max_output_tokens, room)
+        forced = self.tokenizer.encode(req.forced_output) if req.forced_output else None
+        if forced is not None:  # the forced text is the whole reply: room for it and its end token
+            max_tokens = min(max(max_tokens, len(forced) + 1), room)
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                 seed=req.seed)
         key_src = json.dumps([ids, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                              req.stop, prefix, req.parallel_tool_calls], separators=(",", ":"))
+                              req.stop, prefix, req.parallel_tool_calls, forced], separators=(",", ":"))
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
-                        key=hashlib.sha256(key_src.encode()).hexdigest(), checkpoints=self.checkpoints(ids))
+                        key=hashlib.sha256(key_src.encode()).hexdigest(), checkpoints=self.checkpoints(ids),
+                        forced=forced)
 
     def checkpoints(self, ids: list[int]) -> list[int]:
         """Where prefill snapshots recurrent state: the end of the system turn, the start of the last
@@ -156,8 +164,9 @@ class GenerationStream:
         self.first_token_at: float | None = None
         if prep.forced_prefix:
             self._publish(Chunk(prep.forced_prefix))
+        forcing = submit_options(service.engine, prep.forced, prep.constraint, service.engine.cfg.eos_token_ids)
         self.handle: RequestHandle = service.engine.submit(
-            prep.ids, prep.params, constraint=prep.constraint, checkpoints=prep.checkpoints,
+            prep.ids, prep.params, checkpoints=prep.checkpoints, **forcing,
             listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
 
     @property
