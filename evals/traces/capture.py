@@ -163,7 +163,7 @@ def capture(name: str, variant: str | None, model: str, timeout: float, keep: bo
                 time.sleep(0.5)  # let the proxy finish recording the last response
                 n = sum(1 for e in proxy.since(mark) if is_model_request(e.method, e.path))
                 turns.append({"prompt": turn, "exit_code": rc, "duration_s": round(time.monotonic() - t0, 1),
-                              "model_requests": n, "stdout_tail": out[-400:], "stderr_tail": err[-400:]})
+                              "model_requests": n, "stdout_tail": out, "stderr_tail": err})
                 print(f"{name} turn {turn}: exit {rc}, {n} model requests, {turns[-1]['duration_s']}s",
                       file=sys.stderr, flush=True)
                 ok = ok and rc == 0
@@ -175,7 +175,8 @@ def capture(name: str, variant: str | None, model: str, timeout: float, keep: bo
              str(REPO): "/repo", str(Path.home()): "/home/user"}
     san = Sanitiser(roots, secrets=[API_KEY])
     for t in turns:
-        t["stdout_tail"], t["stderr_tail"] = san.text(t["stdout_tail"]), san.text(t["stderr_tail"])
+        # sanitised whole, then cut: a cut first could split a path the sanitiser must see entire
+        t["stdout_tail"], t["stderr_tail"] = san.text(t["stdout_tail"])[-400:], san.text(t["stderr_tail"])[-400:]
     trace = build_trace(c, variant, family, exchanges, san, turns, client_version(c, clients_dir))
     ok = ok and any(r["status"] == 200 for r in trace["requests"])
     if keep:
