@@ -66,7 +66,9 @@ def configure(c: Client, home: Path, work: Path, base: str, env: dict[str, str],
         model = cfg["models"]["providers"]["local"]["models"][0]
         model["maxTokens"] = 4096
         if variant:  # cache-ttl pruning, off by default for non-Anthropic providers
-            model["contextWindow"] = 32768
+            # 240k characters of logs ~ 60k estimated tokens: over 30% (soft-trim) of this window,
+            # under 50% (hard-clear) and far from compaction.
+            model["contextWindow"] = 131072
             cfg["agents"]["defaults"]["contextPruning"] = {"mode": "cache-ttl", "ttl": "1s"}
         path.write_text(json.dumps(cfg, indent=2))
     elif c.name == "codex":
@@ -137,8 +139,9 @@ def capture(name: str, variant: str | None, model: str, timeout: float, keep: bo
     for fname, text in TASK_FILES.items():
         (work / fname).write_text(text)
     if variant:
-        for i, fname in enumerate(BIG_FILES):
-            (work / fname).write_text(big_file().replace("INFO", "INFO" if i == 0 else "WARN"))
+        for i, fname in enumerate(BIG_FILES, 1):
+            (work / fname).parent.mkdir(parents=True, exist_ok=True)
+            (work / fname).write_text(big_file(i))
     subprocess.run(["git", "init", "-q"], cwd=work, check=False)
     env = base_env(c, tmp, home, clients_dir)
     turns: list[dict[str, Any]] = []

@@ -16,7 +16,8 @@ Contract:
   its forced reply (the engine computed both). Prompts are rendered locally exactly as the server
   renders them (its protocol adapter, the model's chat template, the tokenizer). A session is the
   client's session header (`x-claude-code-session-id`, `x-session-affinity`, `session_id`, ...),
-  else `prompt_cache_key`, else the trace.
+  else `prompt_cache_key`, else the trace. The sanitised id placeholders are salted per run, so
+  traces replayed one after another on one server never share a session id.
 - Recomputed tokens of a request: `prompt - cached` from the usage the server reports in the
   response (every protocol reports both). Per session: sums, the ratio recomputed / truly new,
   mean and worst TTFT. After the run, `GET /v1/sessions` (and each `/v1/sessions/{id}`) is read
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,7 @@ from typing import Any
 import httpx
 
 from adapters.common import FORCED_OUTPUT_FIELD
+from evals.traces.sanitise import PLACEHOLDER_UUID
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
 from freetoken_agent.tokenizer import ChatTokenizer
@@ -95,6 +98,13 @@ def session_key(req: dict[str, Any], default: str) -> str:
             return f"{h}:{headers[h]}"
     key = (req.get("body") or {}).get("prompt_cache_key")
     return f"prompt_cache_key:{key}" if key else default
+
+
+def salted(trace: dict[str, Any]) -> dict[str, Any]:
+    """The trace with its sanitised UUID placeholders made unique to this run (same length), so
+    traces replayed on one server never share a session id."""
+    salt = uuid.uuid4().hex[:8]
+    return json.loads(json.dumps(trace).replace(f"{PLACEHOLDER_UUID}-", f"{salt}-0000-4000-8000-"))
 
 
 def reply_of(req: dict[str, Any]) -> Reply | None:
@@ -211,6 +221,7 @@ class Session:
 def replay_trace(trace: dict[str, Any], base: str, renderer: Renderer, family: str | None = None,
                  api_key: str | None = None, timeout: float = 600) -> dict[str, Any]:
     family = family or trace.get("family", "qwen3_5")
+    trace = salted(trace)
     sessions: dict[str, Session] = {}
     seen: dict[str, list[list[int]]] = {}  # per session: every earlier request's prompt + forced reply
     name = trace.get("client", "trace") + (f"-{trace['variant']}" if trace.get("variant") else "")
@@ -225,7 +236,7 @@ def replay_trace(trace: dict[str, Any], base: str, renderer: Renderer, family: s
                 continue
             forced = render(reply, family, thinking_on(nreq))
             ids = renderer.prompt_ids(req["path"], body)
-            key = session_key(req, name)
+            key = f"{name}/{session_key(req, 'main')}"
             earlier = seen.setdefault(key, [])
             shared = max((common_prefix(ids, e) for e in earlier), default=0)
             sent = send(client, base, req, {**body, FORCED_OUTPUT_FIELD: forced}, api_key)

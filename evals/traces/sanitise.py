@@ -26,6 +26,7 @@ KEEP_HEADERS = {"content-type", "anthropic-version", "anthropic-beta", "x-app", 
 KEY_RE = re.compile(r"\b(?:sk-ant-[A-Za-z0-9_\-]{8,}|sk-[A-Za-z0-9_\-]{8,}|Bearer\s+[A-Za-z0-9_\-.=]{8,})")
 UUID_RE = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
 HEX_RE = re.compile(r"\b[0-9a-fA-F]{32,}\b")
+PLACEHOLDER_UUID = "00000000-0000-4000-8000"  # + "-" + 12 digits
 COMMON_WORDS = {"root", "user", "admin", "work", "home"}  # names too common to replace in prose
 
 
@@ -48,7 +49,7 @@ class Sanitiser:
         if key not in self.ids:
             n = len(self.ids) + 1
             if "-" in raw:
-                self.ids[key] = f"00000000-0000-4000-8000-{n:012d}"
+                self.ids[key] = f"{PLACEHOLDER_UUID}-{n:012d}"
             else:
                 self.ids[key] = f"{n:0{len(raw)}x}"
         return self.ids[key]

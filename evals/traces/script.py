@@ -2,7 +2,9 @@
 
 Contract:
 - `TASK_FILES` is the tiny repository the client works in (a bug in `calc.py`, a plain-Python test).
-- `PROMPTS` are the user turns, in order; `prompts(variant)` adds the variant's extra turns.
+- `PROMPTS` are the user turns, in order; `prompts(variant)` adds the variant's extra turns (a
+  first turn of large tool outputs, `BIG_FILES`, and a last one) and `PLANS` maps each prompt to
+  its steps.
 - `Script(workdir, family, variant).reply(req)` takes the normalised `ChatRequest` of one model
   request and returns a `Reply` (reasoning, content, tool calls with arguments) chosen from the
   request alone: which user prompt is current (the last of `PROMPTS` found in a user message) and
@@ -34,24 +36,23 @@ PROMPTS = [
     "The test in test_calc.py fails. Fix the bug in calc.py, then run `python3 test_calc.py`.",
     "Now add a function mul(a, b) to calc.py and a check for it in test_calc.py, then run the test again.",
 ]
-# Variants with history edits need more turns (so older tool results fall out of the protected tail)
-# and large tool outputs (so the client's pruning thresholds are crossed).
-PRUNE_PROMPTS = [
-    "Show me data.txt with `cat data.txt`, then summarise it in one line.",
-    "Show me data2.txt with `cat data2.txt`, then summarise it in one line.",
-    "Run the tests one last time and tell me if everything passes.",
-]
-BIG_FILES = ("data.txt", "data2.txt")
+# Variants with history edits start with a turn of large tool outputs, so that two later turns
+# push them out of the client's protected tail and past its pruning thresholds (OpenCode: 40k+20k
+# estimated tokens, i.e. 240k characters, in turns older than the last two; OpenClaw: results over
+# 4000 characters once the context is 30% full). The logs are long separator lines: many characters
+# (what the clients estimate) but few tokens (what fits the demo model's 32k context).
+BIG_FILES = tuple(f"logs/run{i}.log" for i in range(1, 6))
+BIG_PROMPT = "Print each of the five files in logs/ with cat, one command per file, then say done."
+FINAL_PROMPT = "Run the tests one last time and tell me if everything passes."
 
 
 def prompts(variant: str | None) -> list[str]:
-    return PROMPTS + (PRUNE_PROMPTS if variant else [])
+    return [BIG_PROMPT, *PROMPTS, FINAL_PROMPT] if variant else list(PROMPTS)
 
 
-def big_file(lines: int = 1200) -> str:
-    """~50 KB of log-like text (each line different, so no tool collapses it)."""
-    return "".join(f"{i:05d} INFO worker={i % 7} step={i * 13 % 1000:03d} status=ok latency_ms={i % 97}\n"
-                   for i in range(lines))
+def big_file(index: int, lines: int = 48) -> str:
+    """~48 KB (under OpenCode's 51200-byte tool-output cap) in ~1k tokens."""
+    return "".join(f"{index}{i:03d} " + "=" * 994 + "\n" for i in range(lines))
 
 
 @dataclass
@@ -74,19 +75,21 @@ class Reply:
 
 # Abstract steps per prompt: ("read", path) | ("edit", path, old, new) | ("run", cmd) | ("answer", text)
 Step = tuple[str, ...]
-PLAN: list[list[Step]] = [
-    [("read", "calc.py"), ("read", "test_calc.py"),
-     ("edit", "calc.py", "    return a - b\n", "    return a + b\n"),
-     ("run", "python3 test_calc.py"),
-     ("answer", "Fixed: add() subtracted its arguments; it now returns a + b and test_calc.py prints ok.")],
-    [("edit", "calc.py", "    return a + b\n", "    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"),
-     ("edit", "test_calc.py", "from calc import add\n", "from calc import add, mul\n\nassert mul(3, 4) == 12\n"),
-     ("run", "python3 test_calc.py"),
-     ("answer", "Added mul(a, b) with a check in test_calc.py; the test prints ok.")],
-    [("run", "cat data.txt"), ("answer", "data.txt is 1200 lines of worker status logs, all ok.")],
-    [("run", "cat data2.txt"), ("answer", "data2.txt is another 1200 lines of worker logs, all ok.")],
-    [("run", "python3 test_calc.py"), ("answer", "Everything passes: test_calc.py prints ok.")],
-]
+PLANS: dict[str, list[Step]] = {
+    PROMPTS[0]: [
+        ("read", "calc.py"), ("read", "test_calc.py"),
+        ("edit", "calc.py", "    return a - b\n", "    return a + b\n"),
+        ("run", "python3 test_calc.py"),
+        ("answer", "Fixed: add() subtracted its arguments; it now returns a + b and test_calc.py prints ok.")],
+    PROMPTS[1]: [
+        ("edit", "calc.py", "    return a + b\n", "    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"),
+        ("edit", "test_calc.py", "from calc import add\n", "from calc import add, mul\n\nassert mul(3, 4) == 12\n"),
+        ("run", "python3 test_calc.py"),
+        ("answer", "Added mul(a, b) with a check in test_calc.py; the test prints ok.")],
+    BIG_PROMPT: [*(("run", f"cat {f}") for f in BIG_FILES), ("answer", "Done: five run logs, 48 lines each.")],
+    FINAL_PROMPT: [("run", "python3 test_calc.py"), ("answer", "Everything passes: test_calc.py prints ok.")],
+}
+PLAN = [PLANS[p] for p in PROMPTS]
 THOUGHTS = {"read": "I should look at {0} first.", "edit": "I will change {0} with the edit tool.",
             "run": "Now I run `{0}` to check.", "answer": "The work is done; I can report back."}
 
@@ -124,7 +127,7 @@ class Script:
         if pos is None:
             return Reply(reasoning="A short title is enough.", content="Fix calc add bug", side=True)
         k, n = pos
-        steps = PLAN[k]
+        steps = PLANS[self.prompts[k]]
         step = steps[min(n, len(steps) - 1)]
         return Reply(reasoning=THOUGHTS[step[0]].format(*step[1:]),
                      content=step[1] if step[0] == "answer" else "",
