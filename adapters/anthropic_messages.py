@@ -1,7 +1,7 @@
 """`POST /v1/messages` and `/v1/messages/count_tokens`: the Anthropic Messages protocol (Claude Code).
 
 Contract: accepts system as a string or text blocks (Claude Code's `x-anthropic-billing-header`
-block is dropped: it carries no instruction and would break prefix reuse), `role: "system"`
+block is dropped by the session manager's rule: it carries no instruction and would break prefix reuse), `role: "system"`
 messages inside `messages`, text / thinking / redacted_thinking / tool_use / tool_result blocks,
 custom tools (server tool types are ignored), `tool_choice`, `stop_sequences`, `thinking`, and
 ignores unknown fields and `?beta=true`. Streaming sends headers and `message_start` at once,
@@ -42,9 +42,9 @@ from adapters.parsers import (
 )
 from adapters.state import AppState, read_json
 from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.sessions.normalise import strip_billing_header as _strip_billing
 
 router = APIRouter()
-BILLING_PREFIX = "x-anthropic-billing-header"
 
 
 def _system_text(system: Any) -> str:
@@ -62,13 +62,6 @@ def _system_text(system: Any) -> str:
         if text:
             parts.append(text)
     return "\n\n".join(parts)
-
-
-def _strip_billing(text: str) -> str:
-    """Drops a leading billing-header line; the rest of the text is kept."""
-    if text.startswith(BILLING_PREFIX):
-        return text.partition("\n")[2].lstrip("\n")
-    return text
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The HTTP server: one FastAPI app over one chat service, every protocol mounted.
 
 Contract: `create_app(state)` serves `/v1/chat/completions`, `/v1/responses`, `/v1/messages`,
-`/v1/messages/count_tokens`, `/v1/models`, `/v1/models/{id}`, `/health` and `/metrics`. With an
+`/v1/messages/count_tokens`, `/v1/models`, `/v1/models/{id}`, `/v1/sessions`, `/v1/sessions/{id}`,
+`/health` and `/metrics`. With an
 API key, every route but `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`
 (constant-time compare). Any error, including a bug, is answered in the caller's protocol shape
 (Anthropic's for `/v1/messages*`, OpenAI's elsewhere); the server keeps serving.
@@ -20,7 +21,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from adapters import anthropic_messages, openai_chat, openai_responses
+from adapters import anthropic_messages, openai_chat, openai_responses, sessions
 from adapters.common import ApiError, anthropic_error_body, openai_error_body
 from adapters.state import AppState
 from engine.errors import CapacityError, EngineError
@@ -156,4 +157,5 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
+    app.include_router(sessions.router)
     return app

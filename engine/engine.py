@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.anchors import Anchor, DecodeAnchor, anchors_from
 from engine.errors import EngineError, RequestError
 from engine.model.load import load_decoder, parse_dtype
 from engine.options import EngineOptions
@@ -48,7 +49,15 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
                capture_logits: bool = False, constraint: TokenConstraint | None = None,
                listener: Callable[[int | None], None] | None = None,
-               checkpoints: list[int] | None = None) -> RequestHandle:
+               checkpoints: list[int] | None = None, anchors: list[Anchor] | None = None,
+               decode_anchors: list[DecodeAnchor] | None = None, session: str | None = None,
+               forced_output: list[int] | None = None) -> RequestHandle:
+        """Queues a request. `checkpoints` (legacy) and `anchors` ask for recurrent-state snapshots
+        at prompt positions, `decode_anchors` after generated tokens (engine/anchors.py);
+        `session` tags them for the eviction policy; `forced_output` replaces each sampled token by
+        the next forced id (the forward pass and captured logits are the real ones) and finishes
+        the request with "stop" when the list is exhausted (trace replay only). Anchor positions
+        outside (0, len(prompt)] or already covered by the reused prefix are ignored."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -59,6 +68,14 @@ class Engine:
         limit = min(self.max_model_len, self.opts.kv_tokens)
         if len(prompt) >= limit:
             raise RequestError(f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum")
+        forced = None if forced_output is None else [int(t) for t in forced_output]
+        # A bad forced id would fail the whole batch's forward pass, not just this request.
+        bad = next((t for t in forced or [] if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"forced_output token id {bad} out of range [0, {self.cfg.vocab_size})")
+        if any(not isinstance(a, Anchor) for a in anchors or []) or any(
+                not isinstance(a, DecodeAnchor) for a in decode_anchors or []):
+            raise RequestError("anchors must be Anchor and decode_anchors DecodeAnchor instances")
         with self._cv:
             if self._closed:
                 raise RequestError("engine is shut down")
@@ -66,10 +83,34 @@ class Engine:
             handle = RequestHandle(f"req-{self._next_id}", len(prompt), listener)
             self._inbox.append(Request(prompt=prompt, params=params, handle=handle,
                                        capture_logits=capture_logits, constraint=constraint, max_len=limit,
-                                       checkpoints=list(checkpoints or [])))
+                                       anchors=anchors_from(checkpoints, anchors),
+                                       decode_anchors=list(decode_anchors or []), session=session,
+                                       forced=forced))
             self._ensure_thread()
             self._cv.notify()
         return handle
+
+    def checkpoints(self, session: str | None = None) -> list[dict[str, object]]:
+        """Held recurrent-state checkpoints (of `session` only, when given; None lists all), shallowest
+        first: each
+        {"session", "position", "kind", "priority", "bytes", "tier": "device"|"host", "last_access"}.
+        Empty for models without recurrent layers. Safe from any thread."""
+        with self._step_lock:
+            s = self.scheduler
+            return s.store.listing(session, s.states.slot_bytes())
+
+    def checkpoint_budget(self) -> dict[str, int]:
+        """{"device_slots", "device_used", "host_slots", "host_used", "slot_bytes"}; safe from any thread."""
+        with self._step_lock:
+            s = self.scheduler
+            return s.store.budget(s.states.slot_bytes())
+
+    def reset_cache(self) -> None:
+        """Drops all cached prefixes and checkpoints; raises EngineError while requests run."""
+        with self._cv, self._step_lock:
+            if self._inbox or self.scheduler.has_work:
+                raise EngineError("cannot reset the prefix cache while requests are queued or running")
+            self.scheduler.reset_cache()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[int]:
         handle = self.submit(prompt_ids, params)

@@ -20,6 +20,7 @@ from enum import Enum
 
 import torch
 
+from engine.anchors import Anchor, DecodeAnchor, ReuseInfo
 from engine.cache.radix import Node
 from engine.errors import EngineError
 from engine.sampling import SamplingParams, TokenConstraint
@@ -41,6 +42,7 @@ class RequestHandle:
         self._listener = listener
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
+        self.reuse: ReuseInfo | None = None  # set at admission, before the first token
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: EngineError | None = None
@@ -106,7 +108,12 @@ class Request:
     computed: int = 0  # tokens whose KV / state are computed
     prefix_len: int = 0  # tokens reused from the cache at admission
     owned: int = 0  # leading KV slots owned by the radix cache (reused or checkpointed); the rest are ours
-    checkpoints: list[int] = field(default_factory=list)  # prompt positions to snapshot, ascending
+    anchors: list[Anchor] = field(default_factory=list)  # prompt positions to snapshot, ascending
+    decode_anchors: list[DecodeAnchor] = field(default_factory=list)
+    session: str | None = None
+    forced: list[int] | None = None  # replay: these ids replace the sampled ones, then "stop"
+    pending_anchor: DecodeAnchor | None = None  # generated last step: checkpoint after this step
+    finish_pending: str | None = None  # finish reason held back for that one extra step
     match_node: Node | None = None
     state_slot: int = -1
     generator: torch.Generator | None = None

@@ -3,9 +3,15 @@
 Contract: `Scheduler.step()` advances every running request by one forward pass: each decoding
 request contributes one token, prefilling requests contribute chunks up to `prefill_chunk` tokens
 in total. Admission restores the longest reusable prefix from the radix cache (KV slots, and for
-recurrent layers the snapshot at that exact position) and prefills only the rest. A finished
-request's computed tokens are inserted into the cache with its final recurrent state as the
-snapshot, so the next request that extends it resumes there. Only the engine thread calls this.
+recurrent layers the deepest checkpoint at or before the first divergence, from the device or the
+host tier) and prefills only the rest; `RequestHandle.reuse` says what was reused. Prefill chunks
+end at anchor positions and the state there is checkpointed; a generated `DecodeAnchor` token is
+checkpointed after the next step has computed it (one extra step, not reported, when the request
+ends on it). A finished request's computed tokens (prompt + output) are inserted into the cache
+with its final recurrent state as a checkpoint of kind "request_end", so the next request that
+extends it resumes there. Checkpoint slots and eviction: engine/cache/checkpoints.py and
+engine/anchors.py. `forced_output` replaces sampled ids (after the real logits were captured) and
+finishes with "stop" when exhausted. Only the engine thread calls this.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from collections import deque
 
 import torch
 
-from engine.cache.pools import KVPool, StatePool
+from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta
+from engine.cache.checkpoints import CheckpointStore
+from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
 from engine.errors import CapacityError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
@@ -31,8 +39,10 @@ class Scheduler:
         self.device = torch.device(opts.device)
         self.hybrid = cfg.is_hybrid
         self.kv = KVPool(cfg, opts.kv_tokens, dtype, self.device)
-        self.states = StatePool(cfg, opts.state_slots if self.hybrid else 0, dtype, self.device)
-        self.cache = RadixCache(self.kv.free, self.states.free, self.device)
+        self.states = StatePool(cfg, opts.device_state_slots if self.hybrid else 0, dtype, self.device)
+        self.host_states = HostStatePool(cfg, opts.host_checkpoint_slots if self.hybrid else 0, dtype, self.device)
+        self.cache = RadixCache(self.kv.free, self.states.free, self.device, free_host=self.host_states.free)
+        self.store = CheckpointStore(self.cache, self.states, self.host_states, opts.checkpoint_slots)
         self.eos = set(cfg.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -48,24 +58,31 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.opts.max_running:
             req = self.waiting[0]
-            if self.hybrid and self.states.num_free == 0 and not self.cache.evict_state():
-                return  # wait for a running request to hand its state back
+            slot = -1
+            if self.hybrid:
+                # Taken before the match: making room may move a checkpoint to the host tier,
+                # where the match below still finds it.
+                got = self.store.working_slot(req.session)
+                if got is None:
+                    return  # wait for a running request to hand its state back
+                slot = got
             self.waiting.popleft()
+            self.store.activity.admit(req.session)
             match = self.cache.match(req.prompt, len(req.prompt) - 1, need_state=self.hybrid)
             self.cache.lock(match.node)
             req.match_node, req.prefix_len, req.computed = match.node, match.length, match.length
             req.owned = match.length
-            req.checkpoints = sorted({p for p in req.checkpoints if match.length < p < len(req.prompt)})
+            req.anchors = [a for a in req.anchors if match.length < a.position <= len(req.prompt)]
             req.kv_slots = match.slots.clone()
             req.handle.cached_tokens = match.length
+            from_host = False
             if self.hybrid:
-                slot = self.states.alloc()
-                assert slot is not None
-                if match.state_slot >= 0:
-                    self.states.copy(slot, match.state_slot)
-                else:
-                    self.states.reset(slot)
+                from_host = self.store.restore(match, slot)
                 req.state_slot = slot
+            meta = match.node.meta if self.hybrid and match.length else None
+            req.handle.reuse = ReuseInfo(kv_tokens=match.length, state_position=match.length,
+                                         checkpoint_kind=meta.kind if meta else None, from_host=from_host,
+                                         recomputed_tokens=len(req.prompt) - match.length)
             if req.params.seed is not None:
                 req.generator = torch.Generator().manual_seed(req.params.seed)
             elif not req.params.greedy:
@@ -74,10 +91,10 @@ class Scheduler:
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _alloc_kv(self, n: int) -> torch.Tensor:
+    def _alloc_kv(self, n: int, requester: str | None) -> torch.Tensor:
         slots = self.kv.alloc(n)
         if slots is None:
-            self.cache.evict(n - self.kv.num_free)
+            self.cache.evict(n - self.kv.num_free, self.store.kv_leaf_key(requester))
             slots = self.kv.alloc(n)
         if slots is None:
             raise CapacityError(f"KV cache full: {n} more tokens needed, {self.kv.num_free} free of {self.kv.capacity}")
@@ -102,7 +119,7 @@ class Scheduler:
         for req in self.running:
             if req.phase is Phase.PREFILL and budget > 0:
                 end = min(req.computed + budget, len(req.prompt))
-                stop_at = next((p for p in req.checkpoints if p > req.computed), None)
+                stop_at = next((a.position for a in req.anchors if a.position > req.computed), None)
                 if stop_at is not None:
                     end = min(end, stop_at)  # a chunk ends at each checkpoint so its state can be saved
                 chunk = req.prompt[req.computed:end]
@@ -111,10 +128,13 @@ class Scheduler:
         batch_entries, ids, pos = [], [], []
         for req, toks in list(entries):
             try:
-                new = self._alloc_kv(len(toks))
+                new = self._alloc_kv(len(toks), req.session)
             except CapacityError as e:
                 entries.remove((req, toks))
-                self._finish(req, "error", e)
+                if req.finish_pending is not None:  # only the extra step for a decode anchor: skip it
+                    self._finish(req, req.finish_pending)
+                else:
+                    self._finish(req, "error", e)
                 continue
             assert req.kv_slots is not None
             req.kv_slots = torch.cat([req.kv_slots, new])
@@ -135,42 +155,68 @@ class Scheduler:
             return
         for row, (req, toks) in enumerate(entries):
             req.computed += len(toks)
-            if req.phase is Phase.PREFILL and req.computed in req.checkpoints:
-                self._checkpoint(req)
-            if req.phase is Phase.PREFILL and req.computed < len(req.prompt):
+            if req.phase is Phase.PREFILL:
+                anchor = next((a for a in req.anchors if a.position == req.computed), None)
+                if anchor is not None:
+                    self._checkpoint(req, SnapshotMeta(anchor.kind, anchor.priority, req.session))
+                if req.computed < len(req.prompt):
+                    continue
+            elif req.pending_anchor is not None:
+                # The anchor token was fed this step: the state now includes it.
+                da, req.pending_anchor = req.pending_anchor, None
+                self._checkpoint(req, SnapshotMeta(da.kind, da.priority, req.session))
+            if req.finish_pending is not None:
+                self._finish(req, req.finish_pending)
                 continue
             req.phase = Phase.DECODE
             self._sample(req, logits[row])
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        forced = req.forced
+        if forced is not None and len(req.output) >= len(forced):
+            self._finish(req, "stop")  # an empty forced list: prefill only
+            return
         if req.capture_logits:
             req.handle.logits.append(logits.detach().cpu().clone())
         try:
-            token = sample(logits, req.params, req.generator, req.constraint)
+            if forced is not None:
+                # Replay: the forward pass (and the captured logits) are real, the id is given.
+                token = forced[len(req.output)]
+            else:
+                token = sample(logits, req.params, req.generator, req.constraint)
         except Exception as e:  # a bad constraint must fail its request, not the engine
             self._finish(req, "error", EngineError(f"sampling failed: {type(e).__name__}: {e}"))
             return
         req.output.append(token)
         req.handle._emit(token)
         p = req.params
-        if token in p.stop_token_ids or (token in self.eos and not p.ignore_eos):
-            self._finish(req, "stop")
+        reason = None
+        if (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)
+                or (forced is not None and len(req.output) >= len(forced))):
+            reason = "stop"
         elif len(req.output) >= p.max_tokens or len(req.prompt) + len(req.output) >= req.max_len:
-            self._finish(req, "length")
+            reason = "length"
+        anchor = self._decode_anchor(req, token)
+        if anchor is not None:
+            # Its state exists only once the next step feeds it; a finishing request runs that
+            # step anyway (output already complete, its logits unreported) so the anchor is kept.
+            req.pending_anchor, req.finish_pending = anchor, reason
+        elif reason is not None:
+            self._finish(req, reason)
 
-    def _checkpoint(self, req: Request) -> None:
-        """Publishes the computed prefix to the radix cache with a snapshot of the state after it."""
-        snap = -1
-        if self.hybrid:
-            snap = self.states.alloc()
-            if snap is None and self.cache.evict_state():
-                snap = self.states.alloc()
-            if snap is None:
-                return  # no room for a snapshot: the checkpoint is skipped, never wrong
-            self.states.copy(snap, req.state_slot)
+    def _decode_anchor(self, req: Request, token: int) -> DecodeAnchor | None:
+        best = None
+        for a in req.decode_anchors:
+            if a.token_id == token and (best is None or a.priority > best.priority):
+                best = a
+        return best
+
+    def _checkpoint(self, req: Request, meta: SnapshotMeta) -> None:
+        """Publishes the computed prefix (prompt + output so far) to the radix cache and keeps a
+        checkpoint of the state after it when the policy finds room (skipped, never wrong)."""
         assert req.kv_slots is not None and req.match_node is not None
         n = req.computed
-        node, existing = self.cache.insert(req.prompt[:n], req.kv_slots[:n])
+        node, existing = self.cache.insert(req.tokens[:n], req.kv_slots[:n])
         if existing > req.owned:
             # Another request cached these tokens first: use its slots, free our duplicates.
             self.kv.free(req.kv_slots[req.owned:existing])
@@ -178,10 +224,14 @@ class Scheduler:
         self.cache.lock(node)
         self.cache.unlock(req.match_node)
         req.match_node, req.owned = node, n
-        if snap >= 0:
-            displaced = self.cache.attach_state(node, snap)
-            if displaced >= 0:
-                self.states.free(displaced)
+        if self.hybrid:
+            self.store.save(node, req.state_slot, meta, req.session, donate=False)
+
+    def reset_cache(self) -> None:
+        """Drops every cached prefix and checkpoint (both tiers); only while no request runs."""
+        if self.running:
+            raise EngineError("cannot reset the prefix cache while requests are running")
+        self.cache.reset()
 
     def fail_all(self, err: EngineError) -> None:
         """Ends every request with `err` after an unexpected failure, dropping their cache state."""
@@ -210,9 +260,8 @@ class Scheduler:
             if n < len(slots):
                 self.kv.free(slots[n:])
             if self.hybrid:
-                displaced = self.cache.attach_state(node, req.state_slot)
-                if displaced >= 0:
-                    self.states.free(displaced)
+                self.store.save(node, req.state_slot, SnapshotMeta("request_end", 0, req.session), req.session,
+                                donate=True)
                 req.state_slot = -1
         else:
             self.kv.free(slots[req.owned:])

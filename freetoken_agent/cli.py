@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_configure_parser(sub)
 
+    from freetoken_agent.sessions.cli import add_sessions_parser
+
+    add_sessions_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, no server")
     gen.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
     gen.add_argument("--prompt", required=True)
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             from freetoken_agent.serve import run_serve
 
             return run_serve(args)
+        if args.command == "sessions":
+            from freetoken_agent.sessions.cli import run_sessions
+
+            return run_sessions(args)
         if args.command == "generate":
             from freetoken_agent.generate import run_generate
 

@@ -1,7 +1,8 @@
 """`freetoken-agent serve`: load the model once and serve every protocol over HTTP.
 
 Contract: binds 127.0.0.1:8000 by default; `--api-key` turns on authentication; the served model
-name defaults to `freetoken-demo` for the demo model and to the directory name otherwise. The HTTP
+name defaults to `freetoken-demo` for the demo model and to the directory name otherwise;
+`--anchor-policy` picks where prefill checkpoints go (freetoken_agent/sessions/anchors.py). The HTTP
 layer lives in `adapters/` (the top layer); this command is the composition root that wires it to
 the engine and the chat service, so it imports it lazily.
 """
@@ -17,6 +18,7 @@ from freetoken_agent.argtypes import positive_int
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
 from freetoken_agent.service import ChatService
+from freetoken_agent.sessions import AnchorPolicy, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer
 
 
@@ -32,8 +34,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--max-output-tokens", type=positive_int, default=32768)
     p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
     p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
+    p.add_argument("--checkpoint-slots", type=int, default=32,
+                   help="recurrent-state checkpoints kept on the device (hybrid models)")
+    p.add_argument("--host-checkpoint-slots", type=int, default=128,
+                   help="checkpoints spilled to host memory before they are dropped (hybrid models)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
+    p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
+                   help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
+                        "(every 8192 tokens + request end) or user-only (user-turn starts + request end); "
+                        "the last two are benchmark baselines")
     p.add_argument("--log-level", default="warning")
 
 
@@ -52,10 +62,12 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, kv_tokens=args.kv_tokens,
-                         max_running=args.max_running, state_slots=max(32, 2 * args.max_running))
+                         max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
+                         host_checkpoint_slots=args.host_checkpoint_slots)
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
-    service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens)
+    sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)
+    service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens, sessions=sessions)
     state = AppState(service=service, model_name=name, api_key=args.api_key, aliases=(str(model_dir),),
                      ping_interval=args.ping_interval)
     app = create_app(state)

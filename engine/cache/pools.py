@@ -7,7 +7,10 @@ Contract:
 - `StatePool`: per Gated DeltaNet layer, conv windows [num_slots, C, K-1] (model dtype) and SSM
   states [num_slots, Hv, dk, dv] (float32). A slot is either a live request's working state or a
   snapshot attached to the radix tree; `copy(dst, src)` snapshots or restores in place.
-Both pools never grow: their sizes are the memory budget.
+- `HostStatePool`: the host-memory spill tier for snapshots, the same per-slot layout in CPU
+  tensors (pinned when the device is CUDA, so copies both ways can be asynchronous DMA);
+  `store(host_slot, pool, slot)` copies a device slot down, `load(pool, slot, host_slot)` back up.
+All pools never grow: their sizes are the memory budget.
 """
 
 from __future__ import annotations
@@ -100,4 +103,43 @@ class StatePool:
         self.ssm[:, dst].copy_(self.ssm[:, src])
 
     def slot_bytes(self) -> int:
-        return (self.conv[:, 0].numel() * self.conv.element_size()) + self.ssm[:, 0].numel() * 4
+        # From the shapes, so a pool of zero slots (a model without recurrent layers) reports 0 too.
+        conv = self.conv.shape[0] * self.conv.shape[2] * self.conv.shape[3] * self.conv.element_size()
+        ssm = self.ssm.shape[0] * self.ssm.shape[2] * self.ssm.shape[3] * self.ssm.shape[4] * 4
+        return conv + ssm
+
+
+class HostStatePool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers = len(cfg.linear_attention_layer_ids)
+        n = num_slots if layers else 0
+        pin = torch.device(device).type == "cuda"
+        self.conv = torch.zeros(layers, n, cfg.linear_conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0),
+                                dtype=dtype, pin_memory=pin)
+        self.ssm = torch.zeros(layers, n, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                               cfg.linear_value_head_dim, dtype=torch.float32, pin_memory=pin)
+        self._slots = _FreeList(n)
+
+    @property
+    def capacity(self) -> int:
+        return self._slots.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def alloc(self) -> int | None:
+        ids = self._slots.take(1)
+        return None if ids is None else ids[0]
+
+    def free(self, slot: int) -> None:
+        self._slots.give([slot])
+
+    def store(self, host_slot: int, pool: StatePool, slot: int) -> None:
+        # Synchronous on purpose: the device slot is reused right after a spill.
+        self.conv[:, host_slot].copy_(pool.conv[:, slot])
+        self.ssm[:, host_slot].copy_(pool.ssm[:, slot])
+
+    def load(self, pool: StatePool, slot: int, host_slot: int) -> None:
+        pool.conv[:, slot].copy_(self.conv[:, host_slot])
+        pool.ssm[:, slot].copy_(self.ssm[:, host_slot])

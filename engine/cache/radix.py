@@ -8,11 +8,17 @@ Contract:
   can `lock` the node (locked nodes and their ancestors are never evicted).
 - `insert(tokens, slots)` adds a computed sequence and returns how many leading tokens were
   already present (the caller frees its own duplicate slots in that range from its matched length).
-- `attach_state(node, slot)` stores a snapshot taken after the node's last token; the tree owns
-  it from then on (a previous snapshot there is returned for freeing).
-- `evict(n_tokens)` frees least-recently-used unlocked leaves until n KV slots were released;
-  `evict_state()` drops the least-recently-used unlocked snapshot. Freed slots go back through
-  the callbacks given at construction.
+- `attach_state(node, slot, meta)` stores a device snapshot taken after the node's last token;
+  the tree owns it from then on (a previous device snapshot there is returned for freeing; a host
+  copy there is freed). A node holds at most one snapshot, in one tier: `spill(node, host_slot)`
+  moves it to the host tier (returns the device slot to free), `drop_state(node)` frees it.
+  `snapshot_nodes()` lists the nodes holding one; which to move or drop is the caller's policy
+  (engine/cache/checkpoints.py).
+- `match(..., need_state=True)` accepts a snapshot in either tier (`Match.host_slot`).
+- `evict(n_tokens, key)` frees unlocked leaves in ascending `key` order until n KV slots were
+  released (default key: the leaf's snapshot priority, then least recently used). `evict_state()` drops the
+  least-recently-used unlocked device snapshot. Freed slots go back through the callbacks given
+  at construction.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from engine.anchors import SnapshotMeta
 
 
 @dataclass(eq=False)
@@ -33,7 +42,13 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)
     lock: int = 0
     last_access: int = 0
-    state_slot: int = -1
+    state_slot: int = -1  # device snapshot after this node's last token
+    host_slot: int = -1  # or the same snapshot spilled to the host tier
+    meta: SnapshotMeta | None = None  # set whenever a snapshot is held
+
+    @property
+    def has_state(self) -> bool:
+        return self.state_slot >= 0 or self.host_slot >= 0
 
 
 @dataclass
@@ -41,19 +56,23 @@ class Match:
     node: Node  # deepest node of the reusable prefix (the root when nothing matches)
     length: int
     slots: torch.Tensor  # KV slots of the reusable prefix
-    state_slot: int  # snapshot at `length`, or -1 (also -1 when length == 0)
+    state_slot: int  # device snapshot at `length`, or -1 (also -1 when length == 0)
+    host_slot: int = -1  # host-tier snapshot at `length` when there is no device one, or -1
 
 
 class RadixCache:
     def __init__(self, free_kv: Callable[[torch.Tensor], None], free_state: Callable[[int], None],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", free_host: Callable[[int], None] | None = None) -> None:
         self._free_kv, self._free_state = free_kv, free_state
+        self._free_host = free_host or (lambda slot: None)
         self.device = torch.device(device)
         self.root = Node(key=[], value=torch.empty(0, dtype=torch.long, device=self.device), parent=None, depth=0)
         self.root.lock = 1
         self._clock = itertools.count(1)
         self.cached_tokens = 0
-        self.num_snapshots = 0
+        self.num_snapshots = 0  # device snapshots
+        self.num_host_snapshots = 0
+        self._held: dict[Node, None] = {}  # nodes holding a snapshot, in insertion order
 
     # ------------------------------------------------------------------ lookup
     def match(self, tokens: list[int], limit: int, need_state: bool) -> Match:
@@ -73,8 +92,8 @@ class RadixCache:
             node, pos = child, pos + n
             node.last_access = tick
             path_slots.append(node.value)
-            if not need_state or node.state_slot >= 0:
-                best = Match(node, pos, torch.cat(path_slots), node.state_slot)
+            if not need_state or node.has_state:
+                best = Match(node, pos, torch.cat(path_slots), node.state_slot, node.host_slot)
         return best
 
     def lock(self, node: Node) -> None:
@@ -115,13 +134,45 @@ class RadixCache:
             node.last_access = tick
         return node, pos
 
-    def attach_state(self, node: Node, slot: int) -> int:
-        """Owns `slot` as the snapshot at `node`; returns a displaced slot to free, or -1."""
+    def attach_state(self, node: Node, slot: int, meta: SnapshotMeta | None = None) -> int:
+        """Owns `slot` as the device snapshot at `node`; returns a displaced slot to free, or -1."""
         old = node.state_slot
+        if node.host_slot >= 0:  # the device copy supersedes a spilled one
+            self._free_host(node.host_slot)
+            node.host_slot = -1
+            self.num_host_snapshots -= 1
         node.state_slot = slot
+        node.meta = meta or node.meta or SnapshotMeta()
+        self._held[node] = None
         if old < 0:
             self.num_snapshots += 1
         return old
+
+    def spill(self, node: Node, host_slot: int) -> int:
+        """Records that `node`'s device snapshot now lives in `host_slot`; returns the device slot
+        (the caller copied it down and frees it)."""
+        old = node.state_slot
+        assert old >= 0 and node.host_slot < 0
+        node.state_slot, node.host_slot = -1, host_slot
+        self.num_snapshots -= 1
+        self.num_host_snapshots += 1
+        return old
+
+    def drop_state(self, node: Node) -> None:
+        """Frees `node`'s snapshot, whichever tier holds it."""
+        if node.state_slot >= 0:
+            self._free_state(node.state_slot)
+            node.state_slot = -1
+            self.num_snapshots -= 1
+        if node.host_slot >= 0:
+            self._free_host(node.host_slot)
+            node.host_slot = -1
+            self.num_host_snapshots -= 1
+        node.meta = None
+        self._held.pop(node, None)
+
+    def snapshot_nodes(self) -> list[Node]:
+        return list(self._held)
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (no snapshot)."""
@@ -143,26 +194,25 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
-    def evict(self, n_tokens: int) -> int:
+    def evict(self, n_tokens: int, key: Callable[[Node], Any] | None = None) -> int:
+        # Default: a leaf holding a high-priority snapshot goes after lower ones; LRU among equals.
+        key = key or (lambda x: (x.meta.priority if x.meta else 0, x.last_access))
         freed = 0
         while freed < n_tokens:
             leaves = [x for x in self._nodes() if not x.children and x.lock == 0 and x is not self.root]
             if not leaves:
                 break
-            for leaf in sorted(leaves, key=lambda x: x.last_access):
+            for leaf in sorted(leaves, key=key):
                 freed += self._remove_leaf(leaf)
                 if freed >= n_tokens:
                     break
         return freed
 
     def evict_state(self) -> bool:
-        held = [x for x in self._nodes() if x.state_slot >= 0 and x.lock == 0]
+        held = [x for x in self._held if x.state_slot >= 0 and x.lock == 0]
         if not held:
             return False
-        victim = min(held, key=lambda x: x.last_access)
-        self._free_state(victim.state_slot)
-        victim.state_slot = -1
-        self.num_snapshots -= 1
+        self.drop_state(min(held, key=lambda x: x.last_access))  # a node never holds both tiers
         return True
 
     def _remove_leaf(self, leaf: Node) -> int:
@@ -170,9 +220,7 @@ class RadixCache:
         assert parent is not None
         del parent.children[leaf.key[0]]
         self._free_kv(leaf.value)
-        if leaf.state_slot >= 0:
-            self._free_state(leaf.state_slot)
-            self.num_snapshots -= 1
+        self.drop_state(leaf)
         self.cached_tokens -= len(leaf.key)
         return len(leaf.key)
 
@@ -183,11 +231,12 @@ class RadixCache:
                 node = stack.pop()
                 stack.extend(node.children.values())
                 self._free_kv(node.value)
-                if node.state_slot >= 0:
-                    self._free_state(node.state_slot)
+                self.drop_state(node)
         self.root.children.clear()
-        self.cached_tokens = 0
-        self.num_snapshots = 0
+        self._held.clear()
+        self.cached_tokens = 0  # device snapshots
+        self.num_host_snapshots = 0
+        self._held: dict[Node, None] = {}  # nodes holding a snapshot, in insertion order
 
 
 def _common(key: list[int], tokens: list[int], pos: int, limit: int) -> int:

@@ -14,7 +14,8 @@ Contract:
 - Truly new tokens of a request: its prompt length minus the longest prefix it shares with any
   earlier request of the same session, where an earlier request counts as its prompt followed by
   its forced reply (the engine computed both). Prompts are rendered locally exactly as the server
-  renders them (its protocol adapter, the model's chat template, the tokenizer). A session is the
+  renders them (its protocol adapter, the session manager's normalisation, the model's chat
+  template, the tokenizer). A session is the
   client's session header (`x-claude-code-session-id`, `x-session-affinity`, `session_id`, ...),
   else `prompt_cache_key`, else the trace. The sanitised id placeholders are salted per run, so
   traces replayed one after another on one server never share a session id.
@@ -52,6 +53,7 @@ from adapters.common import FORCED_OUTPUT_FIELD
 from evals.traces.sanitise import PLACEHOLDER_UUID
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
+from freetoken_agent.sessions.normalise import normalise as session_normalise
 from freetoken_agent.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +74,7 @@ class Renderer:
         req = normalise(path, body)
         if req is None:
             raise ValueError(f"the server would refuse this {path} body")
+        req = session_normalise(req)  # what the server's session manager drops before rendering
         tools = req.tools if req.tool_choice != "none" else []
         text = self.tok.apply_chat_template([m.to_template() for m in req.messages], tools=tools or None,
                                             add_generation_prompt=True, enable_thinking=thinking_on(req),

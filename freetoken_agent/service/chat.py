@@ -14,6 +14,9 @@ Contract:
   instead of sampled tokens; the forward pass still runs, so caches are those of a real reply.
 - Stop strings are matched on the decoded text; text that may start a stop string is held back
   until it cannot.
+- Every request passes through the session manager (`freetoken_agent/sessions`): it is normalised
+  before rendering, planned (client, session, ranked anchors, divergence) before `engine.submit`,
+  and its turn is recorded when the generation ends.
 Must be used from one asyncio event loop; the engine thread reaches it via call_soon_threadsafe.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,11 +36,12 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
-from freetoken_agent.service.forced import submit_options
 from freetoken_agent.service.types import ChatRequest, Chunk, Finish
+from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
 FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
+log = logging.getLogger("freetoken.service")
 
 
 class ContextTooLong(RequestError):
@@ -54,14 +59,16 @@ class Prepared:
     starts_in_reasoning: bool
     parse_tools: bool
     key: str
-    checkpoints: list[int]
+    plan: RequestPlan
     forced: list[int] | None = None  # benchmark only: ids emitted instead of sampled ones
 
 
 class ChatService:
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, model_name: str,
-                 context_window: int | None = None, max_output_tokens: int = 32768) -> None:
+                 context_window: int | None = None, max_output_tokens: int = 32768,
+                 sessions: SessionManager | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.sessions = sessions or SessionManager(tokenizer, engine=engine)
         self.family = FAMILIES[engine.cfg.family]
         self.context_window = min(context_window or engine.max_model_len, engine.max_model_len,
                                   engine.opts.kv_tokens)
@@ -72,7 +79,7 @@ class ChatService:
 
     # ------------------------------------------------------------------ rendering
     def render(self, req: ChatRequest) -> tuple[list[int], str, TokenConstraint | None, bool]:
-        """-> (prompt ids, forced prefix, constraint, thinking enabled)."""
+        """-> (prompt ids, forced prefix, constraint, thinking enabled). `req` is normalised already."""
         choice = req.tool_choice
         tools = req.tools if choice != "none" else []
         forced = choice == "required" or isinstance(choice, dict)
@@ -99,9 +106,10 @@ class ChatService:
         return self.tokenizer.encode(text + prefix), prefix, constraint, thinking
 
     def count_tokens(self, req: ChatRequest) -> int:
-        return len(self.render(req)[0])
+        return len(self.render(self.sessions.normalise(req))[0])
 
     def prepare(self, req: ChatRequest) -> Prepared:
+        req = self.sessions.normalise(req)
         ids, prefix, constraint, thinking = self.render(req)
         room = self.context_window - len(ids)
         if room < 1:
@@ -121,16 +129,8 @@ class ChatService:
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
-                        key=hashlib.sha256(key_src.encode()).hexdigest(), checkpoints=self.checkpoints(ids),
+                        key=hashlib.sha256(key_src.encode()).hexdigest(), plan=self.sessions.plan(req, ids),
                         forced=forced)
-
-    def checkpoints(self, ids: list[int]) -> list[int]:
-        """Where prefill snapshots recurrent state: the end of the system turn, the start of the last
-        message and of the reply, and one token before the end (so a resent request reuses all but
-        one token). Turn starts are `<|im_start|>` tokens, which survive any edit after them."""
-        turn = self.tokenizer.token_to_id("<|im_start|>")
-        starts = [i for i, t in enumerate(ids) if t == turn and i > 0]
-        return sorted({*starts[:1], *starts[-2:], len(ids) - 1})
 
     # ------------------------------------------------------------------ running
     def start(self, req: ChatRequest) -> GenerationStream:
@@ -162,11 +162,13 @@ class GenerationStream:
         self._stopped: str | None = None
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.turn: dict[str, object] | None = None  # the session manager's record, once finished
         if prep.forced_prefix:
             self._publish(Chunk(prep.forced_prefix))
-        forcing = submit_options(service.engine, prep.forced, prep.constraint, service.engine.cfg.eos_token_ids)
+        plan = prep.plan
         self.handle: RequestHandle = service.engine.submit(
-            prep.ids, prep.params, checkpoints=prep.checkpoints, **forcing,
+            prep.ids, prep.params, constraint=None if prep.forced else prep.constraint, anchors=plan.anchors,
+            decode_anchors=plan.decode_anchors, session=plan.engine_session, forced_output=prep.forced,
             listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
 
     @property
@@ -218,6 +220,12 @@ class GenerationStream:
                              error=str(err) if err else None))
         self.finished = True
         self.service._forget(self)
+        ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
+        try:
+            self.turn = self.service.sessions.record(self.prep.plan, self.prep.ids, list(self.handle.output_ids),
+                                                     self.handle, ttft, reason)
+        except Exception:  # bookkeeping must never cost the client its answer
+            log.exception("recording the session turn failed")
         if self.service.on_finish is not None:
             self.service.on_finish(self, self.log[-1])  # type: ignore[arg-type]
 

@@ -1,0 +1,243 @@
+"""The session manager: every chat request passes through it before the engine and after it.
+
+Contract (used by `ChatService`, from one asyncio loop):
+- `normalise(req)` -> the request to render (see `normalise.py`).
+- `plan(req, ids)` (req normalised, ids its rendered prompt) -> `RequestPlan`: the client profile,
+  the session id (the client's own id, else a hash of system prompt + first user message; None for
+  a side request without a client id), whether it is a side request, the engine session tag, the
+  ranked `Anchor`s and `DecodeAnchor`s under the server's `AnchorPolicy`, and where the prompt
+  diverged from the session's previous request (prompt + generated ids) and why. Planning does not
+  change any session.
+- `record(plan, ids, output, handle, ttft_ms, finish_reason)` files the finished turn: reused and
+  recomputed tokens (from the engine's `ReuseInfo` when it reports one, else its cached-token
+  count), the checkpoint that served it, and, for main requests, remembers the request as the
+  session's new reference and teaches the per-client kind scores (`learning.py`).
+- `sessions()` / `session(id)` -> JSON-ready inspection dicts (`GET /v1/sessions[/{id}]`).
+
+Side requests (titles, summaries, compaction prompts: a profile marker, or a request in a known
+session whose system prompt and tool list both differ from the session's main ones) get the tag
+`<session>#side` (or none), only `system_end` + `prompt_end` anchors, no decode anchors and
+priorities lowered by `SIDE_PENALTY`, so the engine evicts their checkpoints before any of the
+main conversation's. Sub-agents (parent headers) are sessions of their own with a `parent`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken_agent.service.types import ChatMessage, ChatRequest
+from freetoken_agent.sessions.anchors import AnchorPlanner, AnchorPolicy
+from freetoken_agent.sessions.divergence import Divergence, Snapshot, classify
+from freetoken_agent.sessions.engine_api import Anchor, DecodeAnchor, engine_checkpoints, reuse_of
+from freetoken_agent.sessions.learning import KindScores, serving_anchor
+from freetoken_agent.sessions.normalise import normalise, system_text, tool_names
+from freetoken_agent.sessions.profiles import Detection, detect, prefix_key
+from freetoken_agent.tokenizer import ChatTokenizer
+
+SIDE_PENALTY = 100
+MAX_SESSIONS = 256
+MAX_TURNS = 500
+
+
+@dataclass
+class RequestPlan:
+    detection: Detection
+    session_id: str | None
+    side: str | None
+    engine_session: str | None
+    anchors: list[Anchor]
+    decode_anchors: list[DecodeAnchor]
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[str, ...]
+    starts: list[int] | None
+    divergence: Divergence | None
+
+    @property
+    def client(self) -> str:
+        return self.detection.profile.name
+
+
+@dataclass
+class Session:
+    id: str
+    client: str
+    key_source: str
+    parent: str | None
+    created: float = field(default_factory=time.time)
+    last_activity: float = field(default_factory=time.time)
+    turn_count: int = 0
+    side_requests: int = 0
+    turns: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_TURNS))
+    snapshot: Snapshot | None = None
+    anchor_positions: list[tuple[int, str]] = field(default_factory=list)  # of the snapshot request
+    anchors: list[dict[str, Any]] = field(default_factory=list)            # last main plan, for inspection
+    main_tools: tuple[str, ...] | None = None
+    main_system: str | None = None
+
+
+class SessionManager:
+    def __init__(self, tokenizer: ChatTokenizer, policy: AnchorPolicy | str = AnchorPolicy.SEMANTIC,
+                 engine: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.policy = AnchorPolicy(policy)
+        self.engine = engine
+        self.planner = AnchorPlanner(tokenizer)
+        self.scores = KindScores()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ before the engine
+    def normalise(self, req: ChatRequest) -> ChatRequest:
+        return normalise(req)
+
+    def plan(self, req: ChatRequest, ids: list[int]) -> RequestPlan:
+        det = detect(req)
+        tools = tool_names(req)
+        sid = det.session_key or prefix_key(req)
+        with self._lock:
+            sess = self._sessions.get(sid)
+        side = det.side
+        if side is None and sess is not None and sess.main_tools is not None and tools != sess.main_tools \
+                and system_text(req) != sess.main_system:
+            side = "different prompt"  # same session, another system prompt and tool set: a side call
+        if side is not None and det.session_key is None:
+            sid = None  # nothing to key it by: it joins no session
+        profile = det.profile
+        penalty = SIDE_PENALTY if side else 0
+
+        def priority_of(kind: str) -> int:
+            return self.scores.priority(profile, kind) - penalty
+
+        messages = tuple(req.messages)
+        starts = self.planner.message_starts(ids, messages, bool(req.tools))
+        anchors = self.planner.plan(self.policy, messages, ids, starts, priority_of)
+        decode: list[DecodeAnchor] = []
+        if side:
+            anchors = [a for a in anchors if a.kind in ("system_end", "prompt_end")]
+        else:
+            decode = self.planner.decode_anchors(self.policy, priority_of)
+        divergence = None
+        if not side and sess is not None and sess.snapshot is not None:
+            divergence = classify(sess.snapshot, messages, tools, ids, starts)
+        tag = None if sid is None else (f"{sid}#side" if side else sid)
+        return RequestPlan(detection=det, session_id=sid, side=side, engine_session=tag, anchors=anchors,
+                           decode_anchors=decode, messages=messages, tools=tools, starts=starts,
+                           divergence=divergence)
+
+    # ------------------------------------------------------------------ after the engine
+    def record(self, plan: RequestPlan, ids: list[int], output: list[int], handle: Any,
+               ttft_ms: float | None, finish_reason: str) -> dict[str, Any] | None:
+        if plan.session_id is None:
+            return None
+        det = plan.detection
+        with self._lock:
+            sess = self._sessions.get(plan.session_id)
+            if sess is None:
+                sess = Session(id=plan.session_id, client=det.profile.name, key_source=det.key_source,
+                               parent=det.parent)
+                self._sessions[plan.session_id] = sess
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            self._sessions.move_to_end(plan.session_id)
+            turn = self._turn(sess, plan, ids, output, handle, ttft_ms, finish_reason)
+            sess.last_activity = time.time()
+            if plan.side:
+                sess.side_requests += 1
+            else:
+                sess.turn_count += 1
+                sess.client = det.profile.name
+                self._remember(sess, plan, ids, output)
+            sess.turns.append(turn)
+        return turn
+
+    def _turn(self, sess: Session, plan: RequestPlan, ids: list[int], output: list[int], handle: Any,
+              ttft_ms: float | None, finish_reason: str) -> dict[str, Any]:
+        reuse = reuse_of(handle)
+        cached = int(getattr(handle, "cached_tokens", 0) or 0)
+        if reuse is not None:
+            kv, state_pos, kind = int(reuse.kv_tokens), int(reuse.state_position), reuse.checkpoint_kind
+            from_host: bool | None = bool(reuse.from_host)
+            recomputed = int(reuse.recomputed_tokens)
+            reused = len(ids) - recomputed
+        else:  # an engine without ReuseInfo: its prefix match is both the KV and the state position
+            kv = state_pos = reused = cached
+            recomputed, from_host = len(ids) - cached, None
+            kind = dict(sess.anchor_positions).get(cached) if cached else None
+        div = plan.divergence
+        would = None
+        if div is not None and sess.snapshot is not None:
+            would = serving_anchor(sess.anchor_positions, min(div.position, len(sess.snapshot.ids)))
+            if not plan.side:
+                kinds = [would[1]] if would else []
+                if kind and kind not in kinds:
+                    kinds.append(kind)
+                self.scores.learn(plan.client, kinds)
+        return {
+            "index": sess.turn_count + sess.side_requests, "at": time.time(), "side": plan.side,
+            "client": plan.client, "prompt_tokens": len(ids), "completion_tokens": len(output),
+            "reused_tokens": reused, "recomputed_tokens": recomputed, "kv_reused_tokens": kv,
+            "state_reused_tokens": state_pos, "checkpoint_position": state_pos if state_pos else None,
+            "checkpoint_kind": kind, "from_host": from_host,
+            "divergence_position": div.position if div else None, "divergence_cause": div.cause if div else None,
+            "divergence_message": div.message if div else None,
+            "would_serve_position": would[0] if would else None, "would_serve_kind": would[1] if would else None,
+            "anchors": len(plan.anchors), "decode_anchors": [d.kind for d in plan.decode_anchors],
+            "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3), "expert_cache_hit_rate": None,
+            "finish_reason": finish_reason,
+        }
+
+    def _remember(self, sess: Session, plan: RequestPlan, ids: list[int], output: list[int]) -> None:
+        sess.snapshot = Snapshot(messages=plan.messages, tools=plan.tools, prompt_len=len(ids),
+                                 ids=array("i", ids + output), starts=tuple(plan.starts) if plan.starts else None,
+                                 thinking_end_id=self.planner.decode_ids.get("thinking_end"))
+        realised = self.planner.realised_decode_positions(len(ids), output, plan.decode_anchors)
+        sess.anchor_positions = sorted([(a.position, a.kind) for a in plan.anchors] + realised)
+        sess.anchors = [{"position": a.position, "kind": a.kind, "priority": a.priority} for a in plan.anchors] + \
+            [{"position": p, "kind": k, "priority": None, "decode": True} for p, k in realised]
+        if sess.main_tools is None or plan.tools:
+            sess.main_tools = plan.tools
+            sess.main_system = "\n".join(m.content for m in plan.messages if m.role == "system")
+
+    # ------------------------------------------------------------------ inspection
+    def _held(self, sid: str) -> tuple[list[dict[str, Any]] | None, int | None]:
+        if self.engine is None:
+            return None, None
+        held = engine_checkpoints(self.engine, sid)
+        side = engine_checkpoints(self.engine, f"{sid}#side")
+        if held is None:
+            return None, None
+        held = held + (side or [])
+        return held, sum(int(c.get("bytes", 0) or 0) for c in held)
+
+    def sessions(self) -> list[dict[str, Any]]:
+        with self._lock:
+            items = list(self._sessions.values())
+        out = []
+        for s in reversed(items):  # most recent first
+            held, nbytes = self._held(s.id)
+            out.append({"id": s.id, "client": s.client, "parent": s.parent, "turns": s.turn_count,
+                        "side_requests": s.side_requests, "created": s.created, "last_activity": s.last_activity,
+                        "checkpoints": None if held is None else len(held), "checkpoint_bytes": nbytes})
+        return out
+
+    def session(self, sid: str) -> dict[str, Any] | None:
+        with self._lock:
+            s = self._sessions.get(sid)
+            if s is None:
+                return None
+            turns = list(s.turns)
+        held, nbytes = self._held(s.id)
+        from freetoken_agent.sessions.profiles import BY_NAME
+
+        profile = BY_NAME.get(s.client)
+        return {"id": s.id, "client": s.client, "key_source": s.key_source, "parent": s.parent,
+                "policy": self.policy.value, "created": s.created, "last_activity": s.last_activity,
+                "turns_count": s.turn_count, "side_requests": s.side_requests,
+                "checkpoints": held, "checkpoint_bytes": nbytes, "anchors": s.anchors,
+                "kind_ranking": self.scores.ranking(profile) if profile else [],
+                "turns": turns}
