@@ -17,8 +17,8 @@ Contract:
   renders them (its protocol adapter, the session manager's normalisation, the model's chat
   template, the tokenizer). A session is the
   client's session header (`x-claude-code-session-id`, `x-session-affinity`, `session_id`, ...),
-  else `prompt_cache_key`, else the trace. The sanitised id placeholders are salted per run, so
-  traces replayed one after another on one server never share a session id.
+  else `prompt_cache_key`, else the trace. Session ids are salted per run, so traces replayed
+  one after another on one server never share a session.
 - Recomputed tokens of a request: `prompt - cached` from the usage the server reports in the
   response (every protocol reports both). Per session: sums, the ratio recomputed / truly new,
   mean and worst TTFT. After the run, `GET /v1/sessions` (and each `/v1/sessions/{id}`) is read
@@ -50,7 +50,6 @@ from typing import Any
 import httpx
 
 from adapters.common import FORCED_OUTPUT_FIELD
-from evals.traces.sanitise import PLACEHOLDER_UUID
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
 from freetoken_agent.sessions.normalise import normalise as session_normalise
@@ -104,10 +103,20 @@ def session_key(req: dict[str, Any], default: str) -> str:
 
 
 def salted(trace: dict[str, Any]) -> dict[str, Any]:
-    """The trace with its sanitised UUID placeholders made unique to this run (same length), so
-    traces replayed on one server never share a session id."""
+    """The trace with its session identities (session headers, `prompt_cache_key`) made unique to
+    this run, so traces replayed one after another on one server never share a session. Neither
+    is rendered into the prompt, so token counts are unchanged."""
     salt = uuid.uuid4().hex[:8]
-    return json.loads(json.dumps(trace).replace(f"{PLACEHOLDER_UUID}-", f"{salt}-0000-4000-8000-"))
+    out = json.loads(json.dumps(trace))
+    for req in out["requests"]:
+        headers = req.get("headers") or {}
+        for k in list(headers):
+            if k.lower() in SESSION_HEADERS and headers[k]:
+                headers[k] = f"{headers[k]}-{salt}"
+        body = req.get("body")
+        if isinstance(body, dict) and isinstance(body.get("prompt_cache_key"), str):
+            body["prompt_cache_key"] = f"{body['prompt_cache_key']}-{salt}"
+    return out
 
 
 def reply_of(req: dict[str, Any]) -> Reply | None:
@@ -273,7 +282,7 @@ def server_sessions(base: str, api_key: str | None = None) -> list[dict[str, Any
             d = httpx.get(f"{base}/v1/sessions/{sid}", headers=headers, timeout=30)
             if d.status_code == 200:
                 detail = d.json()
-        turns = detail.get("turns") or []
+        turns = detail.get("turns") if isinstance(detail.get("turns"), list) else []
         out.append({"id": sid, "client": detail.get("client") or detail.get("profile"), "turns": len(turns),
                     "prompt_tokens": sum(t.get("prompt_tokens") or 0 for t in turns),
                     "reused_tokens": sum(t.get("reused_tokens") or 0 for t in turns),
