@@ -66,9 +66,9 @@ def configure(c: Client, home: Path, work: Path, base: str, env: dict[str, str],
         model = cfg["models"]["providers"]["local"]["models"][0]
         model["maxTokens"] = 4096
         if variant:  # cache-ttl pruning, off by default for non-Anthropic providers
-            # 240k characters of logs ~ 60k estimated tokens: over 30% (soft-trim) of this window,
-            # under 50% (hard-clear) and far from compaction.
-            model["contextWindow"] = 131072
+            # 350k characters of logs ~ 87k estimated tokens: over 30% of this window (soft-trim
+            # rounds run), far from compaction.
+            model["contextWindow"] = 200000
             cfg["agents"]["defaults"]["contextPruning"] = {"mode": "cache-ttl", "ttl": "1s"}
         path.write_text(json.dumps(cfg, indent=2))
     elif c.name == "codex":

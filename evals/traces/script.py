@@ -37,12 +37,13 @@ PROMPTS = [
     "Now add a function mul(a, b) to calc.py and a check for it in test_calc.py, then run the test again.",
 ]
 # Variants with history edits start with a turn of large tool outputs, so that two later turns
-# push them out of the client's protected tail and past its pruning thresholds (OpenCode: 40k+20k
-# estimated tokens, i.e. 240k characters, in turns older than the last two; OpenClaw: results over
-# 4000 characters once the context is 30% full). The logs are long separator lines: many characters
+# push them out of the client's protected tail and past its pruning thresholds (OpenCode: the
+# newest 40k estimated tokens (chars / 4) of tool output in turns older than the last two are kept,
+# older ones are cleared once they add up to 20k: seven 50 KB outputs; OpenClaw: results over 4000
+# characters are trimmed once the context is 30% full). The logs are long separator lines: many characters
 # (what the clients estimate) but few tokens (what fits the demo model's 32k context).
-BIG_FILES = tuple(f"logs/run{i}.log" for i in range(1, 6))
-BIG_PROMPT = "Print each of the five files in logs/ with cat, one command per file, then say done."
+BIG_FILES = tuple(f"logs/run{i}.log" for i in range(1, 8))
+BIG_PROMPT = "Print each of the seven files in logs/ with cat, one command per file, then say done."
 FINAL_PROMPT = "Run the tests one last time and tell me if everything passes."
 
 
@@ -50,8 +51,8 @@ def prompts(variant: str | None) -> list[str]:
     return [BIG_PROMPT, *PROMPTS, FINAL_PROMPT] if variant else list(PROMPTS)
 
 
-def big_file(index: int, lines: int = 48) -> str:
-    """~48 KB (under OpenCode's 51200-byte tool-output cap) in ~1k tokens."""
+def big_file(index: int, lines: int = 50) -> str:
+    """50,000 bytes (under OpenCode's 51200-byte tool-output cap) in ~1k tokens."""
     return "".join(f"{index}{i:03d} " + "=" * 994 + "\n" for i in range(lines))
 
 
@@ -86,7 +87,7 @@ PLANS: dict[str, list[Step]] = {
         ("edit", "test_calc.py", "from calc import add\n", "from calc import add, mul\n\nassert mul(3, 4) == 12\n"),
         ("run", "python3 test_calc.py"),
         ("answer", "Added mul(a, b) with a check in test_calc.py; the test prints ok.")],
-    BIG_PROMPT: [*(("run", f"cat {f}") for f in BIG_FILES), ("answer", "Done: five run logs, 48 lines each.")],
+    BIG_PROMPT: [*(("run", f"cat {f}") for f in BIG_FILES), ("answer", "Done: seven run logs, 50 lines each.")],
     FINAL_PROMPT: [("run", "python3 test_calc.py"), ("answer", "Everything passes: test_calc.py prints ok.")],
 }
 PLAN = [PLANS[p] for p in PROMPTS]
