@@ -65,9 +65,14 @@ def configure(c: Client, home: Path, work: Path, base: str, env: dict[str, str],
         cfg = json.loads(path.read_text())
         model = cfg["models"]["providers"]["local"]["models"][0]
         model["maxTokens"] = 4096
-        if variant:  # cache-ttl pruning, off by default for non-Anthropic providers
-            # 350k characters of logs ~ 87k estimated tokens: over 30% of this window (soft-trim
-            # rounds run), far from compaction.
+        if variant:
+            # cache-ttl pruning runs only on cache-TTL-eligible routes (isCacheTtlEligibleProvider:
+            # Anthropic-family, i.e. api "anthropic-messages" for a custom provider), so this
+            # variant talks Anthropic Messages to the same server. 350k characters of logs against
+            # a 200k-token window (x4 characters) is 44%: over the 30% at which soft-trim rounds run.
+            provider = cfg["models"]["providers"]["local"]
+            provider["api"] = "anthropic-messages"
+            provider["baseUrl"] = base  # the Anthropic SDK appends /v1/messages
             model["contextWindow"] = 200000
             cfg["agents"]["defaults"]["contextPruning"] = {"mode": "cache-ttl", "ttl": "1s"}
         path.write_text(json.dumps(cfg, indent=2))
