@@ -28,9 +28,9 @@ host it is dropped). The key is, in order:
    main conversation);
 5. least recently used first (LRU is the floor when everything else ties); a snapshot's recency
    is the last time a request's match or insert passed through its radix node.
-A new snapshot competes with the ones already in a full tier: when it would be the first to go it
-goes straight to the next tier (or is not kept), so a flood of low-value snapshots never pushes
-out better ones. A live request always gets a working state slot: when the device pool is
+A new snapshot competes with the ones already in a full tier: when every one there ranks
+strictly above it on (protected, priority) it goes straight to the next tier (or is not kept), so
+a flood of low-value snapshots never pushes out better ones. A live request always gets a working state slot: when the device pool is
 full, the first device snapshot in this order moves to the host tier. Snapshots of nodes locked
 by running requests are candidates too (admission copies a snapshot into the request's working
 slot at once; locks only pin KV). KV eviction uses the same order for radix leaves that hold a

@@ -4,6 +4,8 @@ Contract: `Engine(model_dir, opts)` loads the model; `submit(prompt_ids, params)
 request (a bad one raises `RequestError` at once) and returns a `RequestHandle` whose iteration
 yields generated ids as they are produced. Requests submitted from any thread are batched
 together by one background engine thread. `generate(...)` is the one-call convenience iterator.
+Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and inspected with
+`checkpoints(session)` / `checkpoint_budget()`; `reset_cache()` empties the prefix cache.
 The engine knows nothing of text, chat formats or HTTP.
 """
 

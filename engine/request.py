@@ -2,8 +2,8 @@
 
 Contract: `RequestHandle` is the caller's side: iterate it to receive token ids as they are
 produced (blocking), then read `finish_reason` ("stop", "length", "abort" or "error"), `error`,
-`prompt_tokens`, `cached_tokens` and, when asked for, `logits` (one float32 row per sampled
-token). `abort()` may be called from any thread. A `listener` given at creation is called on the
+`prompt_tokens`, `cached_tokens`, `reuse` (an `engine.anchors.ReuseInfo`, set at admission
+before the first token) and, when asked for, `logits` (one float32 row per emitted token). `abort()` may be called from any thread. A `listener` given at creation is called on the
 engine thread with each token id and finally with None (async front ends bridge through it; it
 must be quick and must not raise). `Request` is the scheduler's side and is touched
 only by the engine thread.

@@ -72,7 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      ping_interval=args.ping_interval)
     app = create_app(state)
     print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {device}) on http://{args.host}:{args.port}"
-          f" (context {service.context_window} tokens)", file=sys.stderr, flush=True)
+          f" (context {service.context_window} tokens, anchor policy {sessions.policy.value})", file=sys.stderr,
+          flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:

@@ -7,7 +7,9 @@ Contract:
 - `save(node, src, meta, requester, donate)` keeps the state in device slot `src` as the
   checkpoint at radix `node`: into a free device slot when the budget allows, else by moving the
   first snapshot in eviction order (engine/anchors.py) down to the host tier; a new checkpoint
-  that ranks strictly below every candidate on (protected, priority) is not kept. With `donate`
+  that ranks strictly below every device candidate on (protected, priority) competes for the host
+  tier directly (not kept when the device holds no checkpoint at all: every slot is a live
+  request's working state). With `donate`
   the caller hands `src` over (a finished request's working state): it is attached or freed.
 - `working_slot(requester)` returns a free device slot for a live request, spilling the first
   device checkpoint in eviction order to the host when the pool is full (None if impossible).
@@ -97,10 +99,19 @@ class CheckpointStore:
         while self.cache.num_snapshots >= self.device_cap or (not donate and self.states.num_free == 0):
             held = self._ordered(self._device_nodes(exclude=node), requester, extra=node)
             if not held or self._outranked(node, held[0], requester):
-                node.meta = old_meta
+                # Below every device checkpoint: it competes for the host tier instead. With no
+                # device checkpoint at all (every slot a working state) it is not kept.
+                kept = bool(held) and self._host_room(node, requester)
+                if kept:
+                    host_slot = self.host.alloc()
+                    assert host_slot is not None
+                    self.host.store(host_slot, self.states, src)
+                    self.cache.attach_host(node, host_slot, meta)
+                else:
+                    node.meta = old_meta
                 if donate:
                     self.states.free(src)
-                return False
+                return kept
             self._spill(held[0], requester)
         slot = src if donate else self.states.alloc()
         assert slot is not None
@@ -131,15 +142,23 @@ class CheckpointStore:
         return False
 
     # ------------------------------------------------------------------ host tier
+    def _host_room(self, node: Node, requester: str | None) -> bool:
+        """Frees a host slot for `node`'s snapshot if the policy ranks it above the first host
+        snapshot in eviction order (dropping that one); False when it is not to be kept there."""
+        if self.host.num_free:
+            return True
+        held = self._ordered([x for x in self.cache.snapshot_nodes() if x.host_slot >= 0], requester, extra=node)
+        if not held or self._outranked(node, held[0], requester):
+            return False
+        self.cache.drop_state(held[0])
+        return True
+
     def _spill(self, node: Node, requester: str | None) -> None:
         """Moves `node`'s device snapshot to the host tier, or drops it when the host tier keeps
         better ones (or has no slots at all)."""
-        if self.host.num_free == 0:
-            held = self._ordered([x for x in self.cache.snapshot_nodes() if x.host_slot >= 0], requester, extra=node)
-            if not held or self._outranked(node, held[0], requester):
-                self.cache.drop_state(node)
-                return
-            self.cache.drop_state(held[0])
+        if not self._host_room(node, requester):
+            self.cache.drop_state(node)
+            return
         host_slot = self.host.alloc()
         assert host_slot is not None
         self.host.store(host_slot, self.states, node.state_slot)

@@ -11,7 +11,8 @@ Contract:
 - `attach_state(node, slot, meta)` stores a device snapshot taken after the node's last token;
   the tree owns it from then on (a previous device snapshot there is returned for freeing; a host
   copy there is freed). A node holds at most one snapshot, in one tier: `spill(node, host_slot)`
-  moves it to the host tier (returns the device slot to free), `drop_state(node)` frees it.
+  moves it to the host tier (returns the device slot to free), `attach_host(node, host_slot,
+  meta)` stores one there directly, `drop_state(node)` frees it.
   `snapshot_nodes()` lists the nodes holding one; which to move or drop is the caller's policy
   (engine/cache/checkpoints.py).
 - `match(..., need_state=True)` accepts a snapshot in either tier (`Match.host_slot`).
@@ -157,6 +158,13 @@ class RadixCache:
         self.num_snapshots -= 1
         self.num_host_snapshots += 1
         return old
+
+    def attach_host(self, node: Node, host_slot: int, meta: SnapshotMeta) -> None:
+        """Owns `host_slot` as `node`'s snapshot, stored straight into the host tier."""
+        assert not node.has_state
+        node.host_slot, node.meta = host_slot, meta
+        self.num_host_snapshots += 1
+        self._held[node] = None
 
     def drop_state(self, node: Node) -> None:
         """Frees `node`'s snapshot, whichever tier holds it."""

@@ -5,6 +5,7 @@ Contract: `first_difference(a, b)` is the length of the common prefix of two id 
 `position` from the previous request of the session (its prompt ids plus the generated ids):
 
 - `appended`: nothing cached was changed (position == len(previous ids)).
+- `resend`: the same prompt again (a client retry, or a side call that repeats the request).
 - `truncated`: the new request is a prefix of what was cached (a retry from an earlier point).
 - `system_changed`: the system prompt or the tool list differ (date rollover, tools changed).
 - `runtime_context_removed`: OpenClaw's trailing carrier of the previous request was replaced.
@@ -78,7 +79,7 @@ def classify(prev: Snapshot, messages: Sequence[ChatMessage], tools: tuple[str, 
     if pos >= len(prev.ids):
         return Divergence(pos, "appended", None)
     if pos >= len(new_ids):
-        return Divergence(pos, "truncated", None)
+        return Divergence(pos, "resend" if len(new_ids) == prev.prompt_len else "truncated", None)
     if tools != prev.tools:
         return Divergence(pos, "system_changed", 0)
     k = _message_at(new_starts, pos)

@@ -11,18 +11,22 @@ Contract (used by `ChatService`, from one asyncio loop):
 - `record(plan, ids, output, handle, ttft_ms, finish_reason)` files the finished turn: reused and
   recomputed tokens (from the engine's `ReuseInfo` when it reports one, else its cached-token
   count), the checkpoint that served it, and, for main requests, remembers the request as the
-  session's new reference and teaches the per-client kind scores (`learning.py`).
+  session's new reference and teaches the per-client kind scores (`learning.py`). The turn's
+  `checkpoints_held` / `checkpoint_bytes` (the session's checkpoints in the engine right after it)
+  are filled in shortly after, off the event loop.
 - `sessions()` / `session(id)` -> JSON-ready inspection dicts (`GET /v1/sessions[/{id}]`).
 
 Side requests (titles, summaries, compaction prompts: a profile marker, or a request in a known
-session whose system prompt and tool list both differ from the session's main ones) get the tag
-`<session>#side` (or none), only `system_end` + `prompt_end` anchors, no decode anchors and
-priorities lowered by `SIDE_PENALTY`, so the engine evicts their checkpoints before any of the
-main conversation's. Sub-agents (parent headers) are sessions of their own with a `parent`.
+session whose system prompt and tool list both differ from the session's main ones) get no engine
+session tag (the engine's policy evicts untagged, non-returning snapshots first), only
+`system_end` + `prompt_end` anchors, no decode anchors and priorities lowered by `SIDE_PENALTY`,
+so they never evict the main conversation's checkpoints. They are still counted in their
+session's record. Sub-agents (parent headers) are sessions of their own with a `parent`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from array import array
@@ -124,7 +128,9 @@ class SessionManager:
         divergence = None
         if not side and sess is not None and sess.snapshot is not None:
             divergence = classify(sess.snapshot, messages, tools, ids, starts)
-        tag = None if sid is None else (f"{sid}#side" if side else sid)
+        # Side requests carry no tag: a shared "<id>#side" tag would make the side calls look like a
+        # returning conversation to the engine, whose policy then protects their snapshots.
+        tag = None if side else sid
         return RequestPlan(detection=det, session_id=sid, side=side, engine_session=tag, anchors=anchors,
                            decode_anchors=decode, messages=messages, tools=tools, starts=starts,
                            divergence=divergence)
@@ -153,7 +159,24 @@ class SessionManager:
                 sess.client = det.profile.name
                 self._remember(sess, plan, ids, output)
             sess.turns.append(turn)
+        self._count_held(sess.id, turn)
         return turn
+
+    def _count_held(self, sid: str, turn: dict[str, Any]) -> None:
+        """Fills the turn's `checkpoints_held` / `checkpoint_bytes` off the event loop: the engine's
+        listing waits for its current step, which must not stall other streams."""
+        if self.engine is None:
+            return
+
+        def fill() -> None:
+            held, nbytes = self._held(sid)
+            turn["checkpoints_held"] = None if held is None else len(held)
+            turn["checkpoint_bytes"] = nbytes
+
+        try:
+            asyncio.get_running_loop().run_in_executor(None, fill)
+        except RuntimeError:  # no loop (direct use from a thread): count now
+            fill()
 
     def _turn(self, sess: Session, plan: RequestPlan, ids: list[int], output: list[int], handle: Any,
               ttft_ms: float | None, finish_reason: str) -> dict[str, Any]:
@@ -188,7 +211,7 @@ class SessionManager:
             "would_serve_position": would[0] if would else None, "would_serve_kind": would[1] if would else None,
             "anchors": len(plan.anchors), "decode_anchors": [d.kind for d in plan.decode_anchors],
             "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3), "expert_cache_hit_rate": None,
-            "finish_reason": finish_reason,
+            "finish_reason": finish_reason, "checkpoints_held": None, "checkpoint_bytes": None,
         }
 
     def _remember(self, sess: Session, plan: RequestPlan, ids: list[int], output: list[int]) -> None:
@@ -208,10 +231,8 @@ class SessionManager:
         if self.engine is None:
             return None, None
         held = engine_checkpoints(self.engine, sid)
-        side = engine_checkpoints(self.engine, f"{sid}#side")
         if held is None:
             return None, None
-        held = held + (side or [])
         return held, sum(int(c.get("bytes", 0) or 0) for c in held)
 
     def sessions(self) -> list[dict[str, Any]]:

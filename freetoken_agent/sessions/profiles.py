@@ -64,6 +64,7 @@ class ClientProfile:
     id_headers: tuple[tuple[str, str], ...] = ()  # (header, value prefix) that identify the client
     markers: tuple[str, ...] = ()              # text in the system prompt / first user message
     side_markers: tuple[str, ...] = ()         # text that marks a side request (title, summary, ...)
+    side_headers: tuple[tuple[str, str], ...] = ()  # (header, exact lower-case value) of side requests
     priorities: Mapping[str, int] = field(default_factory=lambda: BASE_PRIORITIES)
     edits: tuple[str, ...] = ()                # history edits this client makes (documentation, inspection)
 
@@ -77,6 +78,7 @@ CLAUDE_CODE = ClientProfile(
     name="claude-code", session_headers=("x-claude-code-session-id",),
     parent_headers=("x-claude-code-parent-agent-id",), agent_headers=("x-claude-code-agent-id",),
     user_agents=("claude-cli/", "claude-code/"), id_headers=(("x-app", "cli"),),
+    side_headers=(("x-app", "cli-bg"),),  # background calls (summaries, suggestions) beside the main loop
     markers=("You are Claude Code", "Claude Agent SDK"),
     side_markers=("Generate a concise, sentence-case title", "Please write a 5-10 word title",
                   "Your task is to create a detailed summary of the conversation so far"),
@@ -99,6 +101,7 @@ CODEX = ClientProfile(
     user_agents=("codex_", "codex-", "codex/"), id_headers=(("originator", "codex"),),
     markers=("running in the Codex CLI",),
     side_markers=("CONTEXT CHECKPOINT COMPACTION",),
+    side_headers=(("x-openai-subagent", "compact"),),
     priorities=_priorities(message_end=50),
     edits=("appended", "compaction"))
 SWE_AGENT = ClientProfile(
@@ -173,13 +176,16 @@ def detect(req: ChatRequest) -> Detection:
             key, source = m.group(1), "content"
     parent = next((h[n] for n in profile.parent_headers if h.get(n)), None)
     agent = next((h[n] for n in profile.agent_headers if h.get(n)), None)
-    if key is not None and agent:  # a sub-agent inside the client's session: its own session
+    if key is not None and agent and not any(h.get(n, "").lower() == v for n, v in profile.side_headers):
+        # a sub-agent inside the client's session: its own session
         parent, key = parent or key, f"{key}/{agent}"
-    side = _side_reason(req, profile)
+    side = _side_reason(req, profile, h)
     return Detection(profile=profile, session_key=key, key_source=source, parent=parent, side=side)
 
 
-def _side_reason(req: ChatRequest, profile: ClientProfile) -> str | None:
+def _side_reason(req: ChatRequest, profile: ClientProfile, h: Mapping[str, str]) -> str | None:
+    if any(h.get(name, "").lower() == value for name, value in profile.side_headers):
+        return "header"
     sys_text = system_text(req)
     first = first_user_text(req)
     last = next((m.content for m in reversed(req.messages) if m.role == "user"), "")

@@ -245,6 +245,16 @@ def test_full_host_tier_drops_by_policy(hybrid, make_engine) -> None:  # type: i
     assert_baseline(engine)
 
 
+def test_outranked_new_checkpoint_goes_straight_to_host(hybrid, make_engine) -> None:  # type: ignore[no-untyped-def]
+    path, _, cold = hybrid
+    engine = make_engine(path, checkpoint_slots=1, host_checkpoint_slots=4)
+    out = engine.submit(PROMPT, greedy(3), anchors=[Anchor(10, "system_end", 5)]).result(timeout=120)
+    # the end state (priority 0) ranks below the device's only checkpoint: stored on the host
+    assert held(engine) == {10: ("system_end", 5, "device"), 32: ("request_end", 0, "host")}
+    assert reuse(served(engine, cold, [*PROMPT, *out[:2], 1])) == (32, 32, "request_end", True, 1)
+    assert_baseline(engine)
+
+
 def test_zero_host_slots_drops_instead_of_spilling(hybrid, make_engine) -> None:  # type: ignore[no-untyped-def]
     path, _, cold = hybrid
     engine = make_engine(path, checkpoint_slots=1, host_checkpoint_slots=0)

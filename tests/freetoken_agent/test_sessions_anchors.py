@@ -157,7 +157,7 @@ def test_side_request_low_priority_and_few_anchors(tok: ChatTokenizer, tmp_path:
     rt, rm = normalise(to_request(title)), normalise(to_request(main))
     pt, pm = mgr.plan(rt, render(tok, rt)), mgr.plan(rm, render(tok, rm))
     assert pt.side and not pm.side
-    assert pt.engine_session == f"{pm.session_id}#side" and pm.engine_session == pm.session_id
+    assert pt.engine_session is None and pm.engine_session == pm.session_id == pt.session_id
     assert {a.kind for a in pt.anchors} <= {"system_end", "prompt_end"} and not pt.decode_anchors
     assert max(a.priority for a in pt.anchors) < min(a.priority for a in pm.anchors)
     assert {d.kind for d in pm.decode_anchors} == {"thinking_end", "tool_call_start", "message_end"}

@@ -204,3 +204,45 @@ def test_headerless_sessions_by_prefix(tok: ChatTokenizer) -> None:
                 user("Please solve this issue: bug"), A1, tool(OUT), reply=A2)
     assert s1["_plan"].session_id == s2["_plan"].session_id and s1["_plan"].session_id.startswith("h-")
     assert s2["client"] == "mini-swe-agent" and s2["divergence_cause"] == "appended"
+
+
+def test_resend_and_truncation(tok: ChatTokenizer) -> None:
+    c = Conversation(tok)
+    c.turn(sys_(), user("list files"), A1, tool(OUT), reply=A2)
+    t = c.turn(sys_(), user("list files"), A1, tool(OUT))
+    assert t["divergence_cause"] == "resend" and t["divergence_position"] == t["prompt_tokens"]
+    t = c.turn(sys_(), user("list files"))
+    assert t["divergence_cause"] == "truncated"
+
+
+def test_claude_code_side_call_with_other_prompt(tok: ChatTokenizer) -> None:
+    """A haiku-style side call: same session id, another system prompt, no tools."""
+    c = Conversation(tok, headers={"x-claude-code-session-id": "cc1", "user-agent": "claude-cli/2.1.332"})
+    main = c.turn(sys_("You are a Claude agent."), user("fix the bug"), reply=A1)
+    side = c.turn(sys_("Summarise the user's request in five words."), user("fix the bug"), tools=False)
+    assert main["side"] is None and side["side"] == "different prompt"
+    plan = side["_plan"]
+    assert plan.engine_session is None and not plan.decode_anchors
+    assert all(a.priority < 0 for a in plan.anchors)
+    t = c.turn(sys_("You are a Claude agent."), user("fix the bug"), A1, tool(OUT))
+    assert t["side"] is None and t["divergence_cause"] == "appended"  # the side call changed no reference
+    s = c.mgr.session("cc1")
+    assert s is not None and s["turns_count"] == 2 and s["side_requests"] == 1 and s["client"] == "claude-code"
+
+
+def test_kind_scores_policy() -> None:
+    from freetoken_agent.sessions.learning import BONUS, DECAY, KindScores, serving_anchor
+    from freetoken_agent.sessions.profiles import CODEX
+
+    scores = KindScores()
+    for _ in range(5):
+        scores.learn("codex", ["message_end"])
+    expected = round(BONUS * (1 - DECAY ** 5))
+    assert scores.bonus("codex", "message_end") == expected > 0
+    assert scores.priority(CODEX, "message_end") == CODEX.priority("message_end") + expected
+    scores.learn("codex", ["user_start"])  # one lesson for another kind: the old one decays
+    assert scores.bonus("codex", "message_end") < expected
+    assert scores.bonus("opencode", "message_end") == 0  # per client
+    assert scores.lessons("codex") == 6
+    assert serving_anchor([(5, "a"), (9, "b"), (12, "c")], 10) == (9, "b")
+    assert serving_anchor([(5, "a")], 4) is None

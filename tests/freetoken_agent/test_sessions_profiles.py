@@ -126,3 +126,17 @@ def test_equal_content_forms_render_equal(tmp_path) -> None:  # type: ignore[no-
                                             "metadata": {"user_id": "u"}, "context_management": {"edits": []}}, {})
     c.enable_thinking = a.enable_thinking
     assert render(tok, normalise(c)) == render(tok, normalise(a))
+
+
+def test_side_headers() -> None:
+    entry = recorded("claude-code")[0]
+    d = detect(normalise(to_request({**entry, "headers": {**entry["headers"], "x-app": "cli-bg"}})))
+    assert d.profile.name == "claude-code" and d.side == "header"
+    assert d.session_key == "ba93efcf-4f6c-4d5b-bf9b-b947932c0155"
+    codex = recorded("codex")[0]
+    d = detect(normalise(to_request({**codex, "headers": {**codex["headers"], "x-openai-subagent": "compact"}})))
+    assert d.profile.name == "codex" and d.side == "header"
+    assert d.session_key == "01a22b7d-de62-75e1-9735-534380a1b33f"  # compaction belongs to the session
+    d = detect(normalise(to_request({**codex, "headers": {**codex["headers"], "x-openai-subagent": "review"}})))
+    assert d.side is None and d.session_key == "01a22b7d-de62-75e1-9735-534380a1b33f/review"
+    assert d.parent == "01a22b7d-de62-75e1-9735-534380a1b33f"
