@@ -233,12 +233,12 @@ class Session:
 def replay_trace(trace: dict[str, Any], base: str, renderer: Renderer, family: str | None = None,
                  api_key: str | None = None, timeout: float = 600) -> dict[str, Any]:
     family = family or trace.get("family", "qwen3_5")
-    trace = salted(trace)
+    sent_trace = salted(trace)
     sessions: dict[str, Session] = {}
     seen: dict[str, list[list[int]]] = {}  # per session: every earlier request's prompt + forced reply
     name = trace.get("client", "trace") + (f"-{trace['variant']}" if trace.get("variant") else "")
     with httpx.Client(timeout=timeout) as client:
-        for i, req in enumerate(trace["requests"]):
+        for i, (original, req) in enumerate(zip(trace["requests"], sent_trace["requests"], strict=True)):
             reply = reply_of(req)
             body = req.get("body")
             if reply is None or not isinstance(body, dict):
@@ -248,7 +248,7 @@ def replay_trace(trace: dict[str, Any], base: str, renderer: Renderer, family: s
                 continue
             forced = render(reply, family, thinking_on(nreq))
             ids = renderer.prompt_ids(req["path"], body)
-            key = f"{name}/{session_key(req, 'main')}"
+            key = f"{name}/{session_key(original, 'main')}"  # as recorded: the salt is this run's only
             earlier = seen.setdefault(key, [])
             shared = max((common_prefix(ids, e) for e in earlier), default=0)
             sent = send(client, base, req, {**body, FORCED_OUTPUT_FIELD: forced}, api_key)
