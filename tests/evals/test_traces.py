@@ -198,3 +198,46 @@ def test_replay_of_a_stored_trace_computes_the_numbers(servers: dict[str, str]) 
     assert s["truly_new_tokens"] == sum(t["truly_new"] for t in s["turns"])
     assert s["ratio"] == round(s["recomputed_tokens"] / s["truly_new_tokens"], 3)
     assert s["worst_ttft_ms"] >= s["mean_ttft_ms"] > 0
+
+
+# ------------------------------------------------------------------------------------ bench
+def test_bench_check_flags_sessions_over_the_ratio() -> None:
+    from evals.traces.bench import check, markdown
+
+    def session(new: int, rec: int) -> dict[str, Any]:
+        return {"session": "t/s", "requests": 2, "failed": 0, "prompt_tokens": 100, "truly_new_tokens": new,
+                "recomputed_tokens": rec, "ratio": rec / new, "mean_ttft_ms": 1.0, "worst_ttft_ms": 2.0, "turns": []}
+
+    ok = {"traces": [{"trace": "a", "sessions": [session(100, 110)]}]}
+    bad = {"traces": [{"trace": "a", "sessions": [session(100, 110)]},
+                      {"trace": "b", "sessions": [session(100, 111)]}]}
+    assert check(ok) == []
+    assert len(check(bad)) == 1 and check(bad)[0].startswith("b ")
+    report = markdown({"semantic": bad, "user-only": ok}, [{"client": "a", "requests": [1, 2]}])
+    assert "**fail**" in report and "| a | 1.100 | 1.100 |" in report
+
+
+# ------------------------------------------------------------------------------------ capture
+@pytest.mark.clients
+@pytest.mark.slow
+def test_capture_claude_code_multi_turn(tmp_path: Path) -> None:
+    """The real Claude Code CLI runs the whole scripted task (2 user turns) against the scripted
+    backend; the stored trace holds every model request, tool results included, sanitised."""
+    from evals.clients.agents import clients_dir_default, installed
+    from evals.traces import capture
+
+    if not installed("claude-code", clients_dir_default()):
+        pytest.skip("Claude Code is not installed under .clients/ (evals/clients/install.sh)")
+    trace, ok = capture.capture("claude-code", None, "demo", 300, False, clients_dir_default())
+    assert ok, trace["turns"]
+    reqs = trace["requests"]
+    assert len(reqs) >= 8 and all(r["status"] == 200 for r in reqs)
+    assert [t["exit_code"] for t in trace["turns"]] == [0, 0]
+    results = [b for r in reqs for m in r["body"]["messages"] if isinstance(m.get("content"), list)
+               for b in m["content"] if b.get("type") == "tool_result"]
+    assert len(results) >= 4
+    called = [c["name"] for r in reqs for c in (r["reply"] or {}).get("tool_calls", [])]
+    assert {"Read", "Edit", "Bash"} <= set(called)
+    text = json.dumps(trace)
+    assert "fttrace-" not in text and "sk-freetoken-local" not in text
+    assert "/tmp/ftwork/calc.py" in text
