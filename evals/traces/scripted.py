@@ -10,7 +10,8 @@ stores what the client sent, not what the proxy added. A body the adapter refuse
 untouched (the server then answers the client's error itself).
 
 Benchmark only: the model's own sampling is replaced, so this measures the client and the cache,
-never the model's quality.
+never the model's quality. `python -m evals.traces.scripted --upstream URL --workdir DIR` runs it by
+hand (capture.py starts it itself).
 """
 
 from __future__ import annotations
@@ -64,3 +65,30 @@ class ScriptedProxy(RecordingProxy):
             ex.forced = forced  # type: ignore[attr-defined]
             ex.req_body = json.dumps({**body, FORCED_OUTPUT_FIELD: forced}, ensure_ascii=False).encode()
         super()._forward(h, ex)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scripted backend by hand: point any client at the printed URL."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description="scripted recording proxy in front of a freetoken-agent server")
+    ap.add_argument("--upstream", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--workdir", required=True, help="the client's work dir (tool calls use absolute paths in it)")
+    ap.add_argument("--family", choices=["qwen3_5", "qwen3"], default="qwen3_5")
+    ap.add_argument("--variant", choices=["prune"], default=None)
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    proxy = ScriptedProxy(args.upstream, Script(args.workdir, args.family, args.variant), args.family,
+                          args.port).start()
+    print(f"scripted backend on {proxy.url} -> {args.upstream}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        proxy.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
