@@ -5,9 +5,10 @@ Usage:
     PYTHONPATH=. /work/venv/bin/python -m evals.traces.bench [TRACE.json...] \
         [--policies semantic,positional,user-only] [--serve-args "--model demo"] [--out docs/sessions-bench.md]
 
-Contract: for each policy, starts one fresh `freetoken-agent serve` (the Qwen3.5-MoE demo: hybrid
-attention, so reuse depends on recurrent-state checkpoints; plus `--anchor-policy POLICY` when the
-server has that option) and replays all traces on it in order (`replay.replay_traces`). Writes a
+Contract: for each policy and trace, starts a fresh `freetoken-agent serve` (the Qwen3.5-MoE demo:
+hybrid attention, so reuse depends on recurrent-state checkpoints; plus `--anchor-policy POLICY`
+when the server has that option) and replays the trace on it (`replay.replay_traces`;
+`--shared-server`: one server per policy for all traces, in order). Writes a
 Markdown report to `--out` (default `docs/sessions-bench.md`): per policy and session, requests,
 truly new tokens, recomputed tokens, their ratio, mean and worst client-side TTFT, and the
 acceptance check (semantic policy: recomputed <= 1.1 x truly new in every session); the raw
@@ -77,10 +78,12 @@ def markdown(results: dict[str, dict[str, Any]], traces: list[dict[str, Any]]) -
             new, rec = sum(r["truly_new_tokens"] for r in rs), sum(r["recomputed_tokens"] for r in rs)
             cells.append(f"{rec / new:.3f}" if new else "-")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += ["", "Traces are replayed one after another on one server per policy, so a trace can reuse a "
+    shared = not all(res.get("isolated") for res in results.values())
+    out += ["", "Traces were replayed one after another on one server per policy, so a trace can reuse a "
             "prefix another trace left in the cache (the system prompt and tools of the same client): its "
-            "first request then recomputes less than its truly new tokens, and its ratio can fall below 1 "
-            "(OpenCode after OpenCode-prune)."]
+            "first request then recomputes less than its truly new tokens, and its ratio can fall below 1."
+            if shared else "Each trace was replayed on a fresh server (cold cache), so every session's numbers "
+            "are its own (`--shared-server` replays them all on one server per policy instead)."]
     for policy, result in results.items():
         out += ["", f"## Policy `{policy}`", ""]
         if result.get("note"):
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-args", default="--model demo")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "sessions-bench.md")
     ap.add_argument("--json-out", type=Path, default=Path(__file__).resolve().parent / "bench-results.json")
+    ap.add_argument("--shared-server", action="store_true",
+                    help="all traces on one server per policy (default: a fresh server per trace)")
     ap.add_argument("--from-json", type=Path, default=None, help="rewrite the report from saved results")
     args = ap.parse_args(argv)
     paths = args.traces or sorted(DATA.glob("*.json"))
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for policy in [p for p in args.policies.split(",") if p]:
         print(f"policy {policy}: replaying {len(traces)} traces", file=sys.stderr, flush=True)
-        results[policy] = replay_traces(traces, serve_args=shlex.split(args.serve_args), anchor_policy=policy)
+        results[policy] = replay_traces(traces, serve_args=shlex.split(args.serve_args), anchor_policy=policy,
+                                        isolate=not args.shared_server)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(results, traces))
     args.json_out.write_text(json.dumps(results, indent=1) + "\n")

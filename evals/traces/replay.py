@@ -25,7 +25,8 @@ Contract:
   when the server has it and attached as reported (`server_sessions`), with its per-session
   recomputed / reused sums.
 - `--serve-args` starts `freetoken-agent serve` on a free port with those arguments (plus
-  `--anchor-policy` when given) and stops it afterwards; `--base-url` uses a running server.
+  `--anchor-policy` when given) and stops it afterwards (`--isolate`: a fresh one per trace, so no
+  trace reuses a prefix another left in the cache); `--base-url` uses a running server.
 - `replay_traces(...)` is the Python entry point; `--json` prints its result, else a table.
 """
 
@@ -337,8 +338,9 @@ def started_server(serve_args: list[str], log: Path | None = None, timeout: floa
 
 def replay_traces(traces: list[dict[str, Any]], base_url: str | None = None, serve_args: list[str] | None = None,
                   anchor_policy: str | None = None, model: str | None = None,
-                  api_key: str | None = None) -> dict[str, Any]:
-    """Replays every trace on one server (started here unless `base_url`); returns the results."""
+                  api_key: str | None = None, isolate: bool = False) -> dict[str, Any]:
+    """Replays every trace on one server (started here unless `base_url`), or with `isolate` each
+    on a fresh one (no prefix left by another trace); returns the results."""
     family = traces[0].get("family", "qwen3_5") if traces else "qwen3_5"
     args = list(serve_args or ["--model", DEMO_FOR_FAMILY[family]])
     if model is None:
@@ -350,12 +352,18 @@ def replay_traces(traces: list[dict[str, Any]], base_url: str | None = None, ser
         else:
             note = "this server has no --anchor-policy (sessions branch not merged): default behaviour"
     renderer = Renderer(model)
-    with contextlib.ExitStack() as stack:
-        base = base_url or stack.enter_context(started_server(args))
-        results = [replay_trace(t, base, renderer, api_key=api_key) for t in traces]
-        reported = server_sessions(base, api_key)
+    groups = [[t] for t in traces] if isolate and base_url is None else [traces]
+    results: list[dict[str, Any]] = []
+    reported: list[dict[str, Any]] | None = None
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            base = base_url or stack.enter_context(started_server(args))
+            results += [replay_trace(t, base, renderer, api_key=api_key) for t in group]
+            seen = server_sessions(base, api_key)
+        if seen is not None:
+            reported = (reported or []) + seen
     return {"anchor_policy": anchor_policy, "serve_args": None if base_url else args, "note": note,
-            "traces": results, "server_sessions": reported}
+            "isolated": len(groups) > 1, "traces": results, "server_sessions": reported}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -377,11 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchor-policy", choices=["semantic", "positional", "user-only"], default=None)
     ap.add_argument("--model", default=None, help="model whose tokenizer renders prompts (default: from the trace)")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--isolate", action="store_true", help="a fresh server per trace (with --serve-args)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     traces = [json.loads(p.read_text()) for p in args.traces]
     result = replay_traces(traces, args.base_url, shlex.split(args.serve_args) if args.serve_args else None,
-                           args.anchor_policy, args.model, args.api_key)
+                           args.anchor_policy, args.model, args.api_key, args.isolate)
     print(json.dumps(result, indent=1) if args.json else table(result))
     failed = sum(s["failed"] for t in result["traces"] for s in t["sessions"])
     return 1 if failed else 0
