@@ -3,7 +3,7 @@
 Contract: `Sanitiser(roots, secrets)` rewrites every string inside a JSON value (dict keys too):
 - each path in `roots` (longest first; the caller passes the throw-away dir, its realpath, the real
   home and the repository) becomes its placeholder (`/tmp/ftwork` by default), also where a client
-  spells it as a slug with `-` for `/`;
+  spells it as a slug with `-` for every non-alphanumeric character;
 - each literal in `secrets`, and anything shaped like an API key (`sk-...`, `sk-ant-...`,
   `Bearer ...`), becomes `sk-redacted`;
 - UUIDs and long hex ids (32+ hex digits: device ids, request ids) become stable placeholders
@@ -35,8 +35,9 @@ class Sanitiser:
         if isinstance(roots, list):
             roots = {r: "/tmp/ftwork" for r in roots}
         pairs = [(r.rstrip("/"), p) for r, p in roots.items() if r and r.strip("/")]
-        # Clients also spell a path as a slug (Claude Code: /tmp/x/work -> -tmp-x-work).
-        pairs += [(r.replace("/", "-"), p.replace("/", "-")) for r, p in pairs]
+        # Clients also spell a path as a slug: Claude Code turns every non-alphanumeric character
+        # into "-" (/tmp/ft_x/work -> -tmp-ft-x-work).
+        pairs += [(re.sub(r"[^A-Za-z0-9]", "-", r), re.sub(r"[^A-Za-z0-9]", "-", p)) for r, p in pairs]
         self.roots = sorted(pairs, key=lambda rp: -len(rp[0]))
         self.secrets = sorted((s for s in secrets or [] if len(s) >= 6), key=len, reverse=True)
         self.ids: dict[str, str] = {}

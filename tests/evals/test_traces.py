@@ -47,14 +47,14 @@ def servers() -> Iterator[dict[str, str]]:
 
 # ------------------------------------------------------------------------------------ sanitiser
 def test_sanitiser_removes_paths_keys_and_ids() -> None:
-    san = Sanitiser({"/tmp/fttrace-x1/work": "/tmp/ftwork", "/home/alice": "/home/user"}, secrets=["hunter2-secret"])
+    san = Sanitiser({"/tmp/fttrace-x_1/work": "/tmp/ftwork", "/home/alice": "/home/user"}, secrets=["hunter2-secret"])
     raw = {
-        "system": "cwd /tmp/fttrace-x1/work; memory at /root/.claude/projects/-tmp-fttrace-x1-work/m",
+        "system": "cwd /tmp/fttrace-x_1/work; memory at /root/.claude/projects/-tmp-fttrace-x-1-work/m",
         "key": "Authorization: Bearer abcdefgh12345678 and sk-ant-api03-ZZZZZZZZZZ and sk-live-1234567890",
         "secret": "pw=hunter2-secret", "home": "/home/alice/.config/opencode",
         "ids": ["550e8400-e29b-41d4-a716-446655440000", "550E8400-E29B-41D4-A716-446655440000",
                 "6ba7b810-9dad-11d1-80b4-00c04fd430c8", "d" * 64],
-        "/tmp/fttrace-x1/work/calc.py": 1,
+        "/tmp/fttrace-x_1/work/calc.py": 1,
     }
     out = san.value(raw)
     text = json.dumps(out)
