@@ -23,7 +23,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from adapters.common import ApiError, SSEResponse, check_function_tool, pinged, sse, text_of, until_disconnect
+from adapters.common import (
+    ApiError,
+    SSEResponse,
+    check_function_tool,
+    forced_output_of,
+    pinged,
+    sse,
+    text_of,
+    until_disconnect,
+)
 from adapters.parsers import (
     ContentDelta,
     ReasoningDelta,
@@ -177,7 +186,7 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
                        top_k=top_k if isinstance(top_k, int) and top_k > 0 else None, stop=stop,
                        enable_thinking=isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"),
-                       headers=headers)
+                       headers=headers, forced_output=forced_output_of(body))
 
 
 def signature(thinking: str) -> str:

@@ -6,7 +6,8 @@ caller's protocol (OpenAI `{"error": {...}}` or Anthropic `{"type": "error", ...
 `pinged(stream, interval)` yields a generation's items with `None` inserted whenever `interval`
 seconds pass without one; leaving it early (client gone) unsubscribes, which aborts the
 generation when no one else listens. `until_disconnect(request, coro)` runs a non-streaming
-handler's work and cancels it if the client goes away.
+handler's work and cancels it if the client goes away. `forced_output_of(body)` reads the
+benchmark-only extension field `freetoken_forced_output` (a non-empty string, or absent).
 """
 
 from __future__ import annotations
@@ -171,3 +172,16 @@ def check_function_tool(tool: Any, where: str) -> dict[str, Any]:
         raise ApiError(400, f"{where}: properties of tool {name!r} must be an object", param=where)
     out = {"name": name, "description": fn.get("description") or "", "parameters": params}
     return {"type": "function", "function": out}
+
+
+FORCED_OUTPUT_FIELD = "freetoken_forced_output"
+
+
+def forced_output_of(body: dict[str, Any]) -> str | None:
+    """The benchmark-only reply text to force (sent by SDKs through `extra_body`), or None."""
+    value = body.get(FORCED_OUTPUT_FIELD)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{FORCED_OUTPUT_FIELD} must be a non-empty string", param=FORCED_OUTPUT_FIELD)
+    return value

@@ -26,6 +26,7 @@ from adapters.common import (
     ApiError,
     SSEResponse,
     check_function_tool,
+    forced_output_of,
     parse_arguments,
     pinged,
     sse,
@@ -141,7 +142,7 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
                        tool_choice=parse_tool_choice(choice, tools), max_tokens=max_tokens,
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
                        enable_thinking=effort not in ("none", "minimal"), parallel_tool_calls=parallel,
-                       headers=headers)
+                       headers=headers, forced_output=forced_output_of(body))
 
 
 def _usage(fin: Finish, reasoning_tokens: int = 0) -> dict[str, Any]:

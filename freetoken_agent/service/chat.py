@@ -10,6 +10,8 @@ Contract:
   still running is joined instead of run twice. `stream.subscribe()` is an async iterator of
   `Chunk`s then one `Finish`; when the last subscriber leaves before the end (client gone), the
   generation is aborted at once, freeing its slot.
+- `req.forced_output` (benchmark only: trace replay, scripted capture) is tokenised and emitted
+  instead of sampled tokens; the forward pass still runs, so caches are those of a real reply.
 - Stop strings are matched on the decoded text; text that may start a stop string is held back
   until it cannot.
 - Every request passes through the session manager (`freetoken_agent/sessions`): it is normalised
@@ -58,6 +60,7 @@ class Prepared:
     parse_tools: bool
     key: str
     plan: RequestPlan
+    forced: list[int] | None = None  # benchmark only: ids emitted instead of sampled ones
 
 
 class ChatService:
@@ -115,15 +118,19 @@ class ChatService:
             raise RequestError(f"max_tokens {req.max_tokens} exceeds the model's context window "
                                f"of {self.context_window} tokens")
         max_tokens = min(req.max_tokens or self.max_output_tokens, room)
+        forced = self.tokenizer.encode(req.forced_output) if req.forced_output else None
+        if forced is not None:  # the forced text is the whole reply: room for it and its end token
+            max_tokens = min(max(max_tokens, len(forced) + 1), room)
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                 seed=req.seed)
         key_src = json.dumps([ids, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                              req.stop, prefix, req.parallel_tool_calls], separators=(",", ":"))
+                              req.stop, prefix, req.parallel_tool_calls, forced], separators=(",", ":"))
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
-                        key=hashlib.sha256(key_src.encode()).hexdigest(), plan=self.sessions.plan(req, ids))
+                        key=hashlib.sha256(key_src.encode()).hexdigest(), plan=self.sessions.plan(req, ids),
+                        forced=forced)
 
     # ------------------------------------------------------------------ running
     def start(self, req: ChatRequest) -> GenerationStream:
@@ -160,8 +167,8 @@ class GenerationStream:
             self._publish(Chunk(prep.forced_prefix))
         plan = prep.plan
         self.handle: RequestHandle = service.engine.submit(
-            prep.ids, prep.params, constraint=prep.constraint, anchors=plan.anchors,
-            decode_anchors=plan.decode_anchors, session=plan.engine_session,
+            prep.ids, prep.params, constraint=None if prep.forced else prep.constraint, anchors=plan.anchors,
+            decode_anchors=plan.decode_anchors, session=plan.engine_session, forced_output=prep.forced,
             listener=lambda tok: self._loop.call_soon_threadsafe(self._on_token, tok))
 
     @property

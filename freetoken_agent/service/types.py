@@ -56,6 +56,8 @@ class ChatRequest:
     enable_thinking: bool = True
     parallel_tool_calls: bool = True
     headers: dict[str, str] = field(default_factory=dict)
+    # Benchmark only: text the engine emits instead of sampling (trace replay, scripted capture).
+    forced_output: str | None = None
 
     @property
     def forced_tool_name(self) -> str | None:

@@ -1,0 +1,1 @@
+"""Agent traces: scripted capture from real CLIs, sanitised storage, and replay against a server."""
