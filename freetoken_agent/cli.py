@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from engine.errors import EngineError
-from freetoken_agent.argtypes import non_negative_float, positive_int
+from freetoken_agent.argtypes import add_engine_arguments, non_negative_float, positive_int
 from freetoken_agent.models import UsageError
 
 
@@ -63,12 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-think", action="store_true", help="chat template with thinking disabled")
     gen.add_argument("--output-ids", action="store_true", help="print the generated ids as a JSON list last")
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    gen.add_argument("--threads", type=int, default=0,
-                     help="CPU threads for torch and the native expert executor (default: one per physical core)")
-    gen.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
-                     help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
-    gen.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
-                     help="compute dtype (default: the checkpoint's)")
+    add_engine_arguments(gen)
     return parser
 
 

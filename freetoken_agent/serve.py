@@ -15,7 +15,7 @@ import sys
 from engine.engine import Engine
 from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
-from freetoken_agent.argtypes import positive_int
+from freetoken_agent.argtypes import add_engine_arguments, positive_int
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
 from freetoken_agent.service import ChatService
@@ -39,12 +39,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="recurrent-state checkpoints kept on the device (hybrid models)")
     p.add_argument("--host-checkpoint-slots", type=int, default=128,
                    help="checkpoints spilled to host memory before they are dropped (hybrid models)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch and the native expert executor (default: one per physical core)")
-    p.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
-                   help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
+    add_engine_arguments(p)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "

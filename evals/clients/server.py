@@ -1,6 +1,7 @@
 """Starting `freetoken-agent serve` for the real-client runner, and reading its log.
 
-Contract: `serve(log_path, ...)` is a context manager that starts the server on a free port (or
+Contract: `serve(log_path, ...)` (the runner's settings) and `serve_with(args, log_path)` (any
+serve arguments) are context managers that starts the server on a free port (or
 `port`) with stdout/stderr in `log_path`, waits for `GET /health` to answer 200 (raising
 `RuntimeError` if it exits or does not start in `startup_timeout` s), yields its base URL, and stops it
 on exit. `server_log_window(log_path, start)` returns the log written since a byte offset and the new
@@ -38,12 +39,20 @@ def serve(log_path: Path, max_output_tokens: int = 64, port: int | None = None, 
     `model` is a model directory or `demo` (whose lm_head makes it end its turns, see
     `freetoken_agent.demo.STOP_GAIN`).
     """
+    with serve_with(["--model", model, "--served-model-name", MODEL, "--log-level", "info",
+                     "--max-output-tokens", str(max_output_tokens)], log_path, port, startup_timeout) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_with(serve_args: list[str], log_path: Path, port: int | None = None,
+               startup_timeout: float = 180) -> Iterator[str]:
+    """`freetoken-agent serve --port P *serve_args` with its output in `log_path`, healthy; yields its URL."""
     port = port or free_port()
     env = dict(os.environ)
     env.setdefault("FREETOKEN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "ftcache"))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "freetoken_agent", "serve", "--model", model, "--port", str(port),
-           "--served-model-name", MODEL, "--log-level", "info", "--max-output-tokens", str(max_output_tokens)]
+    cmd = [sys.executable, "-m", "freetoken_agent", "serve", "--port", str(port), *serve_args]
     log = open(log_path, "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from typing import Any
 import httpx
 
 from adapters.common import FORCED_OUTPUT_FIELD
+from evals.clients.server import serve_with
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
 from freetoken_agent.sessions.normalise import normalise as session_normalise
@@ -294,12 +294,6 @@ def server_sessions(base: str, api_key: str | None = None) -> list[dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def serve_supports(flag: str) -> bool:
     out = subprocess.run([sys.executable, "-m", "freetoken_agent", "serve", "--help"], capture_output=True, text=True,
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -308,32 +302,9 @@ def serve_supports(flag: str) -> bool:
 
 @contextlib.contextmanager
 def started_server(serve_args: list[str], log: Path | None = None, timeout: float = 300) -> Iterator[str]:
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = log or Path(tempfile.mkstemp(prefix="ftreplay-", suffix=".log")[1])
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "freetoken_agent", "serve", "--port", str(port), *serve_args],
-                                cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start in {timeout}s")
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_with(serve_args, log, startup_timeout=timeout) as url:
+        yield url
 
 
 def replay_traces(traces: list[dict[str, Any]], base_url: str | None = None, serve_args: list[str] | None = None,
