@@ -5,8 +5,9 @@ request (a bad one raises `RequestError` at once) and returns a `RequestHandle` 
 yields generated ids as they are produced. Requests submitted from any thread are batched
 together by one background engine thread. `generate(...)` is the one-call convenience iterator.
 Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and inspected with
-`checkpoints(session)` / `checkpoint_budget()`; `reset_cache()` empties the prefix cache.
-The engine knows nothing of text, chat formats or HTTP.
+`checkpoints(session)` / `checkpoint_budget()`; `reset_cache()` empties the prefix cache. With
+`opts.gpu_memory` on CUDA, routed experts run through the GPU expert cache (engine/gpu/setup.py) and
+`gpu_budget` says how the cap was split. The engine knows nothing of text, chat formats or HTTP.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class Engine:
         self.decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.threads)
         self.cfg = self.decoder.cfg
         self.dtype = self.decoder.weights.embed.dtype
+        self.gpu_budget = None
+        if opts.gpu_memory:
+            from engine.gpu.setup import attach_expert_cache
+
+            self.gpu_budget = attach_expert_cache(self.decoder, opts, self.dtype)
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.scheduler = Scheduler(self.decoder, opts, self.dtype)
         self._cv = threading.Condition()

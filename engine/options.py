@@ -32,11 +32,16 @@ class EngineOptions:
     prefill_chunk: int = 1024
     max_model_len: int = 0
     threads: int = 0  # torch intra-op threads and the native executor's pool; 0 = their defaults
+    gpu_memory: int = 0  # bytes: the whole GPU footprint incl. an expert cache (engine/gpu); 0 = no cache
+    fetch_ratio: float = -1.0  # share of misses fetched over PCIe; < 0 = from the calibration (measured if none)
+    calibration_file: str = ""  # where measured bandwidths are stored per machine
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "max_running", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
+        if self.gpu_memory < 0 or self.fetch_ratio > 1:
+            raise ConfigError("gpu_memory must be >= 0 and fetch_ratio <= 1")
         for name in ("state_slots", "checkpoint_slots", "host_checkpoint_slots"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"engine option {name} must be >= 0, got {getattr(self, name)}")

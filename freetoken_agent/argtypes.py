@@ -26,6 +26,24 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """'24GiB', '24G' (10^9), '512MiB', '1.5gib' or a plain byte count -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 24GiB, 512MiB)") from None
+    if unit not in _UNITS or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (units: B, KiB, MiB, GiB, TiB, K, M, G, T)")
+    return int(value * _UNITS[unit])
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine flags `serve` and `generate` share: CPU threads, expert executor, compute dtype."""
     p.add_argument("--threads", type=int, default=0,
@@ -34,3 +52,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
                    help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--gpu-memory", type=byte_size, default=0,
+                   help="cap on the engine's whole GPU footprint, e.g. 24GiB; the room left after dense weights, "
+                        "KV cache, states and workspace holds a GPU expert cache (CUDA only)")
+    p.add_argument("--fetch-ratio", type=float, default=-1.0,
+                   help="share of cache misses fetched over PCIe, the rest run on the CPU (default: from the "
+                        "stored calibration of this machine, measured at first start)")

@@ -16,6 +16,7 @@ from engine.errors import RequestError
 from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from freetoken_agent.calibrate import calibration_path
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
@@ -38,8 +39,10 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     with load_progress("loading weights") as progress:
-        engine = Engine(model_dir, EngineOptions(device=args.device, threads=args.threads, executor=args.executor,
-                                                 dtype=args.dtype), progress=progress)
+        opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
+                             gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio,
+                             calibration_file=str(calibration_path()))
+        engine = Engine(model_dir, opts, progress=progress)
     print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)
     out_ids: list[int] = []
     decoder = StreamDecoder(tok)

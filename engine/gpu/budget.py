@@ -1,0 +1,89 @@
+"""How `--gpu-memory` is split: dense weights, KV pages, recurrent-state slots, a workspace, and
+what is left for expert slots.
+
+Contract: `split_gpu_memory(total, cfg, opts, dtype, dense_bytes, expert_bytes)` returns a frozen
+`GpuBudget` whose parts sum to at most `total`; it raises `ConfigError`, naming every part, when
+the cap cannot hold the fixed parts plus one expert slot. `dense_bytes(weights)` counts the dense
+tensors a decoder keeps on its device (every tensor of the weights except the host expert banks).
+The workspace reserve is an estimate of the activations of one prefill chunk (hidden states, the
+attention and MoE intermediates, logits of the chunk's last tokens) plus a fixed margin for the
+allocator and CUDA graphs; the engine reports the measured peak next to the cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.pools import KVPool
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.options import EngineOptions
+from engine.weights.layout import ExpertBanks
+
+MARGIN = 256 * 2**20  # allocator fragmentation, cuBLAS workspaces, graph pools
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    total: int
+    dense: int
+    kv: int
+    states: int
+    workspace: int
+    experts: int  # bytes for expert slots
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"{self.total / gib:.2f} GiB = dense {self.dense / gib:.2f} + KV {self.kv / gib:.2f} + states "
+                f"{self.states / gib:.2f} + workspace {self.workspace / gib:.2f} + experts {self.experts / gib:.2f}")
+
+
+def dense_bytes(obj: object) -> int:
+    """Bytes of every tensor reachable from a weights dataclass, expert banks excluded."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, ExpertBanks):
+        return 0
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(dense_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, list | tuple):
+        return sum(dense_bytes(x) for x in obj)
+    return 0
+
+
+def state_bytes(cfg: ModelConfig, slots: int, dtype: torch.dtype) -> int:
+    layers = len(cfg.linear_attention_layer_ids)
+    item = torch.empty(0, dtype=dtype).element_size()
+    conv = cfg.linear_conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * item
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return layers * slots * (conv + ssm)
+
+
+def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -> int:
+    item = torch.empty(0, dtype=dtype).element_size()
+    tokens = opts.prefill_chunk + opts.max_running
+    # per token: a dozen hidden-sized activations, the q/k/v/gate projections and the routed experts'
+    # gate/up outputs (k of them), all at once in the worst layer
+    per_token = item * (12 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
+                        + 3 * cfg.top_k * cfg.moe_intermediate_size)
+    logits = 4 * cfg.vocab_size * opts.max_running
+    return tokens * per_token + logits + MARGIN
+
+
+def split_gpu_memory(total: int, cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype, dense: int,
+                     expert_bytes: int) -> GpuBudget:
+    kv = KVPool.bytes_per_slot(cfg, dtype) * opts.kv_tokens
+    states = state_bytes(cfg, opts.device_state_slots, dtype)
+    work = workspace_bytes(cfg, opts, dtype)
+    left = total - dense - kv - states - work
+    if left < expert_bytes:
+        gib = 2**30
+        raise ConfigError(
+            f"--gpu-memory {total / gib:.2f} GiB is too small: dense weights {dense / gib:.2f} + KV cache "
+            f"{kv / gib:.2f} ({opts.kv_tokens} tokens) + states {states / gib:.2f} + workspace {work / gib:.2f} GiB "
+            f"leave {max(left, 0) / gib:.2f} GiB, less than one expert ({expert_bytes / 2**20:.1f} MiB); "
+            f"raise it or lower --kv-tokens")
+    return GpuBudget(total, dense, kv, states, work, left)

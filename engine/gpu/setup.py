@@ -1,0 +1,78 @@
+"""Turn a loaded decoder into one with a GPU expert cache under a memory cap (`--gpu-memory`).
+
+Contract: `attach_expert_cache(decoder, opts, dtype)` splits `opts.gpu_memory` (engine/gpu/budget.py),
+page-locks the host expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need
+60 GB more), resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for
+this machine in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them
+there and logs that it did: never a silent default), and replaces the decoder's executor with a
+`CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA or when the cap is too small.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.errors import ConfigError
+from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
+from engine.gpu.executor import create_cached_executor
+from engine.model.decoder import Decoder
+from engine.options import EngineOptions
+from engine.weights.layout import ExpertBanks
+
+log = logging.getLogger("freetoken.engine")
+
+_FMT = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def pin_in_place(banks: ExpertBanks) -> bool:
+    """Page-locks the banks' host memory without copying; False (and a warning) when refused."""
+    ok = True
+    for t in (banks.w13, banks.w2):
+        if t.is_pinned():
+            continue
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            ok = False
+    if not ok:
+        log.warning("expert banks could not be page-locked: fetches run at pageable-copy speed")
+    return ok
+
+
+def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
+    if opts.fetch_ratio >= 0:
+        return opts.fetch_ratio
+    from engine.gpu.calibrate import CalibrationSpec, calibrate, machine_key
+    from engine.gpu.calibration_store import load, save
+    from engine.moe.native import load_native
+
+    spec = CalibrationSpec(fmt=_FMT.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
+                           threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
+    threads = opts.threads or load_native().physical_cores()
+    path = Path(opts.calibration_file) if opts.calibration_file else None
+    if path is not None:
+        cal = load(path, machine_key(spec, threads, True))
+        if cal is not None:
+            return cal.ratio()
+    log.warning("no stored B_P / B_C for this machine: measuring them now (a few seconds)")
+    cal = calibrate(spec)
+    if path is not None:
+        save(path, cal)
+    log.warning("measured B_C %.1f GB/s, B_P %s GB/s -> fetch ratio %.2f", cal.b_cpu, cal.b_pcie, cal.ratio())
+    return cal.ratio()
+
+
+def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:
+    device = torch.device(opts.device)
+    if device.type != "cuda":
+        raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
+    banks = decoder.weights.experts
+    budget = split_gpu_memory(opts.gpu_memory, decoder.cfg, opts, dtype, dense_bytes(decoder.weights),
+                              banks.expert_bytes)
+    pin_in_place(banks)
+    ratio = resolve_fetch_ratio(banks, opts)
+    decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.threads)
+    log.info("GPU memory: %s; fetch ratio %.2f", budget.describe(), ratio)
+    return budget

@@ -1,0 +1,83 @@
+"""`--gpu-memory`: how the cap is split (dense, KV, states, workspace, experts), the sizes the CLI
+accepts, and the clear errors when the cap is too small or there is no GPU."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.gpu.budget import dense_bytes, split_gpu_memory
+from engine.model.load import load_decoder
+from engine.options import EngineOptions
+from freetoken_agent.argtypes import byte_size
+from freetoken_agent.demo import write_demo_model
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "m", arch="qwen3_5_moe")
+
+
+def test_byte_sizes():
+    assert byte_size("24GiB") == 24 * 2**30
+    assert byte_size("24G") == 24 * 10**9
+    assert byte_size("1.5 gib") == int(1.5 * 2**30)
+    assert byte_size("512MiB") == 512 * 2**20
+    assert byte_size("1000") == 1000
+    for bad in ("lots", "12 parsecs", "-1G", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
+
+
+def test_dense_bytes_are_the_checkpoint_minus_the_expert_banks(demo: Path):
+    decoder = load_decoder(demo, "cpu", executor="torch")
+    banks = decoder.weights.experts
+    bank_bytes = banks.w13.numel() * banks.w13.element_size() + banks.w2.numel() * banks.w2.element_size()
+    total = 0
+    for f in demo.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = st.get_tensor(name)
+                total += t.numel() * t.element_size()
+    assert dense_bytes(decoder.weights) + bank_bytes == total
+
+
+def test_split_sums_to_the_cap_and_names_every_part_when_too_small(demo: Path):
+    import torch
+
+    cfg = ModelConfig.from_file(demo / "config.json")
+    opts = EngineOptions(kv_tokens=4096, max_running=4, prefill_chunk=256)
+    b = split_gpu_memory(2 * 2**30, cfg, opts, torch.bfloat16, dense=10**8, expert_bytes=10**6)
+    assert b.dense + b.kv + b.states + b.workspace + b.experts == b.total == 2 * 2**30
+    assert b.kv > 0 and b.states > 0 and b.workspace > 0 and b.experts > 0
+    more_kv = split_gpu_memory(2 * 2**30, cfg, EngineOptions(kv_tokens=8192, max_running=4, prefill_chunk=256),
+                               torch.bfloat16, dense=10**8, expert_bytes=10**6)
+    assert more_kv.kv == 2 * b.kv and more_kv.experts == b.experts - b.kv
+    with pytest.raises(ConfigError, match=r"too small: dense weights .* KV cache .* states .* workspace"):
+        split_gpu_memory(2**28, cfg, opts, torch.bfloat16, dense=10**8, expert_bytes=10**6)
+
+
+def test_gpu_memory_needs_a_cuda_engine(demo: Path):
+    with pytest.raises(ConfigError, match="caps GPU memory"):
+        Engine(demo, EngineOptions(gpu_memory=8 * 2**30))
+    with pytest.raises(ConfigError):
+        EngineOptions(gpu_memory=-1)
+
+
+def test_cli_reports_a_bad_size_and_no_gpu_in_one_line(demo: Path):
+    base = [sys.executable, "-m", "freetoken_agent", "generate", "--model", str(demo), "--prompt", "hi"]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    bad = subprocess.run([*base, "--gpu-memory", "lots"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "not a size" in bad.stderr
+    cpu = subprocess.run([*base, "--gpu-memory", "8GiB"], capture_output=True, text=True, env=env, timeout=300)
+    assert cpu.returncode == 2 and cpu.stderr.strip().splitlines()[-1].startswith("error: --gpu-memory caps GPU")

@@ -1,0 +1,45 @@
+"""On a CUDA device: an engine under `--gpu-memory` with a few expert slots and the miss split
+generates what the engine without a cache generates, keeps the host banks page-locked, and its
+peak allocation stays under the cap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.gpu.budget import dense_bytes, split_gpu_memory
+from engine.gpu.executor import CachedExpertExecutor
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from freetoken_agent.demo import write_demo_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
+    model = write_demo_model(tmp_path / "m", arch=arch)
+    base = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=2, prefill_chunk=128)
+    prompt = list(range(300, 364))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with Engine(model, EngineOptions(**base)) as ref:
+        want = list(ref.generate(prompt, params))
+        dense = dense_bytes(ref.decoder.weights)
+        banks = ref.decoder.weights.experts
+        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**base), ref.dtype, dense, banks.expert_bytes)
+        cap = fixed.total - fixed.experts + 10 * banks.expert_bytes  # room for 10 expert slots
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with Engine(model, EngineOptions(**base, gpu_memory=cap, fetch_ratio=ratio)) as eng:
+        ex = eng.decoder.executor
+        assert isinstance(ex, CachedExpertExecutor) and ex.slots.slots == 10
+        assert eng.decoder.weights.experts.w13.is_pinned()
+        got = list(eng.generate(prompt, params))
+        peak = torch.cuda.max_memory_allocated() - before
+    assert got == want
+    assert peak <= cap, f"peak {peak} > cap {cap}"
