@@ -15,6 +15,8 @@ All pools never grow: their sizes are the memory budget.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.config import ModelConfig
@@ -70,14 +72,31 @@ class KVPool:
         return 2 * len(cfg.full_attention_layer_ids) * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-class StatePool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+class _StateSlots:
+    """Per Gated DeltaNet layer, conv windows and SSM states for `num_slots` slots, with a free list.
+    `StatePool` keeps them on the compute device; `HostStatePool` in (pinned, for CUDA) host memory."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 pin_memory: bool = False) -> None:
         layers = len(cfg.linear_attention_layer_ids)
-        self.conv = torch.zeros(layers, num_slots, cfg.linear_conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0),
-                                dtype=dtype, device=device)
-        self.ssm = torch.zeros(layers, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                               cfg.linear_value_head_dim, dtype=torch.float32, device=device)
-        self._slots = _FreeList(num_slots if layers else 0)
+        n = num_slots if layers else 0
+        conv_shape, ssm_shape = self.slot_shapes(cfg)
+        self.conv = torch.zeros(layers, n, *conv_shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.ssm = torch.zeros(layers, n, *ssm_shape, dtype=torch.float32, device=device, pin_memory=pin_memory)
+        self._slots = _FreeList(n)
+
+    @staticmethod
+    def slot_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per layer and slot: the conv window's shape and the SSM state's shape."""
+        return ((cfg.linear_conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0)),
+                (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+    @classmethod
+    def bytes_per_slot(cls, cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """One slot across all recurrent layers (the SSM state is float32 whatever the model dtype)."""
+        conv_shape, ssm_shape = cls.slot_shapes(cfg)
+        item = torch.empty(0, dtype=dtype).element_size()
+        return len(cfg.linear_attention_layer_ids) * (math.prod(conv_shape) * item + math.prod(ssm_shape) * 4)
 
     @property
     def capacity(self) -> int:
@@ -94,6 +113,8 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._slots.give([slot])
 
+
+class StatePool(_StateSlots):
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.ssm[:, slot].zero_()
@@ -104,36 +125,14 @@ class StatePool:
 
     def slot_bytes(self) -> int:
         # From the shapes, so a pool of zero slots (a model without recurrent layers) reports 0 too.
-        conv = self.conv.shape[0] * self.conv.shape[2] * self.conv.shape[3] * self.conv.element_size()
-        ssm = self.ssm.shape[0] * self.ssm.shape[2] * self.ssm.shape[3] * self.ssm.shape[4] * 4
+        conv = self.conv.shape[0] * math.prod(self.conv.shape[2:]) * self.conv.element_size()
+        ssm = self.ssm.shape[0] * math.prod(self.ssm.shape[2:]) * 4
         return conv + ssm
 
 
-class HostStatePool:
+class HostStatePool(_StateSlots):
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        layers = len(cfg.linear_attention_layer_ids)
-        n = num_slots if layers else 0
-        pin = torch.device(device).type == "cuda"
-        self.conv = torch.zeros(layers, n, cfg.linear_conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0),
-                                dtype=dtype, pin_memory=pin)
-        self.ssm = torch.zeros(layers, n, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                               cfg.linear_value_head_dim, dtype=torch.float32, pin_memory=pin)
-        self._slots = _FreeList(n)
-
-    @property
-    def capacity(self) -> int:
-        return self._slots.capacity
-
-    @property
-    def num_free(self) -> int:
-        return self._slots.num_free
-
-    def alloc(self) -> int | None:
-        ids = self._slots.take(1)
-        return None if ids is None else ids[0]
-
-    def free(self, slot: int) -> None:
-        self._slots.give([slot])
+        super().__init__(cfg, num_slots, dtype, torch.device("cpu"), pin_memory=torch.device(device).type == "cuda")
 
     def store(self, host_slot: int, pool: StatePool, slot: int) -> None:
         # Synchronous on purpose: the device slot is reused right after a spill.

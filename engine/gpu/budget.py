@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.pools import KVPool
+from engine.cache.pools import KVPool, StatePool
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.options import EngineOptions
@@ -54,14 +54,6 @@ def dense_bytes(obj: object) -> int:
     return 0
 
 
-def state_bytes(cfg: ModelConfig, slots: int, dtype: torch.dtype) -> int:
-    layers = len(cfg.linear_attention_layer_ids)
-    item = torch.empty(0, dtype=dtype).element_size()
-    conv = cfg.linear_conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * item
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return layers * slots * (conv + ssm)
-
-
 def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -> int:
     item = torch.empty(0, dtype=dtype).element_size()
     tokens = opts.prefill_chunk + opts.max_running
@@ -76,7 +68,7 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
 def split_gpu_memory(total: int, cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype, dense: int,
                      expert_bytes: int) -> GpuBudget:
     kv = KVPool.bytes_per_slot(cfg, dtype) * opts.kv_tokens
-    states = state_bytes(cfg, opts.device_state_slots, dtype)
+    states = StatePool.bytes_per_slot(cfg, dtype) * opts.device_state_slots
     work = workspace_bytes(cfg, opts, dtype)
     left = total - dense - kv - states - work
     if left < expert_bytes:

@@ -24,9 +24,6 @@ from engine.weights.layout import ExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
-_FMT = {torch.bfloat16: "bf16", torch.float32: "f32"}
-
-
 def pin_in_place(banks: ExpertBanks) -> bool:
     """Page-locks the banks' host memory without copying; False (and a warning) when refused."""
     ok = True
@@ -46,9 +43,9 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
         return opts.fetch_ratio
     from engine.gpu.calibrate import CalibrationSpec, calibrate, machine_key
     from engine.gpu.calibration_store import load, save
-    from engine.moe.native import load_native
+    from engine.moe.native import FORMAT_OF_DTYPE, load_native
 
-    spec = CalibrationSpec(fmt=_FMT.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
+    spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
                            threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
     threads = opts.threads or load_native().physical_cores()
     path = Path(opts.calibration_file) if opts.calibration_file else None

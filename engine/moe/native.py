@@ -18,7 +18,7 @@ import torch
 from engine.errors import ConfigError
 from engine.weights.layout import ExpertBanks
 
-_FORMATS = {torch.bfloat16: "bf16", torch.float32: "f32"}
+FORMAT_OF_DTYPE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _module: ModuleType | None = None
 _error: str | None = None
 
@@ -40,7 +40,7 @@ def load_native() -> ModuleType:
 def native_unsupported(banks: ExpertBanks, device: torch.device | str) -> str | None:
     if torch.device(device).type != "cpu":
         return f"it runs experts on the CPU, but the engine computes on {device}"
-    if banks.w13.dtype not in _FORMATS:
+    if banks.w13.dtype not in FORMAT_OF_DTYPE:
         return f"expert weights are {banks.w13.dtype}; it reads bfloat16 or float32"
     try:
         load_native()
@@ -54,11 +54,11 @@ class NativeExpertExecutor:
         ft = load_native()
         from native.formats import ExpertWeights
 
-        if banks.w13.dtype not in _FORMATS:
+        if banks.w13.dtype not in FORMAT_OF_DTYPE:
             raise ConfigError(f"native expert executor reads bfloat16 or float32 weights, not {banks.w13.dtype}")
         self._ft = ft
         self.banks = banks
-        self.experts = ExpertWeights(_FORMATS[banks.w13.dtype], banks.w13, banks.w2)
+        self.experts = ExpertWeights(FORMAT_OF_DTYPE[banks.w13.dtype], banks.w13, banks.w2)
         if threads > 0 and ft.num_threads() != threads:
             ft.set_num_threads(threads)
 
