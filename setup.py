@@ -9,12 +9,24 @@ FREETOKEN_REQUIRE_NATIVE=1 is set (CI sets it), which turns the failure into an 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+
+def _native_flags() -> list[str]:
+    """The compile flags of native/build.py (one list for both builds), loaded by path: a module
+    named `build` may also exist in the build environment."""
+    spec = importlib.util.spec_from_file_location("_ft_native_build", Path(__file__).resolve().parent / "native" / "build.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return list(mod.FLAGS)
+
 
 SOURCES = sorted(str(p.as_posix()) for p in Path("native/src").glob("*.cpp"))
 
@@ -42,7 +54,7 @@ native = Extension(
     sources=SOURCES,
     depends=[str(p.as_posix()) for p in Path("native/src").glob("*.h")],
     language="c++",
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread", "-Wno-uninitialized"],
+    extra_compile_args=[*_native_flags(), "-O3", "-DNDEBUG"],
     extra_link_args=["-pthread"],
 )
 

@@ -92,7 +92,7 @@ def _fail(msg: str) -> None:
 
 def _check_rows(name: str, t: Any, shape: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...]) -> None:
     """A CPU tensor of one of `dtypes`, [rows, cols] with contiguous rows (the checks cost ~1 us)."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         _fail(f"{name} must be on the CPU, got {t.device}")
