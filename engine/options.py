@@ -35,6 +35,7 @@ class EngineOptions:
     gpu_memory: int = 0  # bytes: the whole GPU footprint incl. an expert cache (engine/gpu); 0 = no cache
     fetch_ratio: float = -1.0  # share of misses fetched over PCIe; < 0 = from the calibration (measured if none)
     calibration_file: str = ""  # where measured bandwidths are stored per machine
+    cuda_graphs: bool = True  # capture the expert cache's decode-sized MoE steps (engine/gpu/device_step.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "max_running", "prefill_chunk"):

@@ -114,10 +114,12 @@ def moe_layer(
     experts: ExpertWeights,
     out: torch.Tensor | None = None,
     id_offset: int = 0,
+    skip_negative: bool = False,
 ) -> torch.Tensor:
     """See the module docstring. x, out: [T, H] bf16/float32 with contiguous rows (any row stride);
     ids: [T, k] int64 contiguous, bank row = id + id_offset; weights: [T, k] float32 contiguous;
-    out is overwritten."""
+    out is overwritten. With `skip_negative`, entries whose id is < 0 are left out (computed
+    elsewhere: the GPU's share of a split layer) and cost no weight reads."""
     if type(experts) is not ExpertWeights:
         _fail(f"experts must be a native.formats.ExpertWeights, got {type(experts).__name__}")
     _check_rows("x", x, None, _ACT)
@@ -135,10 +137,59 @@ def moe_layer(
     else:
         _check_rows("out", out, x.shape, _ACT)
     if t_count:
-        _ext.moe_layer(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(),
-                       out.dtype == torch.bfloat16, out.stride(0), t_count, hidden, experts.inter,
-                       ids.data_ptr(), weights.data_ptr(), ids.shape[1], *experts.native_args, id_offset)
+        _ext.moe_layer(*_layer_args(x, out, ids, weights, experts), id_offset, skip_negative)
     return out
+
+
+def _layer_args(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: ExpertWeights) -> tuple[Any, ...]:
+    return (x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(), out.dtype == torch.bfloat16,
+            out.stride(0), x.shape[0], x.shape[1], experts.inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            *experts.native_args)
+
+
+class HostTask:
+    """One MoE layer call with fixed buffers, run later by `run()` or from a CUDA host node
+    (`function_address` is a `cudaHostFn_t`, `address` its user data): the CPU branch of a
+    graph-captured decode step. The buffers are checked here once and must stay alive and in place
+    as long as the task (the task keeps references to them); ids < 0 are skipped. A failure
+    inside a host node cannot raise: it zeroes `out`, and `check()` raises it afterwards."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                 out: torch.Tensor, id_offset: int = 0) -> None:
+        if type(experts) is not ExpertWeights:
+            _fail(f"experts must be a native.formats.ExpertWeights, got {type(experts).__name__}")
+        _check_rows("x", x, None, _ACT)
+        if x.shape[1] != experts.hidden or x.shape[0] == 0:
+            _fail(f"x must be [T>0, {experts.hidden}], got shape {tuple(x.shape)}")
+        _check_rows("ids", ids, None, (torch.int64,))
+        if ids.shape[0] != x.shape[0] or ids.shape[1] == 0 or not ids.is_contiguous():
+            _fail(f"ids must be contiguous [T={x.shape[0]}, k>0], got shape {tuple(ids.shape)}")
+        _check_rows("weights", weights, ids.shape, (torch.float32,))
+        if not weights.is_contiguous():
+            _fail("weights must be contiguous")
+        _check_rows("out", out, x.shape, _ACT)
+        self._buffers = (x, ids, weights, out, experts)
+        self.address: int = _ext.host_task_create(*_layer_args(x, out, ids, weights, experts), id_offset, True)
+        self.function_address: int = _ext.host_task_fn()
+
+    def run(self) -> None:
+        _ext.host_task_run(self.address)
+
+    def status(self) -> tuple[int, int, str]:
+        """(runs, failures, first error message)."""
+        return _ext.host_task_status(self.address)
+
+    def check(self) -> None:
+        runs, failures, error = self.status()
+        if failures:
+            raise RuntimeError(f"native host task failed {failures} of {runs} runs: {error}")
+
+    def __del__(self) -> None:
+        address = getattr(self, "address", 0)
+        if address and _ext is not None:
+            _ext.host_task_free(address)
+            self.address = 0
 
 
 def read_ranges(ranges: list[tuple[int, int]]) -> int:

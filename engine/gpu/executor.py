@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.gpu.cache_table import CacheTable
+from engine.gpu.device_step import DeviceStep
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.slots import ExpertSlots
@@ -118,7 +119,7 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
-                 ratio: float, overlap: bool | None = None) -> None:
+                 ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8) -> None:
         if table.slots != slots.slots:
             raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
         if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
@@ -133,6 +134,11 @@ class CachedExpertExecutor:
         self._worker: ThreadPoolExecutor | None = None
         self._calls = 0
         self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
+        # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
+        self.graphs = graphs
+        self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
+        self._steps: dict[int, DeviceStep] = {}
+        self._graph_pool: tuple[int, int] | None = None
 
     @property
     def stats(self) -> CacheStats:
@@ -141,10 +147,13 @@ class CachedExpertExecutor:
         return CacheStats(self._calls, hits, misses, fetched)
 
     def describe(self) -> str:
+        steps = "off" if not self.step_tokens else ("CUDA graphs" if self.graphs else "eager")
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}; "
-                f"misses on {describe_executor(self.cpu_executor)})")
+                f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        if 0 < ids.shape[0] <= self.step_tokens and x.is_cuda:
+            return self._device_step(ids.shape[0], ids.shape[1], x.dtype).step(x, ids, weights, moe_index)
         dev = self.table.device
         plan = plan_layer(self.table, moe_index, ids.to(dev), self.ratio)
         self._calls += 1
@@ -189,6 +198,20 @@ class CachedExpertExecutor:
             x_cpu = x_cpu[tokens].contiguous()
         return tokens, self.cpu_executor(x_cpu, cids, cw, moe_index)
 
+    def _device_step(self, tokens: int, k: int, dtype: torch.dtype) -> DeviceStep:
+        step = self._steps.get(tokens)
+        if step is None:
+            if self.graphs and self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool)
+            self._steps[tokens] = step
+        return step
+
+    def check(self) -> None:
+        """Raises the first failure of a CPU branch run inside a host node, if any."""
+        for step in self._steps.values():
+            step.check()
+
     def _pool(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-experts")
@@ -210,9 +233,11 @@ class _Done:
         return self.value
 
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
-                           cpu_executor: ExpertExecutor | None = None, threads: int = 0) -> CachedExpertExecutor:
+                           cpu_executor: ExpertExecutor | None = None, threads: int = 0,
+                           graphs: bool = True) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
     slots = ExpertSlots.from_budget(banks, budget_bytes, device)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
-    return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio)
+    return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
+                                graphs=graphs)

@@ -30,7 +30,8 @@ def pin_in_place(banks: ExpertBanks) -> bool:
     for t in (banks.w13, banks.w2):
         if t.is_pinned():
             continue
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        # mapped (2) | portable (1): the fetch kernel reads the banks through their device mapping
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
         if int(err) != 0:
             ok = False
     if not ok:
@@ -70,6 +71,7 @@ def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtyp
                               banks.expert_bytes)
     pin_in_place(banks)
     ratio = resolve_fetch_ratio(banks, opts)
-    decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.threads)
+    decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.threads,
+                                              graphs=opts.cuda_graphs)
     log.info("GPU memory: %s; fetch ratio %.2f", budget.describe(), ratio)
     return budget

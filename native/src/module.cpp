@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "host_task.h"
 #include "moe_layer.h"
 #include "pool.h"
 #include "read_bound.h"
@@ -18,10 +19,11 @@ using namespace ft;
 
 namespace {
 
-void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld, int64_t T, int64_t H,
-           int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13, int64_t w13_es,
-           int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld,
-           uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows, int64_t id_offset) {
+LayerArgs make_args(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld, int64_t T,
+                    int64_t H, int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13,
+                    int64_t w13_es, int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2,
+                    int64_t w2_es, int64_t w2_ld, uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk,
+                    int64_t num_rows, int64_t id_offset, bool skip_negative) {
     LayerArgs a;
     a.x = reinterpret_cast<const void*>(x);
     a.x_bf16 = x_bf16;
@@ -38,7 +40,38 @@ void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16,
     a.bn = bn, a.bk = bk;
     a.num_rows = num_rows;
     a.id_offset = id_offset;
-    moe_layer(a);
+    a.skip_negative = skip_negative;
+    return a;
+}
+
+void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld, int64_t T, int64_t H,
+           int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13, int64_t w13_es,
+           int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld,
+           uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows, int64_t id_offset,
+           bool skip_negative) {
+    moe_layer(make_args(x, x_bf16, x_ld, out, out_bf16, out_ld, T, H, I, ids, weights, k, fmt, w13, w13_es, w13_ld,
+                        s13, s13_es, s13_ld, w2, w2_es, w2_ld, s2, s2_es, s2_ld, bn, bk, num_rows, id_offset,
+                        skip_negative));
+}
+
+// A heap HostTask (see host_task.h) for the same arguments; freed by host_task_free.
+uintptr_t host_task_create(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16, int64_t out_ld,
+                           int64_t T, int64_t H, int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt,
+                           uintptr_t w13, int64_t w13_es, int64_t w13_ld, uintptr_t s13, int64_t s13_es,
+                           int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld, uintptr_t s2, int64_t s2_es,
+                           int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows, int64_t id_offset,
+                           bool skip_negative) {
+    auto* t = new HostTask;
+    t->args = make_args(x, x_bf16, x_ld, out, out_bf16, out_ld, T, H, I, ids, weights, k, fmt, w13, w13_es, w13_ld,
+                        s13, s13_es, s13_ld, w2, w2_es, w2_ld, s2, s2_es, s2_ld, bn, bk, num_rows, id_offset,
+                        skip_negative);
+    return reinterpret_cast<uintptr_t>(t);
+}
+
+py::tuple host_task_status(uintptr_t task) {
+    auto* t = reinterpret_cast<HostTask*>(task);
+    std::lock_guard<std::mutex> lock(t->error_mutex);
+    return py::make_tuple(t->runs.load(), t->failures.load(), t->error);
 }
 
 uint64_t read_ranges_py(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& sizes) {
@@ -80,7 +113,15 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("I"), py::arg("ids"), py::arg("weights"), py::arg("k"), py::arg("fmt"), py::arg("w13"),
           py::arg("w13_es"), py::arg("w13_ld"), py::arg("s13"), py::arg("s13_es"), py::arg("s13_ld"), py::arg("w2"),
           py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
-          py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+          py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, py::arg("skip_negative") = false,
+          "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+    m.def("host_task_create", &host_task_create, "A prepared layer call for a CUDA host node (same arguments).");
+    m.def("host_task_free", [](uintptr_t t) { delete reinterpret_cast<HostTask*>(t); });
+    m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },
+          py::call_guard<py::gil_scoped_release>(), "Run a prepared call in this thread.");
+    m.def("host_task_status", &host_task_status, "(runs, failures, first error message)");
+    m.def("host_task_fn", [] { return reinterpret_cast<uintptr_t>(&ft_host_task_run); },
+          "Address of the host function (cudaHostFn_t) that runs a prepared call.");
     m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),
           "Read the byte ranges with the pool threads (bandwidth reference); returns a checksum.");
     m.def("call_overhead_us", &call_overhead_us, py::call_guard<py::gil_scoped_release>(), py::arg("reps") = 2000);

@@ -126,27 +126,32 @@ void moe_layer(const LayerArgs& a) {
     thread_local Scratch tls;  // named inside the job lambda it would be each worker's own (empty) instance
     Scratch& s = tls;
     s.rows.resize(N);
+    s.order.clear();
     for (int64_t i = 0; i < N; ++i) {
+        if (a.skip_negative && a.ids[i] < 0) {
+            s.rows[i] = -1;
+            continue;
+        }
         const int64_t row = a.ids[i] + a.id_offset;
         if (row < 0 || row >= a.num_rows)
             throw std::invalid_argument("expert row " + std::to_string(row) + " out of range [0, " +
                                         std::to_string(a.num_rows) + ")");
         s.rows[i] = row;
+        s.order.push_back(static_cast<int>(i));
     }
     const int64_t* ids = s.rows.data();
+    const int64_t M = static_cast<int64_t>(s.order.size());  // entries computed here
 
     const Isa isa = current_isa();
     const GemvFn gemv = table().fn[int(isa)][int(fmt)];
     const bool act_bf16 = isa == Isa::avx512bf16 && fmt == Fmt::bf16;  // kernel reads bf16 activations
     const size_t act = act_bf16 ? 2 : 4;
 
-    s.order.resize(N);
-    for (int64_t i = 0; i < N; ++i) s.order[i] = static_cast<int>(i);
     std::stable_sort(s.order.begin(), s.order.end(), [&](int x, int y) { return ids[x] < ids[y]; });
     s.groups.clear();
-    s.entry_token.resize(N);
-    s.entry_w.resize(N);
-    for (int64_t i = 0; i < N; ++i) {
+    s.entry_token.resize(M);
+    s.entry_w.resize(M);
+    for (int64_t i = 0; i < M; ++i) {
         const int e = s.order[i];
         if (s.groups.empty() || s.groups.back().row != ids[e]) s.groups.push_back({ids[e], int(i), int(i)});
         s.groups.back().end = int(i) + 1;
@@ -154,11 +159,11 @@ void moe_layer(const LayerArgs& a) {
         s.entry_w[i] = a.weights[e];
     }
     s.xbuf.resize(static_cast<size_t>(T * H) * act);
-    s.hbuf.resize(static_cast<size_t>(N * I) * act);
+    s.hbuf.resize(static_cast<size_t>(M * I) * act);
     s.acc.resize(static_cast<size_t>(T * H));
-    s.xptr.resize(N);
-    s.hptr.resize(N);
-    for (int64_t i = 0; i < N; ++i) {
+    s.xptr.resize(M);
+    s.hptr.resize(M);
+    for (int64_t i = 0; i < M; ++i) {
         s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
         s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I) * act;
     }

@@ -33,6 +33,7 @@ struct LayerArgs {
     int64_t T = 0, H = 0, I = 0, k = 0;
     const int64_t* ids = nullptr;  // [T, k] expert ids; bank row = id + id_offset
     int64_t id_offset = 0;
+    bool skip_negative = false;  // entries with id < 0 are not computed (run elsewhere)
     const float* weights = nullptr;  // [T, k]
     int fmt = 0;  // Fmt
     WeightArgs w13, w2;

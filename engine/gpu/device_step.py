@@ -1,0 +1,126 @@
+"""The decode-sized MoE layer of the GPU expert cache, queued without one host synchronisation and
+captured in a CUDA graph per (layer, batch size).
+
+Contract: `DeviceStep(executor, tokens, k, dtype, graphs)` serves `executor` (a CachedExpertExecutor whose
+CPU side is the native executor) for batches of exactly `tokens` tokens routed to `k` experts each;
+`step(x, ids, weights, layer)` returns the layer's routed-expert output in a buffer the next call of this step overwrites
+(consume it before that, in stream order: the decoder's residual add does). Per call, on the
+current stream:
+
+    plan_layer (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py)
+      |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
+      '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> host node: native layer on the
+                       CPU (engine/gpu/host_fn.py) -> H2D its output
+    join; out = GPU part + CPU part
+
+so the CPU experts run while the GPU fetches and computes. With `graphs`, the first call of a layer
+runs eagerly (it compiles the kernels), the second captures the same sequence into a CUDA graph and
+replays it, and later calls only copy the inputs in and replay: no per-layer Python beyond that.
+The page-locked staging buffers are shared by the layers of one batch size, which is safe because
+each layer's step joins its side stream before the next layer's can start. The ratio is baked into
+the captured plan: building a new executor is how a new ratio takes effect.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.gpu.host_fn import launch_host_task
+from engine.gpu.plan import plan_layer
+
+if TYPE_CHECKING:
+    from engine.gpu.executor import CachedExpertExecutor
+
+
+class DeviceStep:
+    def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
+                 pool: tuple[int, int] | None = None) -> None:
+        from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
+        from native.ftnative import HostTask  # noqa: F401  (fails early when the extension is missing)
+
+        self._kernels = kernels
+
+        self.ex = executor
+        self.tokens = tokens
+        self.graphs = graphs
+        self.pool = pool
+        dev = executor.table.device
+        banks = executor.banks
+        hidden = banks.w2.shape[1]
+        self.k = k
+        self.x = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
+        self.ids = torch.zeros(tokens, k, dtype=torch.int64, device=dev)
+        self.w = torch.zeros(tokens, k, dtype=dtype, device=dev)
+        self.w32 = torch.zeros(tokens, k, dtype=torch.float32, device=dev)
+        self.out = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
+        self.cpu_out = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
+        self.x_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
+        self.ids_h = torch.zeros(tokens, k, dtype=torch.int64, pin_memory=True)
+        self.w_h = torch.zeros(tokens, k, dtype=torch.float32, pin_memory=True)
+        self.out_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
+        self.side = torch.cuda.Stream(device=dev)
+        self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
+        self._tasks: dict[int, object] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._eager_calls: dict[int, int] = {}
+
+    def _task(self, layer: int) -> object:
+        task = self._tasks.get(layer)
+        if task is None:
+            from native.ftnative import HostTask
+
+            experts = self.ex.cpu_executor.experts  # type: ignore[attr-defined]
+            task = HostTask(self.x_h, self.ids_h, self.w_h, experts, self.out_h,
+                            id_offset=layer * self.ex.banks.num_experts)
+            self._tasks[layer] = task
+        return task
+
+    def _enqueue(self, layer: int) -> None:
+        ex = self.ex
+        plan = plan_layer(ex.table, layer, self.ids, ex.ratio)
+        ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
+        cpu_ids = torch.where(plan.slot_ids < 0, self.ids, -1)
+        self.w32.copy_(self.w)
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self.ids_h.copy_(cpu_ids, non_blocking=True)
+            self.w_h.copy_(self.w32, non_blocking=True)
+            self.x_h.copy_(self.x, non_blocking=True)
+            launch_host_task(self._task(layer), self.side)
+            self.cpu_out.copy_(self.out_h, non_blocking=True)
+        self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13, ex.banks.w2,
+                      ex.slots.w13, ex.slots.w2)
+        gpu = self._kernels.slot_experts(self.x, self.ids, plan.slot_ids, self.w, ex.slots.w13, ex.slots.w2)
+        main.wait_stream(self.side)
+        torch.add(gpu, self.cpu_out, out=self.out)
+
+    def step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+        self.x.copy_(x)
+        self.ids.copy_(ids)
+        self.w.copy_(weights)
+        graph = self._graphs.get(layer)
+        if graph is not None:
+            graph.replay()
+            return self.out
+        if self.graphs and self._eager_calls.get(layer, 0) >= 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._enqueue(layer)
+            self._graphs[layer] = graph
+            graph.replay()
+            return self.out
+        self._eager_calls[layer] = self._eager_calls.get(layer, 0) + 1
+        self._enqueue(layer)
+        return self.out
+
+    def check(self) -> None:
+        """Raises the first failure of a host task (they cannot raise inside a host node)."""
+        for task in self._tasks.values():
+            task.check()  # type: ignore[attr-defined]
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)

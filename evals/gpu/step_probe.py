@@ -1,0 +1,146 @@
+"""Where the time of one cached MoE decode layer goes, on a real shape (qwen3-30b-a3b experts,
+random bf16 weights, page-locked host banks): the fetch kernel's PCIe rate against the copy engine,
+the slot-expert kernels, the native CPU branch alone, and the whole device step (eager and
+graph-captured) at a given cache fraction and fetch ratio. Prints one table; `--json PATH` too.
+
+Usage: python -m evals.gpu.step_probe [--layers 8] [--fraction 0.33] [--ratio 0.47] [--threads 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.gpu.executor import create_cached_executor
+from engine.gpu.kernels import fetch_experts, slot_experts
+from engine.gpu.setup import pin_in_place
+from engine.moe.native import NativeExpertExecutor
+from engine.weights.layout import ExpertBanks
+
+
+def _events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--fraction", type=float, default=1 / 3)
+    ap.add_argument("--ratio", type=float, default=0.47)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    L, E, H, inter, k = a.layers, a.experts, a.hidden, a.inter, a.top_k
+    t0 = time.perf_counter()
+    w13 = torch.empty(L * E, 2 * inter, H, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
+    w2 = torch.empty(L * E, H, inter, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
+    banks = ExpertBanks(w13, w2, E)
+    assert pin_in_place(banks)
+    eb = banks.expert_bytes
+    rows = {"bank_gb": round(L * E * eb / 1e9, 2), "fill_s": round(time.perf_counter() - t0, 1)}
+
+    # 1. fetch: 8 experts per call, kernel vs copy engine
+    n = 8
+    slots13 = torch.empty(n, 2 * inter, H, dtype=torch.bfloat16, device="cuda")
+    slots2 = torch.empty(n, H, inter, dtype=torch.bfloat16, device="cuda")
+    src_list = [list(range(i * 37 % (L * E - n), i * 37 % (L * E - n) + n)) for i in range(20)]
+    srcs = [torch.tensor(s, device="cuda") for s in src_list]
+    dst = torch.arange(n, device="cuda")
+    it = iter(range(10**9))
+
+    def kern() -> None:
+        fetch_experts(srcs[next(it) % 20], dst, w13, w2, slots13, slots2)
+
+    def engine_copy() -> None:
+        s = src_list[next(it) % 20]
+        for j, r in enumerate(s):
+            slots13[j].copy_(w13[r], non_blocking=True)
+            slots2[j].copy_(w2[r], non_blocking=True)
+
+    rows["fetch_kernel_gbps"] = round(n * eb / _events_ms(kern, 20) / 1e6, 1)
+    rows["copy_engine_gbps"] = round(n * eb / _events_ms(engine_copy, 20) / 1e6, 1)
+
+    # 2. slot experts, batch 1, k entries
+    S = 64
+    s13 = torch.empty(S, 2 * inter, H, dtype=torch.bfloat16, device="cuda").uniform_(-0.03, 0.03)
+    s2 = torch.empty(S, H, inter, dtype=torch.bfloat16, device="cuda").uniform_(-0.03, 0.03)
+    for b in (1, 4, 8):
+        x = torch.randn(b, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(b)])
+        sl = ids % S
+        w = torch.rand(b, k, device="cuda", dtype=torch.bfloat16)
+        ms = _events_ms(lambda: slot_experts(x, ids, sl, w, s13, s2), 50)  # noqa: B023
+        distinct = len(set(sl.flatten().tolist()))
+        rows[f"slot_experts_b{b}_us"] = round(ms * 1e3, 1)
+        rows[f"slot_experts_b{b}_gbps"] = round(b * k * eb / ms / 1e6, 1)
+        rows[f"slot_experts_b{b}_distinct"] = distinct
+
+    # 3. the CPU branch alone (native, k entries, batch 1)
+    cpu = NativeExpertExecutor(banks, a.threads)
+    xc = torch.randn(1, H, dtype=torch.bfloat16)
+    t = []
+    for i in range(30):
+        ids = torch.randperm(E)[:k][None]
+        t0 = time.perf_counter()
+        cpu(xc, ids, torch.rand(1, k), i % L)
+        t.append(time.perf_counter() - t0)
+    t.sort()
+    rows["cpu_layer_us_k8"] = round(t[len(t) // 2] * 1e6, 1)
+    rows["cpu_gbps_k8"] = round(k * eb / t[len(t) // 2] / 1e9, 1)
+
+    # 4. the whole device step per layer, eager and captured
+    for graphs in (False, True):
+        ex = create_cached_executor(banks, int(a.fraction * L * E) * eb, "cuda", a.ratio, cpu, graphs=graphs)
+        g = torch.Generator().manual_seed(0)
+        steps = [(torch.randn(1, H, generator=g).bfloat16().cuda(),
+                  torch.randperm(E, generator=g)[:k][None].cuda(), torch.rand(1, k, generator=g).bfloat16().cuda())
+                 for _ in range(64)]
+        for s in range(4):  # warm: eager, capture
+            for layer in range(L):
+                ex(*steps[s], layer)
+        torch.cuda.synchronize()
+        c0 = ex._counts.clone()
+        t0 = time.perf_counter()
+        host = 0.0
+        for s in range(4, 64):
+            for layer in range(L):
+                h0 = time.perf_counter()
+                ex(*steps[s], layer)
+                host += time.perf_counter() - h0
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ex.check()
+        hits, misses, fetched = (ex._counts - c0).tolist()
+        calls = 60 * L
+        name = "graph" if graphs else "eager"
+        rows[f"step_{name}_us_per_layer"] = round(dt / calls * 1e6, 1)
+        rows[f"step_{name}_host_us_per_layer"] = round(host / calls * 1e6, 1)
+        rows[f"step_{name}_hit_rate"] = round(hits / max(1, hits + misses), 3)
+        rows[f"step_{name}_fetched_per_layer"] = round(fetched / calls, 2)
+        rows[f"step_{name}_cpu_per_layer"] = round((misses - fetched) / calls, 2)
+        # the bound for this routing: miss bytes over B_P + B_C (contended figures from calibration)
+        ex.close()
+    for key, val in rows.items():
+        print(f"{key:32s} {val}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

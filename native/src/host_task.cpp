@@ -1,0 +1,19 @@
+// See host_task.h.
+#include "host_task.h"
+
+#include <cstring>
+#include <exception>
+
+extern "C" void ft_host_task_run(void* task) noexcept {
+    auto* t = static_cast<ft::HostTask*>(task);
+    try {
+        ft::moe_layer(t->args);
+    } catch (const std::exception& e) {
+        // a failed call leaves zeros, never stale numbers, in the output the GPU copies back
+        const ft::LayerArgs& a = t->args;
+        std::memset(a.out, 0, static_cast<size_t>(a.T * a.out_ld) * (a.out_bf16 ? 2 : 4));
+        std::lock_guard<std::mutex> lock(t->error_mutex);
+        if (t->failures.fetch_add(1) == 0) t->error = e.what();
+    }
+    t->runs.fetch_add(1);
+}

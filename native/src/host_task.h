@@ -1,0 +1,25 @@
+// A MoE layer call prepared once (all pointers fixed: page-locked buffers the GPU copies into and
+// out of) and run later from a CUDA host node: the CPU branch of a graph-captured decode step.
+// `ft_host_task_run` has the cudaHostFn_t / CUhostFn signature; it must not throw (it runs on the
+// CUDA driver's callback thread), so a failure is counted and its message kept for the caller.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "moe_layer.h"
+
+namespace ft {
+
+struct HostTask {
+    LayerArgs args;
+    std::atomic<int64_t> runs{0}, failures{0};
+    std::mutex error_mutex;
+    std::string error;  // the first failure's message
+};
+
+}  // namespace ft
+
+extern "C" void ft_host_task_run(void* task) noexcept;

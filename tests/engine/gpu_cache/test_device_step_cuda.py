@@ -1,0 +1,188 @@
+"""The sync-free, graph-captured decode step of the GPU expert cache on a real CUDA device (skipped
+without one; run on the GPU machine):
+- the fetch kernel copies bank rows from page-locked host memory into slots exactly, driven by a
+  device-side copy list;
+- the slot-expert kernels match the torch reference (float32 to 1e-5, bf16 to a few ulps) and give
+  bit-identical outputs whatever slots the experts sit in;
+- `CachedExpertExecutor` on decode-sized batches (the device step: plan, fetch, GPU experts, CPU
+  branch as a host node), eager and graph-captured, for cache sizes from 0 slots to every expert
+  and ratios 0 / 0.5 / 1: outputs equal the all-resident executor's bit for bit whenever no entry
+  ran on the CPU, and the reference's within float tolerance when some did; the captured steps
+  queue no host synchronisation;
+- an engine with the cache gives the same logits as with every expert resident, teacher-forced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.gpu.executor import CachedExpertExecutor, create_cached_executor
+from engine.gpu.setup import pin_in_place
+from engine.moe.executor import TorchExpertExecutor
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from engine.weights.layout import ExpertBanks
+from freetoken_agent.demo import write_demo_model
+
+pytestmark = pytest.mark.gpu
+
+L, E, K, H, INTER = 3, 16, 4, 256, 96
+
+
+def _banks(dtype: torch.dtype, seed: int = 0) -> ExpertBanks:
+    g = torch.Generator().manual_seed(seed)
+    banks = ExpertBanks((torch.randn(L * E, 2 * INTER, H, generator=g) / 8).to(dtype),
+                        (torch.randn(L * E, H, INTER, generator=g) / 6).to(dtype), E)
+    assert pin_in_place(banks)
+    return banks
+
+
+def _routing(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)])
+    return torch.randn(n, H, generator=g), ids, torch.rand(n, K, generator=g)
+
+
+def test_fetch_kernel_copies_rows_from_registered_host_memory() -> None:
+    from engine.gpu.kernels import fetch_experts
+
+    banks = _banks(torch.bfloat16)
+    slots13 = torch.zeros(6, 2 * INTER, H, dtype=torch.bfloat16, device="cuda")
+    slots2 = torch.zeros(6, H, INTER, dtype=torch.bfloat16, device="cuda")
+    src = torch.tensor([7, 40, -1, 3, -1, -1], device="cuda")
+    dst = torch.tensor([5, 0, -1, 2, -1, -1], device="cuda")
+    fetch_experts(src, dst, banks.w13, banks.w2, slots13, slots2)
+    torch.cuda.synchronize()
+    for s, d in ((7, 5), (40, 0), (3, 2)):
+        assert torch.equal(slots13[d].cpu(), banks.w13[s]) and torch.equal(slots2[d].cpu(), banks.w2[s])
+    assert torch.all(slots13[1] == 0) and torch.all(slots2[4] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_experts_match_reference_and_ignore_slot_placement(dtype: torch.dtype) -> None:
+    from engine.gpu.kernels import slot_experts
+
+    banks = _banks(dtype)
+    ref = TorchExpertExecutor(ExpertBanks(banks.w13.cuda(), banks.w2.cuda(), E))
+    x, ids, w = _routing(0, 5)
+    x, ids, w = x.to(dtype).cuda(), ids.cuda(), w.to(dtype).cuda()
+    layer = 1
+    outs = []
+    for perm_seed in (0, 1):
+        perm = torch.randperm(E, generator=torch.Generator().manual_seed(perm_seed)).cuda()
+        rows = layer * E + torch.arange(E, device="cuda")
+        s13 = torch.empty(E, 2 * INTER, H, dtype=dtype, device="cuda")
+        s2 = torch.empty(E, H, INTER, dtype=dtype, device="cuda")
+        s13[perm] = banks.w13.cuda()[rows]
+        s2[perm] = banks.w2.cuda()[rows]
+        outs.append(slot_experts(x, ids, perm[ids], w, s13, s2))
+    assert torch.equal(outs[0], outs[1])
+    want = ref(x, ids, w, layer)
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(outs[0].float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Outputs of `steps` decode steps over all layers, and how many entries ran on the CPU in each."""
+    outs, on_cpu = [], []
+    for s in range(steps):
+        n = 4 if s % 3 == 2 else 1
+        x, ids, w = _routing(s, n)
+        for layer in range(L):
+            before = ex._counts.clone()
+            out = ex(x.to(dtype).cuda(), ids.cuda(), w.to(dtype).cuda(), layer).clone()
+            d = (ex._counts - before).tolist()
+            outs.append(out)
+            on_cpu.append(d[1] - d[2])  # misses not fetched
+    ex.check()
+    return outs, on_cpu
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("slots", [0, 3, 20, L * E])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: float, graphs: bool) -> None:
+    banks = _banks(dtype)
+    full = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False)
+    want, _ = _run(full, dtype, 9)
+    ref = TorchExpertExecutor(banks)
+    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs)
+    assert ex.step_tokens == 8
+    got, on_cpu = _run(ex, dtype, 9)
+    if graphs:
+        assert sum(step.captured for step in ex._steps.values()) > 0
+    if slots == 0:
+        assert all(c > 0 for c in on_cpu)  # every entry ran on the CPU
+    elif ratio < 1.0:
+        assert sum(on_cpu) > 0  # the CPU branch really ran (q* >= 1, so not in every call)
+    for i, (a, b, c) in enumerate(zip(got, want, on_cpu, strict=True)):
+        if c == 0:
+            assert torch.equal(a, b), f"call {i}: no CPU entries but differs from all-resident"
+        elif dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+    # and against the plain reference, the whole run
+    x, ids, w = _routing(0, 1)
+    torch.testing.assert_close(got[0].cpu().float(), ref(x.to(dtype), ids, w.to(dtype), 0).float(),
+                               rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert ex.table.invariant_errors() == []
+
+
+def test_captured_step_queues_no_host_sync() -> None:
+    banks = _banks(torch.bfloat16)
+    ex = create_cached_executor(banks, 10 * banks.expert_bytes, "cuda", 0.5, graphs=True)
+    x, ids, w = _routing(0, 1)
+    args = [(x.bfloat16().cuda(), ids.cuda(), w.bfloat16().cuda())]
+    for layer in range(L):  # eager, then capture
+        ex(*args[0], layer)
+        ex(*args[0], layer)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            for layer in range(L):
+                ex(*args[0], layer)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    ex.check()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_engine_logits_equal_all_resident(tmp_path: Path, arch: str) -> None:
+    model = write_demo_model(tmp_path / "m", arch=arch)
+    base = dict(device="cuda", dtype="bfloat16", kv_tokens=2048, max_running=2, prefill_chunk=64)
+    prompt = list(range(300, 340))
+    forced = [(7 * i + 11) % 250 + 300 for i in range(16)]
+
+    def logits(**kw: object) -> tuple[torch.Tensor, CachedExpertExecutor]:
+        with Engine(model, EngineOptions(**base, **kw)) as eng:  # type: ignore[arg-type]
+            h = eng.submit(prompt, SamplingParams(max_tokens=len(forced), ignore_eos=True), capture_logits=True,
+                           forced_output=forced)
+            h.result(timeout=600)
+            ex = eng.decoder.executor
+            assert isinstance(ex, CachedExpertExecutor)
+            ex.check()
+            return torch.stack([t.float().cpu() for t in h.logits]), ex
+
+    all_in, ex_all = logits(gpu_memory=2**34, fetch_ratio=1.0, cuda_graphs=False)
+    assert ex_all.slots.slots == ex_all.banks.w13.shape[0]
+    for kw in (dict(cuda_graphs=True, fetch_ratio=1.0), dict(cuda_graphs=True, fetch_ratio=0.5),
+               dict(cuda_graphs=False, fetch_ratio=0.0)):
+        got, ex = logits(gpu_memory=2**34, **kw)
+        stats = ex.stats
+        if stats.misses == stats.fetched:  # nothing on the CPU: bit-identical
+            assert torch.equal(got, all_in), kw
+        else:
+            err = (got - all_in).abs().max().item()
+            scale = all_in.abs().max().item()
+            assert err <= 0.02 * scale, (kw, err, scale)

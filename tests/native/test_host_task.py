@@ -1,0 +1,100 @@
+"""The split-layer entry points of the native executor: `skip_negative` (entries with id < 0 are
+computed elsewhere) and `HostTask` (a prepared call with fixed buffers, as a CUDA host node runs
+it). Both must give exactly what a call with only the kept entries gives."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from native.formats import ExpertWeights
+
+
+def _bank(rows: int, hidden: int, inter: int, dtype: torch.dtype) -> ExpertWeights:
+    g = torch.Generator().manual_seed(rows * 31 + hidden)
+    w13 = (torch.randn(rows, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(rows, hidden, inter, generator=g) * 0.1).to(dtype)
+    return ExpertWeights("bf16" if dtype == torch.bfloat16 else "f32", w13, w2)
+
+
+def _kept_only(ft, x, ids, weights, bank, offset):
+    """The reference: each token's kept entries as a call of its own (weights of the skipped ones
+    dropped, not zeroed)."""
+    out = torch.zeros(x.shape, dtype=x.dtype)
+    for t in range(x.shape[0]):
+        keep = ids[t] >= 0
+        if keep.any():
+            out[t] = ft.moe_layer(x[t:t + 1], ids[t:t + 1, keep].contiguous(), weights[t:t + 1, keep].contiguous(),
+                                  bank, None, offset)[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skip_negative_equals_a_call_with_the_kept_entries(ft, dtype):
+    bank = _bank(12, 48, 40, dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 48, generator=g).to(dtype)
+    ids = torch.randint(0, 6, (5, 4), generator=g)
+    ids[0] = -1  # a token with nothing on the CPU
+    ids[1, 1:] = -1
+    ids[3, 0] = -7
+    w = torch.rand(5, 4, generator=g)
+    out = ft.moe_layer(x, ids, w, bank, None, 6, skip_negative=True)
+    assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 6))
+    assert torch.all(out[0] == 0)
+    with pytest.raises(ValueError, match="out of range"):
+        ft.moe_layer(x, ids, w, bank, None, 6)  # without the flag a negative id is an error
+
+
+def test_host_task_runs_the_prepared_call_on_current_buffer_contents(ft):
+    bank = _bank(8, 32, 24, torch.bfloat16)
+    x = torch.zeros(3, 32, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    w = torch.zeros(3, 2)
+    out = torch.full((3, 32), 7.0, dtype=torch.bfloat16)
+    task = ft.HostTask(x, ids, w, bank, out, id_offset=4)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):  # the buffers are refilled in place between runs, as the GPU copies do
+        x.copy_(torch.randn(3, 32, generator=g))
+        ids.copy_(torch.randint(-1, 4, (3, 2), generator=g))
+        w.copy_(torch.rand(3, 2, generator=g))
+        task.run()
+        assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 4))
+    task.check()
+    assert task.status()[:2] == (3, 0)
+    assert task.function_address != 0 and task.address != 0
+
+
+def test_host_task_failure_is_reported_not_raised_and_zeroes_out(ft):
+    bank = _bank(4, 32, 24, torch.float32)
+    x = torch.randn(1, 32)
+    ids = torch.tensor([[9, 0]])  # row 9 + offset 0 is outside the 4-row bank
+    out = torch.ones(1, 32)
+    task = ft.HostTask(x, ids, torch.ones(1, 2), bank, out)
+    task.run()
+    assert torch.all(out == 0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        task.check()
+
+
+def test_host_task_from_another_thread(ft):
+    # a CUDA host node runs on the driver's thread, not the caller's
+    bank = _bank(6, 32, 16, torch.float32)
+    x, ids, w = torch.randn(2, 32), torch.tensor([[0, 5], [-1, 2]]), torch.rand(2, 2)
+    out = torch.empty(2, 32)
+    task = ft.HostTask(x, ids, w, bank, out)
+    th = threading.Thread(target=task.run)
+    th.start()
+    th.join()
+    task.check()
+    assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 0))
+
+
+def test_host_task_checks_its_buffers(ft):
+    bank = _bank(4, 32, 24, torch.float32)
+    with pytest.raises(ValueError):
+        ft.HostTask(torch.randn(2, 16), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), bank, torch.empty(2, 16))
+    with pytest.raises(ValueError):
+        ft.HostTask(torch.randn(2, 32), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), bank, torch.empty(2, 32))
