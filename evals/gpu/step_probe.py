@@ -103,16 +103,19 @@ def main() -> None:
     rows["cpu_layer_us_k8"] = round(t[len(t) // 2] * 1e6, 1)
     rows["cpu_gbps_k8"] = round(k * eb / t[len(t) // 2] / 1e9, 1)
 
-    # 4. the whole device step per layer, eager and captured
-    for graphs in (False, True):
-        ex = create_cached_executor(banks, int(a.fraction * L * E) * eb, "cuda", a.ratio, cpu, graphs=graphs)
+    # 4. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
+    variants = [("resident", 1.0, 1.0, True), ("pcie", a.fraction, 1.0, True), ("cpu", a.fraction, 0.0, True),
+                ("split", a.fraction, a.ratio, True), ("split_eager", a.fraction, a.ratio, False)]
+    for name, fraction, ratio, graphs in variants:
+        ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs)
         g = torch.Generator().manual_seed(0)
         steps = [(torch.randn(1, H, generator=g).bfloat16().cuda(),
                   torch.randperm(E, generator=g)[:k][None].cuda(), torch.rand(1, k, generator=g).bfloat16().cuda())
                  for _ in range(64)]
-        for s in range(4):  # warm: eager, capture
+        warm = 4 if name != "resident" else 64  # resident: let every routed expert in first
+        for s in range(warm):
             for layer in range(L):
-                ex(*steps[s], layer)
+                ex(*steps[s % 64], layer)
         torch.cuda.synchronize()
         c0 = ex._counts.clone()
         t0 = time.perf_counter()
@@ -127,14 +130,14 @@ def main() -> None:
         ex.check()
         hits, misses, fetched = (ex._counts - c0).tolist()
         calls = 60 * L
-        name = "graph" if graphs else "eager"
-        rows[f"step_{name}_us_per_layer"] = round(dt / calls * 1e6, 1)
-        rows[f"step_{name}_host_us_per_layer"] = round(host / calls * 1e6, 1)
-        rows[f"step_{name}_hit_rate"] = round(hits / max(1, hits + misses), 3)
-        rows[f"step_{name}_fetched_per_layer"] = round(fetched / calls, 2)
-        rows[f"step_{name}_cpu_per_layer"] = round((misses - fetched) / calls, 2)
-        # the bound for this routing: miss bytes over B_P + B_C (contended figures from calibration)
+        rows[f"{name}_us_per_layer"] = round(dt / calls * 1e6, 1)
+        rows[f"{name}_host_us_per_layer"] = round(host / calls * 1e6, 1)
+        rows[f"{name}_hit_rate"] = round(hits / max(1, hits + misses), 3)
+        rows[f"{name}_fetched_per_layer"] = round(fetched / calls, 2)
+        rows[f"{name}_cpu_per_layer"] = round((misses - fetched) / calls, 2)
         ex.close()
+        del ex
+        torch.cuda.empty_cache()
     for key, val in rows.items():
         print(f"{key:32s} {val}")
     if a.json:
