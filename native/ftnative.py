@@ -45,6 +45,7 @@ _ext = _load()
 if os.environ.get("FREETOKEN_NATIVE_THREADS"):
     _ext.set_num_threads(int(os.environ["FREETOKEN_NATIVE_THREADS"]))
 atexit.register(_ext.shutdown)
+atexit.register(_ext.poll_stop)  # runs first (atexit is last-in, first-out)
 
 
 def supported_isas() -> list[str]:
@@ -170,11 +171,25 @@ class HostTask:
             _fail("weights must be contiguous")
         _check_rows("out", out, x.shape, _ACT)
         self._buffers = (x, ids, weights, out, experts)
+        self._words: torch.Tensor | None = None
         self.address: int = _ext.host_task_create(*_layer_args(x, out, ids, weights, experts), id_offset, True)
         self.function_address: int = _ext.host_task_fn()
 
     def run(self) -> None:
         _ext.host_task_run(self.address)
+
+    def serve_doorbell(self, words: torch.Tensor) -> None:
+        """Has the native poller thread run this task whenever words[0] becomes nonzero (it clears
+        it, runs, then sets words[1] = 1): the doorbell a captured graph rings with a stream write
+        and waits on with a stream wait (native/src/poller.h). `words`: 2 int32, page-locked."""
+        if not (isinstance(words, torch.Tensor) and words.dtype == torch.int32 and words.numel() == 2
+                and words.is_contiguous() and words.is_pinned()):
+            _fail("words must be a contiguous page-locked int32 tensor of 2 elements")
+        if self._words is not None:
+            _fail("this task already serves a doorbell")
+        words.zero_()
+        _ext.poll_register(self.address, words.data_ptr(), words.data_ptr() + 4)
+        self._words = words
 
     def status(self) -> tuple[int, int, str]:
         """(runs, failures, first error message)."""
@@ -188,8 +203,15 @@ class HostTask:
     def __del__(self) -> None:
         address = getattr(self, "address", 0)
         if address and _ext is not None:
+            if getattr(self, "_words", None) is not None:
+                _ext.poll_unregister(address)
             _ext.host_task_free(address)
             self.address = 0
+
+
+def poll_served() -> int:
+    """Tasks the doorbell poller has run so far (all tasks)."""
+    return _ext.poll_served()
 
 
 def read_ranges(ranges: list[tuple[int, int]]) -> int:

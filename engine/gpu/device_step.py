@@ -1,42 +1,54 @@
 """The decode-sized MoE layer of the GPU expert cache, queued without one host synchronisation and
 captured in a CUDA graph per (layer, batch size).
 
-Contract: `DeviceStep(executor, tokens, k, dtype, graphs)` serves `executor` (a CachedExpertExecutor whose
-CPU side is the native executor) for batches of exactly `tokens` tokens routed to `k` experts each;
-`step(x, ids, weights, layer)` returns the layer's routed-expert output in a buffer the next call of this step overwrites
-(consume it before that, in stream order: the decoder's residual add does). Per call, on the
-current stream:
+Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch)` serves `executor` (a
+CachedExpertExecutor whose CPU side is the native executor) for batches of exactly `tokens` tokens
+routed to `k` experts each; `step(x, ids, weights, layer)` returns the layer's routed-expert output
+in a buffer the next call of this step overwrites (consume it before that, in stream order: the
+decoder's residual add does). Per call, on the current stream:
 
     plan_layer (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py)
       |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
-      '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> host node: native layer on the
-                       CPU (engine/gpu/host_fn.py) -> H2D its output
+      '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
+                       on the host (engine/gpu/host_fn.py) -> H2D its output
     join; out = GPU part + CPU part
 
-so the CPU experts run while the GPU fetches and computes. With `graphs`, the first call of a layer
-runs eagerly (it compiles the kernels), the second captures the same sequence into a CUDA graph and
-replays it, and later calls only copy the inputs in and replay: no per-layer Python beyond that.
-The page-locked staging buffers are shared by the layers of one batch size, which is safe because
-each layer's step joins its side stream before the next layer's can start. The ratio is baked into
-the captured plan: building a new executor is how a new ratio takes effect.
+so the CPU experts run while the GPU fetches and computes. The CPU branch is handed to the host
+by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream
+wait for its answer) or "hostfunc" (a cuLaunchHostFunc host node); FREETOKEN_CPU_BRANCH overrides
+the default. docs/benchmarks.md has the measurement behind the default.
+
+With `graphs`, the first call of a layer runs eagerly (it compiles the kernels), the second
+captures the same sequence into a CUDA graph and replays it, and later calls only copy the inputs
+in and replay: no per-layer Python beyond that. A capture that fails is logged once and that layer
+stays eager (correct, slower). The page-locked staging buffers are shared by the layers of one
+batch size, which is safe because each layer's step joins its side stream before the next layer's
+can start. The ratio is baked into the captured plan: a new executor is how a new ratio applies.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.gpu.host_fn import launch_host_task
+from engine.gpu.host_fn import device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
 
 if TYPE_CHECKING:
     from engine.gpu.executor import CachedExpertExecutor
 
+log = logging.getLogger("freetoken.engine")
+
+
+CPU_BRANCHES = ("doorbell", "hostfunc")
+
 
 class DeviceStep:
     def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
-                 pool: tuple[int, int] | None = None) -> None:
+                 pool: tuple[int, int] | None = None, cpu_branch: str | None = None) -> None:
         from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
         from native.ftnative import HostTask  # noqa: F401  (fails early when the extension is missing)
 
@@ -63,8 +75,13 @@ class DeviceStep:
         self.side = torch.cuda.Stream(device=dev)
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
         self._tasks: dict[int, object] = {}
+        self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
+        self.cpu_branch = cpu_branch or os.environ.get("FREETOKEN_CPU_BRANCH", "doorbell")
+        if self.cpu_branch not in CPU_BRANCHES:
+            raise ValueError(f"unknown CPU branch hand-off {self.cpu_branch!r} (known: {', '.join(CPU_BRANCHES)})")
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._eager_calls: dict[int, int] = {}
+        self._uncapturable: set[int] = set()
 
     def _task(self, layer: int) -> object:
         task = self._tasks.get(layer)
@@ -74,8 +91,21 @@ class DeviceStep:
             experts = self.ex.cpu_executor.experts  # type: ignore[attr-defined]
             task = HostTask(self.x_h, self.ids_h, self.w_h, experts, self.out_h,
                             id_offset=layer * self.ex.banks.num_experts)
+            if self.cpu_branch == "doorbell":
+                words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+                task.serve_doorbell(words)
+                self._doorbells[layer] = (words, device_address(words))
             self._tasks[layer] = task
         return task
+
+    def _cpu_branch(self, layer: int) -> None:
+        task = self._task(layer)
+        if self.cpu_branch == "doorbell":
+            _, address = self._doorbells[layer]
+            ring(self.side, address)
+            wait_done(self.side, address + 4)
+        else:
+            launch_host_task(task, self.side)
 
     def _enqueue(self, layer: int) -> None:
         ex = self.ex
@@ -89,7 +119,7 @@ class DeviceStep:
             self.ids_h.copy_(cpu_ids, non_blocking=True)
             self.w_h.copy_(self.w32, non_blocking=True)
             self.x_h.copy_(self.x, non_blocking=True)
-            launch_host_task(self._task(layer), self.side)
+            self._cpu_branch(layer)
             self.cpu_out.copy_(self.out_h, non_blocking=True)
         self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13, ex.banks.w2,
                       ex.slots.w13, ex.slots.w2)
@@ -105,13 +135,20 @@ class DeviceStep:
         if graph is not None:
             graph.replay()
             return self.out
-        if self.graphs and self._eager_calls.get(layer, 0) >= 1:
+        if self.graphs and self._eager_calls.get(layer, 0) >= 1 and layer not in self._uncapturable:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._enqueue(layer)
-            self._graphs[layer] = graph
-            graph.replay()
-            return self.out
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self._enqueue(layer)
+            except Exception as exc:  # torch raises AcceleratorError or RuntimeError
+                # the capture's plan updates never ran, so the cache state is as before: go eager
+                self._uncapturable.add(layer)
+                log.warning("MoE layer %d, %d tokens: CUDA graph capture failed, running eagerly: %s", layer,
+                            self.tokens, str(exc).splitlines()[0])
+            else:
+                self._graphs[layer] = graph
+                graph.replay()
+                return self.out
         self._eager_calls[layer] = self._eager_calls.get(layer, 0) + 1
         self._enqueue(layer)
         return self.out

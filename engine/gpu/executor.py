@@ -119,7 +119,8 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
-                 ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8) -> None:
+                 ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
+                 cpu_branch: str | None = None) -> None:
         if table.slots != slots.slots:
             raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
         if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
@@ -136,6 +137,7 @@ class CachedExpertExecutor:
         self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
         # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
         self.graphs = graphs
+        self.cpu_branch = cpu_branch
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._graph_pool: tuple[int, int] | None = None
@@ -203,7 +205,7 @@ class CachedExpertExecutor:
         if step is None:
             if self.graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool)
+            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch)
             self._steps[tokens] = step
         return step
 
@@ -234,10 +236,10 @@ class _Done:
 
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
-                           graphs: bool = True) -> CachedExpertExecutor:
+                           graphs: bool = True, cpu_branch: str | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
     slots = ExpertSlots.from_budget(banks, budget_bytes, device)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
-                                graphs=graphs)
+                                graphs=graphs, cpu_branch=cpu_branch)

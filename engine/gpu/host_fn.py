@@ -1,8 +1,16 @@
-"""Queue a native host task on a CUDA stream: `launch_host_task(task, stream)` calls the driver's
-`cuLaunchHostFunc`, so the CPU branch of a MoE layer runs when the stream reaches it, in order with
-the copies around it, and is recorded as a host node when the stream is being captured into a CUDA
-graph. The task (native.ftnative.HostTask) runs on the driver's callback thread without the GIL;
-it must outlive every launch and graph that uses it (callers keep it referenced).
+"""Hand the CPU branch of a MoE layer to the host from a CUDA stream, two ways (both can be captured
+into a CUDA graph; engine/gpu/device_step.py measures and picks):
+
+- `launch_host_task(task, stream)`: the driver's `cuLaunchHostFunc`: the task runs on the driver's
+  callback thread when the stream reaches it (a host node in a graph). The stream is blocked for
+  the task's duration; other streams go on.
+- the doorbell: `ring(stream, words)` writes words[0] = 1 with a stream memory operation
+  (`cuStreamWriteValue32`), the native poller thread (native/src/poller.h) sees it, runs the task
+  and sets words[1] = 1; `wait_done(stream, words)` makes the stream wait for words[1] == 1
+  (`cuStreamWaitValue32`) and writes it back to 0. No driver thread is involved.
+
+The task (native.ftnative.HostTask) runs without the GIL; it and the page-locked `words` must
+outlive every launch and graph that uses them (callers keep them referenced).
 """
 
 from __future__ import annotations
@@ -13,19 +21,74 @@ from typing import Any
 
 import torch
 
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+
 
 @functools.cache
-def _driver() -> Any:
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuLaunchHostFunc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+def _lib() -> Any:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _fn(*names: str, argtypes: list[Any]) -> Any:
+    lib = _lib()
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            return fn
+    raise RuntimeError(f"the CUDA driver has none of {', '.join(names)}")
+
+
+@functools.cache
+def _launch_host_func() -> Any:
+    return _fn("cuLaunchHostFunc", argtypes=[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+
+
+@functools.cache
+def _write_value() -> Any:
+    return _fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32",
+               argtypes=[ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint])
+
+
+@functools.cache
+def _wait_value() -> Any:
+    return _fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32",
+               argtypes=[ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint])
+
+
+@functools.cache
+def _host_device_pointer() -> Any:
+    return _fn("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer",
+               argtypes=[ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint])
+
+
+def _check(err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {err}")
+
+
+def _stream(stream: torch.cuda.Stream | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p((stream or torch.cuda.current_stream()).cuda_stream)
 
 
 def launch_host_task(task: Any, stream: torch.cuda.Stream | None = None) -> None:
-    stream = stream or torch.cuda.current_stream()
-    err = _driver()(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(task.function_address),
-                    ctypes.c_void_p(task.address))
-    if err != 0:
-        raise RuntimeError(f"cuLaunchHostFunc failed with CUDA driver error {err}")
+    _check(_launch_host_func()(_stream(stream), ctypes.c_void_p(task.function_address),
+                               ctypes.c_void_p(task.address)), "cuLaunchHostFunc")
+
+
+def device_address(words: torch.Tensor) -> int:
+    """The device's address of page-locked host memory (the same number under unified addressing)."""
+    out = ctypes.c_uint64()
+    _check(_host_device_pointer()(ctypes.byref(out), ctypes.c_void_p(words.data_ptr()), 0),
+           "cuMemHostGetDevicePointer")
+    return out.value
+
+
+def ring(stream: torch.cuda.Stream, request_address: int) -> None:
+    _check(_write_value()(_stream(stream), request_address, 1, 0), "cuStreamWriteValue32")
+
+
+def wait_done(stream: torch.cuda.Stream, done_address: int) -> None:
+    _check(_wait_value()(_stream(stream), done_address, 1, _WAIT_EQ), "cuStreamWaitValue32")
+    _check(_write_value()(_stream(stream), done_address, 0, 0), "cuStreamWriteValue32")

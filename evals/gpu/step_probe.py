@@ -104,10 +104,14 @@ def main() -> None:
     rows["cpu_gbps_k8"] = round(k * eb / t[len(t) // 2] / 1e9, 1)
 
     # 4. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
-    variants = [("resident", 1.0, 1.0, True), ("pcie", a.fraction, 1.0, True), ("cpu", a.fraction, 0.0, True),
-                ("split", a.fraction, a.ratio, True), ("split_eager", a.fraction, a.ratio, False)]
-    for name, fraction, ratio, graphs in variants:
-        ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs)
+    variants = [("resident", 1.0, 1.0, True, "doorbell"), ("resident_hostfunc", 1.0, 1.0, True, "hostfunc"),
+                ("pcie", a.fraction, 1.0, True, "doorbell"), ("cpu", a.fraction, 0.0, True, "doorbell"),
+                ("cpu_hostfunc", a.fraction, 0.0, True, "hostfunc"),
+                ("split", a.fraction, a.ratio, True, "doorbell"), ("split_hostfunc", a.fraction, a.ratio, True, "hostfunc"),
+                ("split_eager", a.fraction, a.ratio, False, "doorbell")]
+    for name, fraction, ratio, graphs, branch in variants:
+        ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs,
+                                    cpu_branch=branch)
         g = torch.Generator().manual_seed(0)
         steps = [(torch.randn(1, H, generator=g).bfloat16().cuda(),
                   torch.randperm(E, generator=g)[:k][None].cuda(), torch.rand(1, k, generator=g).bfloat16().cuda())

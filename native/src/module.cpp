@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "host_task.h"
+#include "poller.h"
 #include "moe_layer.h"
 #include "pool.h"
 #include "read_bound.h"
@@ -120,6 +121,14 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },
           py::call_guard<py::gil_scoped_release>(), "Run a prepared call in this thread.");
     m.def("host_task_status", &host_task_status, "(runs, failures, first error message)");
+    m.def("poll_register", [](uintptr_t task, uintptr_t request, uintptr_t done) {
+        poll_register(reinterpret_cast<void*>(task), reinterpret_cast<volatile uint32_t*>(request),
+                      reinterpret_cast<volatile uint32_t*>(done));
+    }, "Serve a prepared call whenever its request word becomes nonzero (see native/src/poller.h).");
+    m.def("poll_unregister", [](uintptr_t task) { poll_unregister(reinterpret_cast<void*>(task)); },
+          py::call_guard<py::gil_scoped_release>());
+    m.def("poll_stop", &poll_stop, py::call_guard<py::gil_scoped_release>());
+    m.def("poll_served", &poll_served);
     m.def("host_task_fn", [] { return reinterpret_cast<uintptr_t>(&ft_host_task_run); },
           "Address of the host function (cudaHostFn_t) that runs a prepared call.");
     m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),

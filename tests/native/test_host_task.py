@@ -98,3 +98,33 @@ def test_host_task_checks_its_buffers(ft):
         ft.HostTask(torch.randn(2, 16), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), bank, torch.empty(2, 16))
     with pytest.raises(ValueError):
         ft.HostTask(torch.randn(2, 32), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), bank, torch.empty(2, 32))
+
+
+def test_doorbell_poller_runs_the_task_when_rung(ft):
+    import time
+
+    bank = _bank(6, 32, 16, torch.float32)
+    x, ids, w = torch.randn(2, 32), torch.tensor([[0, 5], [-1, 2]]), torch.rand(2, 2)
+    out = torch.zeros(2, 32)
+    task = ft.HostTask(x, ids, w, bank, out)
+    words = torch.zeros(2, dtype=torch.int32)  # page-locked on a GPU machine; plain memory works the same here
+    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    task.serve_doorbell(words)
+    served = ft.poll_served()
+    for round_ in range(3):
+        x.copy_(torch.randn(2, 32))
+        words[0] = 1  # what the GPU's stream write does
+        deadline = time.monotonic() + 5
+        while int(words[1]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert int(words[1]) == 1 and int(words[0]) == 0, round_
+        assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 0))
+        words[1] = 0  # what the GPU's stream write after its wait does
+    assert ft.poll_served() - served == 3
+    task.check()
+    with pytest.raises(ValueError):
+        task.serve_doorbell(words)
+    del task  # unregisters before freeing: the poller must not touch it afterwards
+    words[0] = 1
+    time.sleep(0.01)
+    assert int(words[0]) == 1

@@ -104,16 +104,18 @@ def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list
     return outs, on_cpu
 
 
+@pytest.mark.parametrize("branch", ["doorbell", "hostfunc"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("slots", [0, 3, 20, L * E])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: float, graphs: bool) -> None:
+def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: float, graphs: bool,
+                                         branch: str) -> None:
     banks = _banks(dtype)
     full = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False)
     want, _ = _run(full, dtype, 9)
     ref = TorchExpertExecutor(banks)
-    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs)
+    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, cpu_branch=branch)
     assert ex.step_tokens == 8
     got, on_cpu = _run(ex, dtype, 9)
     if graphs:

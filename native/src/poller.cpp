@@ -1,0 +1,112 @@
+// See poller.h.
+#include "poller.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "host_task.h"
+#include "pool.h"
+
+namespace ft {
+namespace {
+
+struct Entry {
+    void* task;
+    volatile uint32_t* request;
+    volatile uint32_t* done;
+};
+
+std::mutex g_mutex;  // guards g_entries / g_thread changes
+std::vector<Entry> g_entries;
+std::atomic<int> g_version{0};
+std::atomic<int> g_picked{-1};  // the list version the poller works from
+std::atomic<bool> g_stop{false};
+std::atomic<int64_t> g_served{0};
+std::thread g_thread;
+
+void loop() {
+    std::vector<Entry> local;
+    int seen_version = -1;
+    auto last_work = std::chrono::steady_clock::now();
+    uint32_t spins = 0;
+    while (!g_stop.load(std::memory_order_relaxed)) {
+        if (const int v = g_version.load(std::memory_order_acquire); v != seen_version) {
+            std::lock_guard<std::mutex> lock(g_mutex);
+            local = g_entries;
+            seen_version = g_version.load();
+            g_picked.store(seen_version, std::memory_order_release);
+        }
+        bool any = false;
+        for (const Entry& e : local) {
+            if (*e.request == 0) continue;
+            std::atomic_thread_fence(std::memory_order_acquire);  // the GPU's copies landed before the doorbell
+            *e.request = 0;
+            ft_host_task_run(e.task);
+            std::atomic_thread_fence(std::memory_order_release);  // the output is written before done
+            *e.done = 1;
+            g_served.fetch_add(1, std::memory_order_relaxed);
+            any = true;
+        }
+        if (any) {
+            last_work = std::chrono::steady_clock::now();
+            spins = 0;
+            continue;
+        }
+        if (++spins < 4096) {
+            cpu_relax();
+            continue;
+        }
+        spins = 0;
+        // idle: keep spinning for 20 ms after the last request (decode steps come every few
+        // hundred microseconds), then poll every 50 us, then every 1 ms
+        const auto idle = std::chrono::steady_clock::now() - last_work;
+        if (idle > std::chrono::seconds(1)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        else if (idle > std::chrono::milliseconds(20)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+}
+
+}  // namespace
+
+void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_entries.push_back({task, request, done});
+    g_version.fetch_add(1, std::memory_order_release);
+    if (!g_thread.joinable()) {
+        g_stop.store(false);
+        g_thread = std::thread(loop);
+    }
+}
+
+void poll_unregister(void* task) {
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        for (size_t i = 0; i < g_entries.size(); ++i)
+            if (g_entries[i].task == task) {
+                g_entries.erase(g_entries.begin() + static_cast<long>(i));
+                break;
+            }
+        g_version.fetch_add(1, std::memory_order_release);
+    }
+    // the poller may be running the task from its old list: wait until it has picked up the new one
+    const int want = g_version.load();
+    for (int i = 0; i < 20000 && g_thread.joinable() && g_picked.load(std::memory_order_acquire) < want; ++i)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+void poll_stop() {
+    std::thread t;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        g_stop.store(true);
+        t = std::move(g_thread);
+    }
+    if (t.joinable()) t.join();
+    g_picked.store(-1);
+}
+
+int64_t poll_served() { return g_served.load(); }
+
+}  // namespace ft

@@ -1,0 +1,19 @@
+// The doorbell alternative to CUDA host nodes for the CPU branch of a captured decode step: one
+// native thread polls a request word per registered HostTask in page-locked memory; the GPU
+// writes 1 there (a stream memory operation, captured into the graph), the poller clears it, runs
+// the task and writes 1 to the task's done word; the GPU waits for done == 1 and writes it back to
+// 0. No CUDA driver thread and no driver lock is involved, so the CPU experts run beside the GPU's
+// own work. The poller spins while requests keep coming and backs off to short sleeps when idle.
+#pragma once
+
+#include <cstdint>
+
+namespace ft {
+
+// Registers (task, request word, done word); starts the poller thread on first use.
+void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done);
+void poll_unregister(void* task);
+void poll_stop();  // joins the poller (restarted by the next registration)
+int64_t poll_served();
+
+}  // namespace ft
