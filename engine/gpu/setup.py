@@ -11,6 +11,7 @@ there and logs that it did: never a silent default), and replaces the decoder's 
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -25,18 +26,33 @@ from engine.weights.layout import ExpertBanks
 log = logging.getLogger("freetoken.engine")
 
 def pin_in_place(banks: ExpertBanks) -> bool:
-    """Page-locks the banks' host memory without copying; False (and a warning) when refused."""
+    """Page-locks the banks' host memory without copying; False (and a warning) when refused.
+
+    Each registration is undone when its tensor object is collected (after the device has finished
+    with it): a freed range that stayed registered would make the allocator's next block at that
+    address fail to register, or leave the GPU a stale mapping."""
     ok = True
+    cudart = torch.cuda.cudart()
     for t in (banks.w13, banks.w2):
         if t.is_pinned():
             continue
+        ptr, size = t.data_ptr(), t.numel() * t.element_size()
         # mapped (2) | portable (1): the fetch kernel reads the banks through their device mapping
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
-        if int(err) != 0:
+        if int(cudart.cudaHostRegister(ptr, size, 3)) != 0:
             ok = False
+            continue
+        weakref.finalize(t, _unregister, ptr)
     if not ok:
         log.warning("expert banks could not be page-locked: fetches run at pageable-copy speed")
     return ok
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process is going away anyway
+        pass
 
 
 def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:

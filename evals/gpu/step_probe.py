@@ -33,6 +33,58 @@ def _events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
     return a.elapsed_time(b) / reps
 
 
+def _contention(kern, engine_copy, bytes_per_call: int, cpu, banks, k: int, L: int, E: int,  # type: ignore[no-untyped-def]
+                H: int, seconds: float = 1.5) -> dict[str, float]:
+    import threading
+
+    def gpu_rate(fn) -> float:  # type: ignore[no-untyped-def]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        calls = 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            calls += 10
+        return calls * bytes_per_call / (time.perf_counter() - t0) / 1e9
+
+    def cpu_loop(stop: threading.Event, out: list[float]) -> None:
+        xc = torch.randn(1, H, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(1)
+        t0 = time.perf_counter()
+        calls = 0
+        while not stop.is_set():
+            cpu(xc, torch.randperm(E, generator=g)[:k][None], torch.rand(1, k), calls % L)
+            calls += 1
+        out.append(calls * k * banks.expert_bytes / (time.perf_counter() - t0) / 1e9)
+
+    def with_cpu(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+        stop, out = threading.Event(), []
+        th = threading.Thread(target=cpu_loop, args=(stop, out))
+        th.start()
+        time.sleep(0.1)
+        g = gpu_rate(fn)
+        stop.set()
+        th.join()
+        return g, out[0]
+
+    res: dict[str, float] = {}
+    stop, out = threading.Event(), []
+    th = threading.Thread(target=cpu_loop, args=(stop, out))
+    th.start()
+    time.sleep(seconds)
+    stop.set()
+    th.join()
+    res["cpu_alone_gbps"] = round(out[0], 1)
+    res["kernel_alone_gbps"] = round(gpu_rate(kern), 1)
+    res["copy_alone_gbps"] = round(gpu_rate(engine_copy), 1)
+    g, c = with_cpu(kern)
+    res["kernel_with_cpu_gbps"], res["cpu_with_kernel_gbps"] = round(g, 1), round(c, 1)
+    g, c = with_cpu(engine_copy)
+    res["copy_with_cpu_gbps"], res["cpu_with_copy_gbps"] = round(g, 1), round(c, 1)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -103,7 +155,10 @@ def main() -> None:
     rows["cpu_layer_us_k8"] = round(t[len(t) // 2] * 1e6, 1)
     rows["cpu_gbps_k8"] = round(k * eb / t[len(t) // 2] / 1e9, 1)
 
-    # 4. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
+    # 4. contention: PCIe fetches (kernel or copy engine) and the CPU experts at the same time
+    rows.update(_contention(kern, engine_copy, n * eb, cpu, banks, k, L, E, H))
+
+    # 5. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
     variants = [("resident", 1.0, 1.0, True, "doorbell"), ("resident_hostfunc", 1.0, 1.0, True, "hostfunc"),
                 ("pcie", a.fraction, 1.0, True, "doorbell"), ("cpu", a.fraction, 0.0, True, "doorbell"),
                 ("cpu_hostfunc", a.fraction, 0.0, True, "hostfunc"),
