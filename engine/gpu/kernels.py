@@ -20,6 +20,8 @@ Contract:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,17 +31,18 @@ _FETCH_BLOCK = 4096
 
 
 @triton.jit
-def _fetch_kernel(src_ptr, dst_ptr, bank13, bank2, slot13, slot2, n13, n2, BLOCK: tl.constexpr):
+def _fetch_kernel(src_ptr, dst_ptr, bank13, bank2, slot13, slot2, n13, n2, n_chunks, programs,
+                  BLOCK: tl.constexpr):
     i = tl.program_id(0)
-    c = tl.program_id(1)
     src = tl.load(src_ptr + i)
     if src >= 0:
         dst = tl.load(dst_ptr + i)
-        offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m13 = offs < n13
-        tl.store(slot13 + dst * n13 + offs, tl.load(bank13 + src * n13 + offs, mask=m13), mask=m13)
-        m2 = offs < n2
-        tl.store(slot2 + dst * n2 + offs, tl.load(bank2 + src * n2 + offs, mask=m2), mask=m2)
+        for c in range(tl.program_id(1), n_chunks, programs):
+            offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m13 = offs < n13
+            tl.store(slot13 + dst * n13 + offs, tl.load(bank13 + src * n13 + offs, mask=m13), mask=m13)
+            m2 = offs < n2
+            tl.store(slot2 + dst * n2 + offs, tl.load(bank2 + src * n2 + offs, mask=m2), mask=m2)
 
 
 def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
@@ -49,9 +52,14 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
         return
     n13 = banks_w13[0].numel()
     n2 = banks_w2[0].numel()
-    grid = (n, triton.cdiv(max(n13, n2), _FETCH_BLOCK))
-    _fetch_kernel[grid](copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2, n13, n2,
-                        BLOCK=_FETCH_BLOCK, num_warps=8)
+    n_chunks = triton.cdiv(max(n13, n2), _FETCH_BLOCK)
+    # A bounded number of programs per copy, each looping over its chunks: enough loads in flight to
+    # fill PCIe, without occupying every SM (FREETOKEN_FETCH_CTAS: programs over all copies, 0 = one
+    # per chunk).
+    ctas = int(os.environ.get("FREETOKEN_FETCH_CTAS", "0"))
+    programs = n_chunks if ctas <= 0 else max(1, min(n_chunks, ctas // n))
+    _fetch_kernel[(n, programs)](copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2, n13, n2, n_chunks,
+                                 programs, BLOCK=_FETCH_BLOCK, num_warps=8)
 
 
 @triton.jit

@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--connections", type=int, default=0, help="CUDA_DEVICE_MAX_CONNECTIONS (0: leave as is)")
     ap.add_argument("--skip-micro", action="store_true", help="only the whole-step variants")
+    ap.add_argument("--variants", default="", help="comma list of step variants to run (default all)")
+    ap.add_argument("--tag", default="", help="suffix for the row names")
+    ap.add_argument("--trace", default="", help="write a torch.profiler trace of 2 steps of each variant here")
     a = ap.parse_args()
     L, E, H, inter, k = a.layers, a.experts, a.hidden, a.inter, a.top_k
     t0 = time.perf_counter()
@@ -192,7 +195,10 @@ def _steps(rows, banks, cpu, a, L, E, H, k) -> None:  # type: ignore[no-untyped-
                 ("cpu_hostfunc", a.fraction, 0.0, True, "hostfunc"),
                 ("split", a.fraction, a.ratio, True, "doorbell"), ("split_hostfunc", a.fraction, a.ratio, True, "hostfunc"),
                 ("split_eager", a.fraction, a.ratio, False, "doorbell")]
+    wanted = set(a.variants.split(",")) if a.variants else None
     for name, fraction, ratio, graphs, branch in variants:
+        if wanted is not None and name not in wanted:
+            continue
         ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs,
                                     cpu_branch=branch)
         g = torch.Generator().manual_seed(0)
@@ -217,6 +223,16 @@ def _steps(rows, banks, cpu, a, L, E, H, k) -> None:  # type: ignore[no-untyped-
         ex.check()
         hits, misses, fetched = (ex._counts - c0).tolist()
         calls = 60 * L
+        if a.trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for s in range(2):
+                    for layer in range(L):
+                        ex(*steps[s], layer)
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(os.path.join(a.trace, f"trace_{name}{a.tag}.json"))
+        name = name + a.tag
         rows[f"{name}_us_per_layer"] = round(dt / calls * 1e6, 1)
         rows[f"{name}_host_us_per_layer"] = round(host / calls * 1e6, 1)
         rows[f"{name}_hit_rate"] = round(hits / max(1, hits + misses), 3)
