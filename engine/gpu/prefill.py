@@ -1,0 +1,295 @@
+"""Streamed prefill: a large prompt chunk's MoE layers run entirely from the GPU slot pool, each
+layer's non-resident experts streamed over PCIe into a double buffer taken from that pool while
+the previous layer computes.
+
+When a chunk has many tokens the routing is dense (nearly every expert of every layer is used),
+so the decode path's per-layer planning (engine/gpu/plan.py: split the misses between PCIe and the
+CPU) is the wrong tool: the CPU would run hundreds of tokens per expert. Instead every expert of a
+layer is on the GPU when the layer runs: the resident ones in place, the others copied in.
+
+Contract: `PrefillStreamer(banks, slots, table, copy_stream)` (copy_stream: a CUDA stream other
+than the compute stream, or None: copies on the current stream, which is what a CPU device uses;
+the results are the same). `PrefillStreamer.fits(slots, experts)`: whether the pool has the 2E
+slots the two buffers need (E = experts per layer); when it does not, use the decode path.
+- `start(first_moe_index=0)` (optional; `layer` calls it on first use): takes 2E slots from the
+  pool with `table.reserve(2 * E)` (the least recently used, empty first; their experts leave the
+  cache), snapshots which experts are resident (one device->host read of the whole table), and
+  issues the copies of the first MoE layer. Buffer b (0, 1) is reserved slots [b*E, (b+1)*E) in
+  ascending order; expert e of a layer held in buffer b lives in its e-th slot.
+- `layer(x, ids, weights, moe_index, next_moe_index)` -> [N, H] in x's dtype and device: the
+  routed experts of MoE layer `moe_index` (ids/weights [N, k]). Experts resident in the cache are
+  read in place from their slot; every other expert of the layer (all of them, routed or not: no
+  waiting for routing) is copied into buffer `moe_index % 2`. Before this layer computes, the
+  copies of `next_moe_index` (when given, and of the other parity) are issued on the copy stream,
+  so PCIe streams the next layer while this one's experts (and the next layer's attention) run.
+  The arithmetic is TorchExpertExecutor's (engine/moe/executor.py), operation for operation:
+  distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear, times the weight,
+  index_add_: the result is bit-identical to it.
+- `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
+  the streamed experts of the (at most two) layers held in the buffers become resident
+  (`table.register`, last_use = a fresh step: the freshest entries), the buffers' other slots are
+  released empty. The cache outside the 2E reserved slots is untouched, so the decode that follows
+  finds its working set plus the last two layers. Always call it (try/finally): until then the 2E
+  slots stay reserved. The streamer can be started again for the next chunk.
+- `stats` (`PrefillStats`): chunks, layers, experts used in place, streamed, streamed but not
+  routed, registered by finish(), bytes streamed.
+
+LRU bookkeeping: each `layer` call advances `table.step` by one, like a planned decode call, and the
+resident experts it routed get last_use = that step (the hits of the decode path).
+
+Ordering (CUDA, with a copy stream), with two events per buffer, no host wait on copies:
+- the copies into buffer b wait (on the copy stream) for `freed[b]`, recorded on the compute stream
+  after the last compute that read buffer b; at `start` both are recorded right after the
+  reservation, so the first copies also wait for every decode kernel already queued that read or
+  wrote the reserved slots;
+- the compute of a layer waits (on the compute stream) for `loaded[b]`, recorded on the copy stream
+  after that layer's copies.
+Copies are one `copy_(non_blocking=True)` per (bank tensor, expert row) from the page-locked host
+banks (engine/gpu/setup.py registers them in place), each a single DMA, as ExpertSlots.apply_copies.
+
+Host synchronisation (the costs of this version):
+- per chunk, in `start`: `table.reserve` reads slot_owner and last_use (S * 16 bytes) and the
+  streamer reads the table (L * E * 4 bytes, e.g. 96 KiB for 48 layers x 512 experts): two small
+  device->host reads, each waiting for the compute stream's queued work (at the start of a forward,
+  normally little); the residency snapshot is valid for the whole chunk because nothing else
+  plans against the table until `finish`. `finish` sends its index lists without a sync.
+- per layer, one device->host read of the routed experts and their token counts (<= 2k int64
+  values), the same read TorchExpertExecutor makes: the per-expert loop needs them on the host. It
+  comes after the next layer's copies are issued and before the compute waits for this layer's
+  copies, so it waits for the routing (and the work queued before it), never for a copy.
+grouped_slot_experts (engine/gpu/executor.py) computes the same sum but its host reads would come
+after the wait for the copies (it sorts by slot id on the device), so it is not used here.
+
+Do not call plan_layer (the decode path) on the same table between `start` and `finish`: the
+residency snapshot would go stale, and plan_layer caps its fetches by S - hits, counting reserved
+slots as available, so a call with more misses than unreserved slots would take a reserved slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.slots import ExpertSlots
+from engine.weights.layout import ExpertBanks
+
+
+@dataclass
+class PrefillStats:
+    chunks: int = 0  # start() calls
+    layers: int = 0  # layer() calls
+    in_place: int = 0  # routed experts read from their cache slot (no copy)
+    streamed: int = 0  # experts copied into a buffer
+    streamed_unused: int = 0  # of those, experts of a computed layer that no token was routed to
+    registered: int = 0  # streamed experts finish() left resident
+    bytes_streamed: int = 0
+
+    @property
+    def in_place_rate(self) -> float:
+        """Fraction of the experts a layer needed on the GPU that were already there."""
+        seen = self.in_place + self.streamed - self.streamed_unused
+        return self.in_place / seen if seen else 0.0
+
+
+class PrefillStreamer:
+    def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable,
+                 copy_stream: torch.cuda.Stream | None = None) -> None:
+        if table.slots != slots.slots:
+            raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
+        if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
+            raise ValueError("cache table shape does not match the expert banks")
+        if table.device != slots.device:
+            raise ValueError(f"cache table on {table.device} but slots on {slots.device}")
+        if copy_stream is not None and slots.device.type != "cuda":
+            raise ValueError(f"a copy stream needs CUDA slots, the pool is on {slots.device}")
+        self.banks, self.slots, self.table = banks, slots, table
+        self.copy_stream = copy_stream
+        self.experts = banks.num_experts
+        self._stats = PrefillStats()
+        self._active = False
+        self._buffers: list[list[int]] = []  # [2][E]: slot of expert e in buffer b
+        self._buffer_layer: list[int | None] = [None, None]  # layer whose experts buffer b holds
+        self._slot_of: list[list[int]] = []  # [L][E]: host, the slot each expert runs from
+        self._missing: list[list[int]] = []  # [L]: experts not resident (streamed), ascending
+        self._resident_row: torch.Tensor | None = None  # [L, E] int64 on the device: slot or trash
+        self._loaded: list[torch.cuda.Event | None] = [None, None]
+        self._freed: list[torch.cuda.Event | None] = [None, None]
+
+    @staticmethod
+    def fits(slots: ExpertSlots | int, experts: int) -> bool:
+        """Whether a pool of `slots` can hold the two full-layer buffers (2 * experts slots)."""
+        n = slots.slots if isinstance(slots, ExpertSlots) else slots
+        return n >= 2 * experts
+
+    @property
+    def active(self) -> bool:
+        """True between start() (or the first layer()) and finish(): 2E slots are reserved."""
+        return self._active
+
+    @property
+    def stats(self) -> PrefillStats:
+        return PrefillStats(**vars(self._stats))
+
+    def start(self, first_moe_index: int | None = 0) -> None:
+        """Reserves the buffers and issues the copies of `first_moe_index` (None: none yet).
+        Calling it before the forward's first layers lets those copies overlap the embedding and
+        the first attention. A no-op reservation when already active."""
+        if not self._active:
+            E, table = self.experts, self.table
+            if not self.fits(self.slots, E):
+                raise ValueError(f"streamed prefill needs {2 * E} slots, the pool has {self.slots.slots}")
+            reserved = table.reserve(2 * E)
+            self._buffers = [reserved[:E], reserved[E:]]
+            snap = table.table.cpu()  # [L, E] int32, after the reservation's evictions
+            self._slot_of, self._missing = [], []
+            for layer, row in enumerate(snap.tolist()):
+                buf = self._buffers[layer % 2]
+                self._slot_of.append([s if s >= 0 else buf[e] for e, s in enumerate(row)])
+                self._missing.append([e for e, s in enumerate(row) if s < 0])
+            rows = torch.where(snap >= 0, snap, table.trash_slot).to(torch.int64)
+            self._resident_row = self._to_device(rows)
+            self._buffer_layer = [None, None]
+            self._loaded = [None, None]
+            if self.copy_stream is not None:
+                # the first copies wait for all decode work queued so far on the reserved slots
+                ev = torch.cuda.current_stream(self.slots.device).record_event()
+                self._freed = [ev, ev]
+            self._active = True
+            self._stats.chunks += 1
+        if first_moe_index is not None:
+            self._check_layer(first_moe_index)
+            if self._buffer_layer[first_moe_index % 2] != first_moe_index:
+                self._load(first_moe_index)
+
+    def layer(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int,
+              next_moe_index: int | None = None) -> torch.Tensor:
+        self._check_layer(moe_index)
+        self.start(None)
+        b = moe_index % 2
+        if self._buffer_layer[b] != moe_index:
+            self._load(moe_index)
+        if next_moe_index is not None:
+            self._check_layer(next_moe_index)
+            nb = next_moe_index % 2
+            # a next layer of the same parity would overwrite this layer's buffer: it is loaded
+            # on its own call instead
+            if nb != b and self._buffer_layer[nb] != next_moe_index:
+                self._load(next_moe_index)
+
+        dev = self.slots.device
+        xd, idd, wd = x.to(dev), ids.to(dev), weights.to(dev)
+        flat_ids = idd.reshape(-1)
+        # TorchExpertExecutor's grouping, step for step
+        order = torch.argsort(flat_ids, stable=True)
+        experts_t, counts_t = torch.unique_consecutive(flat_ids[order], return_counts=True)
+        token_of = order // idd.shape[1]
+        flat_w = wd.reshape(-1)[order]
+        # LRU: one step per layer call; the resident experts routed here are used now (no sync)
+        table = self.table
+        assert self._resident_row is not None
+        table.step.add_(1)
+        routed = torch.zeros(self.experts, dtype=torch.bool, device=dev).index_fill_(0, experts_t.to(torch.int64), True)
+        hit_slot = torch.where(routed, self._resident_row[moe_index], table.trash_slot)
+        table.last_use_flat[hit_slot] = table.step.expand(self.experts)
+        # the one host read of the layer: which experts, how many tokens each (waits for the
+        # routing, not for the copies: the compute stream has not been told to wait for them yet)
+        n = experts_t.numel()
+        host = torch.cat([experts_t.to(torch.int64), counts_t]).tolist()
+        experts, counts = host[:n], host[n:]
+        missing = self._missing[moe_index]
+        n_streamed_used = len(set(experts).intersection(missing))
+        self._stats.layers += 1
+        self._stats.in_place += n - n_streamed_used
+        self._stats.streamed_unused += len(missing) - n_streamed_used
+
+        stream = self._compute_stream()
+        if stream is not None:
+            loaded = self._loaded[b]
+            assert loaded is not None
+            stream.wait_event(loaded)
+        out = torch.zeros_like(xd)
+        slot_of = self._slot_of[moe_index]
+        start = 0
+        for expert, count in zip(experts, counts, strict=True):
+            slot = slot_of[expert]
+            rows = token_of[start:start + count]
+            gate, up = F.linear(xd[rows], self.slots.w13[slot]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.slots.w2[slot]) * flat_w[start:start + count, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+        if stream is not None:
+            self._freed[b] = stream.record_event()
+        return out.to(x.device)
+
+    def finish(self) -> None:
+        """Registers the buffers' streamed experts as resident and releases the rest (see the
+        module docstring); a no-op when not active."""
+        if not self._active:
+            return
+        stream = self._compute_stream()
+        if stream is not None:
+            for ev in self._loaded:
+                if ev is not None:
+                    stream.wait_event(ev)
+        E = self.experts
+        keep_slots: list[int] = []
+        keep_flat: list[int] = []
+        for b, layer in enumerate(self._buffer_layer):
+            if layer is None:
+                continue
+            for e in self._missing[layer]:
+                keep_slots.append(self._buffers[b][e])
+                keep_flat.append(layer * E + e)
+        kept = set(keep_slots)
+        self.table.step.add_(1)  # registered experts are strictly the freshest
+        self.table.register(keep_slots, keep_flat)
+        self.table.release([s for buf in self._buffers for s in buf if s not in kept])
+        self._stats.registered += len(keep_slots)
+        self._active = False
+        self._buffers, self._slot_of, self._missing = [], [], []
+        self._buffer_layer = [None, None]
+        self._resident_row = None
+        self._loaded = [None, None]
+        self._freed = [None, None]
+
+    # ---------------------------------------------------------------- internals
+    def _load(self, layer: int) -> None:
+        """Issues the copies of `layer`'s non-resident experts into buffer layer % 2."""
+        b = layer % 2
+        buf = self._buffers[b]
+        missing = self._missing[layer]
+        base = layer * self.experts
+        banks, slots = self.banks, self.slots
+        if self.copy_stream is None:
+            for e in missing:
+                slots.w13[buf[e]].copy_(banks.w13[base + e], non_blocking=True)
+                slots.w2[buf[e]].copy_(banks.w2[base + e], non_blocking=True)
+        else:
+            freed = self._freed[b]
+            assert freed is not None
+            self.copy_stream.wait_event(freed)
+            with torch.cuda.stream(self.copy_stream):
+                for e in missing:
+                    slots.w13[buf[e]].copy_(banks.w13[base + e], non_blocking=True)
+                    slots.w2[buf[e]].copy_(banks.w2[base + e], non_blocking=True)
+            self._loaded[b] = self.copy_stream.record_event()
+        self._buffer_layer[b] = layer
+        self._stats.streamed += len(missing)
+        self._stats.bytes_streamed += len(missing) * banks.expert_bytes
+
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        if self.copy_stream is None:
+            return None
+        return torch.cuda.current_stream(self.slots.device)
+
+    def _check_layer(self, moe_index: int) -> None:
+        if not 0 <= moe_index < self.table.layers:
+            raise ValueError(f"MoE layer {moe_index} out of range [0, {self.table.layers})")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.slots.device.type == "cuda":
+            return t.pin_memory().to(self.slots.device, non_blocking=True)
+        return t.to(self.slots.device)
