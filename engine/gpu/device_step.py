@@ -117,6 +117,8 @@ class DeviceStep:
             self.x_h.copy_(self.x, non_blocking=True)
             if self.cpu_branch == "doorbell":
                 ring(self.side, self._doorbells[layer][1])
+        # the CPU's inputs leave before the fetch starts: PCIe reads would delay these small copies
+        main.wait_stream(self.side)
         self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
                                     ex.banks.w2, ex.slots.w13, ex.slots.w2)
         gpu = self._kernels.slot_experts(self.x, self.ids, plan.slot_ids, self.w, ex.slots.w13, ex.slots.w2)

@@ -42,6 +42,7 @@ from engine.gpu.cache_table import CacheTable
 from engine.gpu.device_step import DeviceStep
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
+from engine.gpu.prefill import PrefillStreamer
 from engine.gpu.slots import ExpertSlots
 from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
 from engine.weights.layout import ExpertBanks
@@ -141,6 +142,14 @@ class CachedExpertExecutor:
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._graph_pool: tuple[int, int] | None = None
+        # large chunks (dense routing): every layer's experts streamed into two layer buffers
+        # (engine/gpu/prefill.py), when the pool holds two layers but not the whole model
+        E = banks.num_experts
+        self.prefill_entries = 4 * E  # N * k at which about 98% of a layer's experts are routed
+        self.streamer: PrefillStreamer | None = None
+        if PrefillStreamer.fits(slots, E) and slots.slots < table.layers * E:
+            copy_stream = torch.cuda.Stream(table.device) if table.device.type == "cuda" else None
+            self.streamer = PrefillStreamer(banks, slots, table, copy_stream)
 
     @property
     def stats(self) -> CacheStats:
@@ -154,6 +163,17 @@ class CachedExpertExecutor:
                 f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        streamer = self.streamer
+        if streamer is not None:
+            if ids.numel() >= self.prefill_entries:
+                last = moe_index + 1 >= self.table.layers
+                try:
+                    return streamer.layer(x, ids, weights, moe_index, None if last else moe_index + 1)
+                finally:
+                    if last:
+                        streamer.finish()
+            if streamer.active:  # a forward that stopped streaming midway: give the buffers back
+                streamer.finish()
         if 0 < ids.shape[0] <= self.step_tokens and x.is_cuda:
             return self._device_step(ids.shape[0], ids.shape[1], x.dtype).step(x, ids, weights, moe_index)
         dev = self.table.device

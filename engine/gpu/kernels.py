@@ -55,8 +55,9 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
     n_chunks = triton.cdiv(max(n13, n2), _FETCH_BLOCK)
     # A bounded number of programs per copy, each looping over its chunks: enough loads in flight to
     # fill PCIe, without occupying every SM (FREETOKEN_FETCH_CTAS: programs over all copies, 0 = one
-    # per chunk).
-    ctas = int(os.environ.get("FREETOKEN_FETCH_CTAS", "0"))
+    # per chunk). Measured on the H200 (docs/benchmarks.md): one program per chunk takes every SM and
+    # delays the CPU branch's small copies behind it; 48-128 programs keep ~47 of 49.5 GB/s.
+    ctas = int(os.environ.get("FREETOKEN_FETCH_CTAS", "64"))
     programs = n_chunks if ctas <= 0 else max(1, min(n_chunks, ctas // n))
     _fetch_kernel[(n, programs)](copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2, n13, n2, n_chunks,
                                  programs, BLOCK=_FETCH_BLOCK, num_warps=8)
@@ -134,10 +135,12 @@ def slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, wei
     w = weights.reshape(-1).to(x.dtype).contiguous()
     _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, hidden, inter, BLOCK_O=16,
                                                       BLOCK_K=256, num_warps=4)
-    # the reference's running sum, in ascending expert id per token, rounded after every add
-    order = torch.sort(ids, dim=1, stable=True).indices
-    y = y.view(n, k, hidden).gather(1, order[:, :, None].expand(n, k, hidden))
-    out = torch.zeros_like(x)
-    for j in range(k):
-        out = out + y[:, j]
+    # the reference's running sum, in ascending expert id per token, rounded after every add; the
+    # rank of each entry among its token's (distinct) ids puts it in place without a sort
+    rank = (ids[:, :, None] > ids[:, None, :]).sum(dim=2)
+    y_sorted = torch.empty_like(y).view(n, k, hidden)
+    y_sorted.scatter_(1, rank[:, :, None].expand(n, k, hidden), y.view(n, k, hidden))
+    out = y_sorted[:, 0]
+    for j in range(1, k):
+        out = out + y_sorted[:, j]
     return out

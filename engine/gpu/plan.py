@@ -6,11 +6,11 @@ Contract: `plan_layer(state, layer, ids, ratio)` for routed ids [N, k] (int, exp
 layer `layer`, on `state.device`) updates `state` (engine/gpu/cache_table.py) and returns a
 `LayerPlan`. The policy, which tests/engine/gpu's pure-Python reference restates:
 1. the distinct experts routed in this call are split into hits (resident) and misses (m of them);
-2. q = min(fetch_count(m, ratio), S - hits) (engine/gpu/policy.py; S slots; hits are never
+2. q = min(fetch_count(m, ratio), slots that may be taken) (engine/gpu/policy.py; hits are never
    evicted within their own call, so at most S - hits slots can be refilled);
 3. the misses to fetch are the first q by (tokens routed to them descending, expert id ascending):
    an expert many tokens use costs the CPU most;
-4. victims, in one sort over the slots: empty slots first (by index), then the least recently used
+4. victims, in one smallest-q selection over the slots: empty slots first (by index), then the least recently used
    (by last_use, then index); slots holding this call's hits are excluded. Fetched expert i goes
    to victim i; the victim's old owner leaves the table;
 5. the step counter advances by one; hits and fetched slots get last_use = the new step;
@@ -29,7 +29,15 @@ import torch
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.policy import fetch_count
 
-_NEVER = torch.iinfo(torch.int64).max  # sort key of protected slots: never chosen
+_NEVER = 2**40  # key of protected and reserved slots: never chosen (steps stay far below)
+
+
+def _smallest(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k smallest keys, ascending, ties by lower index (a stable sort's first k):
+    one top-k over key * n + index, which is unique."""
+    n = key.numel()
+    unique = key * n + torch.arange(n, device=key.device)
+    return torch.topk(unique, k, largest=False, sorted=True).indices
 
 
 @dataclass(frozen=True)
@@ -65,18 +73,22 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -
     if S == 0:
         q = torch.zeros_like(m)
     else:
-        # 2. how many misses to fetch
-        q = torch.minimum(fetch_count(m, ratio), S - n_hit)
-        # 3. which misses: most tokens first, then lowest id (stable sort keeps id order on ties)
-        miss_key = torch.where(miss, -counts, 1)
-        K = min(S, E)  # q <= min(m, S) <= K
-        fetch_e = torch.sort(miss_key, stable=True).indices[:K]
-        # 4. victims in one pass: empty (-1) < least recently used < ... ; this call's hits never
+        # q <= m <= distinct experts routed in this call <= min(entries, E), and q <= S: only
+        # the first K candidates of each ordering can be taken, so only those are selected
+        K = min(S, E, flat.numel())
+        # 4. (first: it bounds q) victims: empty (-1) < least recently used < ... ; this call's
+        # hits and reserved slots (prefill buffers) never. Keys made unique by the index, so a
+        # smallest-K selection gives what a stable sort's first K would.
         protected = torch.zeros(S + 1, dtype=torch.bool, device=dev).index_fill_(0, hit_slot, True)[:S]
         owner = state.owner_flat[:S]
-        slot_key = torch.where(owner < 0, -1, state.last_use_flat[:S])
+        slot_key = torch.where(owner < 0, -1, state.last_use_flat[:S].clamp(max=_NEVER))
         slot_key = torch.where(protected, _NEVER, slot_key)
-        victims = torch.sort(slot_key, stable=True).indices[:K]
+        victims = _smallest(slot_key, K)
+        # 2. how many misses to fetch: at most one per slot that may be taken
+        q = torch.minimum(fetch_count(m, ratio), (slot_key < _NEVER).sum())
+        # 3. which misses: most tokens first, then lowest id
+        miss_key = torch.where(miss, -counts, 1)
+        fetch_e = _smallest(miss_key, K)
         take = torch.arange(K, device=dev) < q
         new_flat = base + fetch_e
         copy_src[:K] = torch.where(take, new_flat, -1)
