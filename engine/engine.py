@@ -1,9 +1,11 @@
 """The engine's public face: load a model, submit token ids, stream token ids back.
 
-Contract: `Engine(model_dir, opts)` loads the model; `submit(prompt_ids, params)` validates the
-request (a bad one raises `RequestError` at once) and returns a `RequestHandle` whose iteration
-yields generated ids as they are produced. Requests submitted from any thread are batched
-together by one background engine thread. `generate(...)` is the one-call convenience iterator.
+Contract: `Engine(model_dir, opts)` loads the model; `Engine.from_decoder(decoder, opts)` wraps an
+already built one (random weights: engine/weights/dummy.py) with the same setup after loading.
+`submit(prompt_ids, params)` validates the request (a bad one raises `RequestError` at once) and
+returns a `RequestHandle` whose iteration yields generated ids as they are produced. Requests
+submitted from any thread are batched together by one background engine thread. `generate(...)`
+is the one-call convenience iterator.
 Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and inspected with
 `checkpoints(session)` / `checkpoint_budget()`; `reset_cache()` empties the prefix cache. With
 `opts.gpu_memory` on CUDA, routed experts run through the GPU expert cache (engine/gpu/setup.py) and
@@ -20,7 +22,8 @@ from pathlib import Path
 import torch
 
 from engine.anchors import Anchor, DecodeAnchor, anchors_from
-from engine.errors import EngineError, RequestError
+from engine.errors import ConfigError, EngineError, RequestError
+from engine.model.decoder import Decoder
 from engine.model.load import load_decoder, parse_dtype
 from engine.options import EngineOptions
 from engine.request import Request, RequestHandle
@@ -32,20 +35,40 @@ from engine.weights.loader import Progress
 class Engine:
     def __init__(self, model_dir: Path | str, opts: EngineOptions | None = None,
                  progress: Progress | None = None) -> None:
-        self.opts = opts = opts or EngineOptions()
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
+        opts = opts or EngineOptions()
+        _apply_threads(opts)
         dtype = parse_dtype(opts.dtype) if opts.dtype else None
-        self.decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.threads)
-        self.cfg = self.decoder.cfg
-        self.dtype = self.decoder.weights.embed.dtype
+        decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.threads)
+        self._start(decoder, opts)
+
+    @classmethod
+    def from_decoder(cls, decoder: Decoder, opts: EngineOptions | None = None) -> Engine:
+        """An engine around a decoder built some other way (engine/weights/dummy.py's random
+        weights): the same setup as after loading, `opts.gpu_memory` included. `opts.device` must
+        be where the decoder's dense weights live; its dtype and executor are the decoder's own
+        (`opts.dtype` and `opts.executor` are not consulted)."""
+        opts = opts or EngineOptions()
+        where, want = decoder.weights.embed.device, torch.device(opts.device)
+        if where.type != want.type or (want.index is not None and where != want):
+            raise ConfigError(f"the decoder's weights are on {where} but the engine options say {want}")
+        _apply_threads(opts)
+        engine = cls.__new__(cls)
+        engine._start(decoder, opts)
+        return engine
+
+    def _start(self, decoder: Decoder, opts: EngineOptions) -> None:
+        """Everything after the decoder exists: the GPU expert cache, the scheduler, the loop state."""
+        self.opts = opts
+        self.decoder = decoder
+        self.cfg = decoder.cfg
+        self.dtype = decoder.weights.embed.dtype
         self.gpu_budget = None
         if opts.gpu_memory:
             from engine.gpu.setup import attach_expert_cache
 
-            self.gpu_budget = attach_expert_cache(self.decoder, opts, self.dtype)
+            self.gpu_budget = attach_expert_cache(decoder, opts, self.dtype)
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
-        self.scheduler = Scheduler(self.decoder, opts, self.dtype)
+        self.scheduler = Scheduler(decoder, opts, self.dtype)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -170,3 +193,8 @@ class Engine:
                     sched.step()
                 except Exception as e:  # never let the engine thread die with requests waiting on it
                     sched.fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+
+
+def _apply_threads(opts: EngineOptions) -> None:
+    if opts.threads:
+        torch.set_num_threads(opts.threads)

@@ -44,9 +44,18 @@ def byte_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags `serve` and `generate` share: CPU threads, expert executor, compute dtype."""
-    p.add_argument("--threads", type=int, default=0,
+def positive_int_list(text: str) -> list[int]:
+    """'1024,4096' -> [1024, 4096]: a comma list of integers >= 1."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    return [positive_int(t) for t in items]
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, ...] = ("--threads",)) -> None:
+    """The engine flags `serve`, `generate` and the model benches share: CPU threads (spelt
+    `threads_flags`), expert executor, compute dtype, GPU memory cap, fetch ratio."""
+    p.add_argument(*threads_flags, dest="threads", type=int, default=0,
                    help="CPU threads for torch and the native expert executor (default: one per physical core)")
     p.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
                    help="routed-expert executor (auto: native on a CPU engine when built, else torch)")

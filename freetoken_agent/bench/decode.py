@@ -1,0 +1,153 @@
+"""`freetoken-agent bench decode`: batch-1 greedy decode speed of the engine on dummy (random)
+weights of a real shape, with the expert cache's hit rate and the bound of ../shared/BENCHMARKS.md.
+
+Method:
+- model: engine/weights/dummy.py (fixed seed; random routers route almost uniformly, the worst
+  case for an expert cache: read the hit rate next to the speed);
+- one short warm-up request, then `--reps` times: cold caches (prefix cache emptied, and the
+  expert cache when the executor has one), a fresh random prompt of `--prompt-tokens` ids, greedy
+  generation of `--tokens` tokens (a dummy model has no EOS: always that many);
+- speed: tok/s = (tokens - 1) / (time of the last token - time of the first token), both taken on
+  the engine thread as the tokens are emitted, so prefill and the first token are excluded;
+  tok_s and ms_per_token are medians over the reps (tok_s_reps lists each rep); distinct_tokens
+  (distinct ids / generated ids, median) flags a generation stuck in a loop, whose repeated
+  routing would flatter an expert cache;
+- cache counters: the executor's `stats` (CacheStats) read on the engine thread at the first
+  token and at the end, so the delta covers exactly the tokens - 1 timed decode steps; per token
+  = delta / (tokens - 1); CPU misses = misses - fetched. Without an expert cache (no
+  --gpu-memory) there is no hit rate (null) and every routed expert is a miss (top_k x MoE
+  layers per token): fetched on CUDA (the torch executor copies each one), on the CPU otherwise;
+- dense_ms: the same generation (one rep) with the routed experts replaced by `ZeroExperts`
+  (returns zeros_like(x)) on the same device: router, shared expert, attention, norms and LM head
+  all still run; it is what a token costs when no expert weight moves or multiplies;
+- bound: ms/token >= dense_ms + misses/token x expert_bytes / (B_P' + B_C'), B_P' and B_C' the
+  contended PCIe-copy and CPU-expert rates of the calibration stored for this machine
+  (`freetoken-agent calibrate`); a CPU engine has no PCIe path and uses B_C alone. Nothing stored:
+  bound_ms is null and bound_note says "unknown: ..." (never a guessed bandwidth).
+  measured_over_bound = measured ms/token / bound_ms (>= 1; near 1 is at the bound).
+
+JSON keys (one object): the facts of `ModelBench.facts()` (weights, seed, routing, shape, family,
+layers, experts, top_k, hidden, expert_inter, dtype, device, gpu, cpu, cpu_threads, torch_threads,
+executor, gpu_memory, gpu_budget, peak_gpu_bytes, expert_bytes, expert_bank_bytes, dense_bytes,
+load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, tok_s, tok_s_reps,
+ms_per_token, distinct_tokens, hit_rate, hits_per_token, misses_per_token, fetched_per_token,
+cpu_misses_per_token, dense_ms, bound_ms, bandwidth_gbps, measured_over_bound, bound_note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from engine.errors import ConfigError
+from freetoken_agent.argtypes import positive_int
+from freetoken_agent.bench.model_bench import (
+    ModelBench,
+    Timing,
+    add_model_arguments,
+    delta,
+    median,
+    print_table,
+)
+
+WARMUP_TOKENS = 4
+
+
+class ZeroExperts:
+    """An expert executor that skips the routed experts: their sum is zero."""
+
+    def describe(self) -> str:
+        return "zero (routed experts skipped)"
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("decode", help="batch-1 decode tok/s on dummy weights of a real shape, with hit rate and bound")
+    add_model_arguments(p)
+    p.add_argument("--tokens", type=positive_int, default=256, help="generated tokens per rep (>= 2)")
+    p.add_argument("--reps", type=positive_int, default=3, help="generations; the median is reported")
+    p.add_argument("--prompt-tokens", type=positive_int, default=64, help="random prompt length")
+
+
+def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
+    steps = sum(t.tokens - 1 for t in timings)
+    deltas = [delta(t.stats_first, t.stats_end) for t in timings]
+    if any(d is None for d in deltas):
+        routed = bench.cfg.top_k * bench.cfg.num_moe_layers
+        fetched = routed if bench.device.type == "cuda" else 0
+        return {"hit_rate": None, "hits_per_token": 0.0, "misses_per_token": float(routed),
+                "fetched_per_token": float(fetched), "cpu_misses_per_token": float(routed - fetched)}
+    total = {k: sum(d[k] for d in deltas if d is not None) for k in ("hits", "misses", "fetched")}
+    seen = total["hits"] + total["misses"]
+    return {"hit_rate": total["hits"] / seen if seen else None, "hits_per_token": total["hits"] / steps,
+            "misses_per_token": total["misses"] / steps, "fetched_per_token": total["fetched"] / steps,
+            "cpu_misses_per_token": (total["misses"] - total["fetched"]) / steps}
+
+
+def _decode_s(t: Timing) -> float:
+    return (t.last - t.first) / (t.tokens - 1)
+
+
+def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
+    bench.cold()
+    bench.timed_request(bench.random_prompt(min(args.prompt_tokens, 16), -1), WARMUP_TOKENS)
+    timings = []
+    for rep in range(args.reps):
+        bench.cold()
+        timings.append(bench.timed_request(bench.random_prompt(args.prompt_tokens, rep), args.tokens))
+        bench.note(f"rep {rep + 1}/{args.reps}: {1 / _decode_s(timings[-1]):.2f} tok/s")
+    per_token = _per_token(timings, bench)
+    real = bench.engine.decoder.executor
+    bench.cold()
+    bench.engine.decoder.executor = ZeroExperts()
+    try:
+        dense = bench.timed_request(bench.random_prompt(args.prompt_tokens, args.reps), args.tokens)
+    finally:
+        bench.engine.decoder.executor = real
+    dense_ms = _decode_s(dense) * 1e3
+    ms = median([_decode_s(t) for t in timings]) * 1e3
+    rates = [1 / _decode_s(t) for t in timings]
+    bandwidth, note = bench.calibration_bandwidth("both")
+    bound_ms = None
+    if bandwidth:
+        expert_bytes = bench.engine.decoder.weights.experts.expert_bytes
+        bound_ms = dense_ms + per_token["misses_per_token"] * expert_bytes / (bandwidth * 1e9) * 1e3
+    return {
+        "bench": "decode", **bench.facts(), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+        "reps": args.reps, "tok_s": median(rates), "tok_s_reps": rates,
+        "ms_per_token": ms, "distinct_tokens": median([len(set(t.output)) / len(t.output) for t in timings]),
+        **per_token, "dense_ms": dense_ms, "bound_ms": bound_ms, "bandwidth_gbps": bandwidth,
+        "measured_over_bound": ms / bound_ms if bound_ms else None, "bound_note": note,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokens < 2:
+        raise ConfigError("--tokens must be >= 2: decode speed is timed from the first token to the last")
+    bench = ModelBench(args, kv_tokens=args.prompt_tokens + args.tokens + 32,
+                       prefill_chunk=min(max(args.prompt_tokens, 16), 2048))
+    try:
+        result = measure(bench, args)
+        title = bench.title()
+    finally:
+        bench.close()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    r = result
+    print_table(f"decode, batch 1: {title}",
+                ["tok/s", "ms/token", "hit rate", "misses/tok", "fetched/tok", "CPU misses/tok", "dense ms",
+                 "bound ms", "measured/bound"],
+                [[r["tok_s"], r["ms_per_token"], r["hit_rate"], r["misses_per_token"], r["fetched_per_token"],
+                  r["cpu_misses_per_token"], r["dense_ms"], r["bound_ms"], r["measured_over_bound"]]])
+    if r["bound_ms"] is None:
+        print(f"bound: {r['bound_note']}")
+    else:
+        print(f"bound: dense {r['dense_ms']:.2f} ms + {r['misses_per_token']:.1f} misses/token x "
+              f"{r['expert_bytes'] / 2**20:.1f} MiB / {r['bandwidth_gbps']:.1f} GB/s ({r['bound_note']})")
+    return 0

@@ -1,0 +1,98 @@
+"""`freetoken-agent bench prefill`: time to first token and prefill tok/s of the engine on dummy
+(random) weights of a real shape, cold, for several prompt lengths, against the bound of
+../shared/BENCHMARKS.md.
+
+Method:
+- model: engine/weights/dummy.py (fixed seed, random routers); prompts are fresh random ids;
+- one warm-up request of the shortest length (kernels, allocator), then for each length in
+  `--prompt-tokens`, `--reps` times: cold caches (prefix cache emptied, and the expert cache when
+  the executor has one), submit, wait for the first token. TTFT = submit -> first token (taken on
+  the engine thread as it is emitted); prefill tok/s = prompt tokens / TTFT; medians over reps;
+- prompts go through in chunks of `--chunk` tokens (EngineOptions.prefill_chunk);
+- bound: each chunk is one pass over the model that must stream every layer's routed experts
+  once: bound_s = passes x expert_bank_bytes / B_P with passes = ceil(prompt / chunk) and B_P the
+  PCIe expert-copy rate (alone) of the calibration stored for this machine; on a CPU engine the
+  CPU reads them: B_C. Nothing stored: bound_s is null and bound_note says "unknown: ...".
+  measured_over_bound = TTFT / bound_s. The bound counts expert bytes only (no dense time).
+- hit_rate per length: the expert cache's hits / (hits + misses) over the prefill (null without
+  a cache).
+
+JSON keys (one object): the facts of `ModelBench.facts()` (see decode.py) plus bench="prefill",
+chunk, reps, bandwidth_gbps, bound_note, and runs: a list with one object per prompt length:
+prompt_tokens, ttft_s, ttft_s_reps, prefill_tok_s, passes, bound_s, measured_over_bound, hit_rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from freetoken_agent.argtypes import positive_int, positive_int_list
+from freetoken_agent.bench.model_bench import ModelBench, add_model_arguments, delta, median, print_table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="cold TTFT and prefill tok/s on dummy weights of a real shape, with bound")
+    add_model_arguments(p)
+    p.add_argument("--prompt-tokens", type=positive_int_list, default=[1024, 4096, 16384],
+                   help="comma list of prompt lengths (default 1024,4096,16384)")
+    p.add_argument("--chunk", type=positive_int, default=8192, help="prefill chunk, tokens per forward pass")
+    p.add_argument("--reps", type=positive_int, default=1, help="runs per length; the median is reported")
+
+
+def _hit_rate(deltas: list[dict[str, int] | None]) -> float | None:
+    if any(d is None for d in deltas):
+        return None
+    hits = sum(d["hits"] for d in deltas if d is not None)
+    seen = hits + sum(d["misses"] for d in deltas if d is not None)
+    return hits / seen if seen else None
+
+
+def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
+    lengths: list[int] = args.prompt_tokens
+    bench.cold()
+    bench.timed_request(bench.random_prompt(min(lengths), -1), 1)
+    bandwidth, note = bench.calibration_bandwidth("stream")
+    bank = bench.engine.decoder.weights.experts
+    bank_bytes = bank.expert_bytes * bank.w13.shape[0]
+    runs = []
+    index = 0
+    for n in lengths:
+        ttfts, deltas = [], []
+        for _ in range(args.reps):
+            bench.cold()
+            t = bench.timed_request(bench.random_prompt(n, index), 1)
+            index += 1
+            ttfts.append(t.first - t.submitted)
+            deltas.append(delta(t.stats_before, t.stats_first))
+        ttft = median(ttfts)
+        passes = math.ceil(n / args.chunk)
+        bound_s = passes * bank_bytes / (bandwidth * 1e9) if bandwidth else None
+        runs.append({"prompt_tokens": n, "ttft_s": ttft, "ttft_s_reps": ttfts, "prefill_tok_s": n / ttft,
+                     "passes": passes, "bound_s": bound_s, "measured_over_bound": ttft / bound_s if bound_s else None,
+                     "hit_rate": _hit_rate(deltas)})
+        bench.note(f"{n} tokens: TTFT {ttft:.3f} s, {n / ttft:.0f} tok/s")
+    return {"bench": "prefill", **bench.facts(), "chunk": args.chunk, "reps": args.reps,
+            "bandwidth_gbps": bandwidth, "bound_note": note, "runs": runs}
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = ModelBench(args, kv_tokens=max(args.prompt_tokens) + 32, prefill_chunk=args.chunk)
+    try:
+        result = measure(bench, args)
+        title = bench.title()
+    finally:
+        bench.close()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print_table(f"prefill, cold, chunk {args.chunk}: {title}",
+                ["prompt tokens", "TTFT s", "prefill tok/s", "hit rate", "passes", "bound s", "measured/bound"],
+                [[r["prompt_tokens"], r["ttft_s"], r["prefill_tok_s"], r["hit_rate"], r["passes"], r["bound_s"],
+                  r["measured_over_bound"]] for r in result["runs"]])
+    print(f"bound: {result['bound_note']}" if result["bandwidth_gbps"] is None else
+          f"bound: passes x {result['expert_bank_bytes'] / 1e9:.2f} GB of experts / "
+          f"{result['bandwidth_gbps']:.1f} GB/s ({result['bound_note']})")
+    return 0
