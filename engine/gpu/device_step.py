@@ -131,6 +131,14 @@ class DeviceStep:
         main.wait_stream(self.side)
         torch.add(gpu, self.cpu_out, out=self.out)
 
+    def enqueue(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+        """The step queued as it is, capture-safe: for a caller that captures a larger graph."""
+        self.x.copy_(x)
+        self.ids.copy_(ids)
+        self.w.copy_(weights)
+        self._enqueue(layer)
+        return self.out
+
     def step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
         self.x.copy_(x)
         self.ids.copy_(ids)

@@ -229,6 +229,15 @@ class CachedExpertExecutor:
             self._steps[tokens] = step
         return step
 
+    def supports_graph_step(self, tokens: int) -> bool:
+        return 0 < tokens <= self.step_tokens
+
+    def graph_step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        """The device step enqueued as it is (no graph of its own): for a caller capturing a larger
+        graph around it (engine/model/decode_graph.py). The result lives in the step's buffer."""
+        step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
+        return step.enqueue(x, ids, weights, moe_index)
+
     def check(self) -> None:
         """Raises the first failure of a CPU branch run inside a host node, if any."""
         for step in self._steps.values():

@@ -89,5 +89,6 @@ def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtyp
     ratio = resolve_fetch_ratio(banks, opts)
     decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.threads,
                                               graphs=opts.cuda_graphs)
+    decoder.cuda_graphs = opts.cuda_graphs  # decode passes through CUDA graphs (engine/model/decode_graph.py)
     log.info("GPU memory: %s; fetch ratio %.2f", budget.describe(), ratio)
     return budget

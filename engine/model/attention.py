@@ -3,6 +3,9 @@
 Contract: `full_attention(x, w, cfg, rotary, batch, k_cache, v_cache)` writes the new tokens' keys
 and values into the cache slots named by the batch, attends each sequence's new queries over all
 its cached and new keys (causal, optional sliding window), and returns the o_proj output [N, H].
+It is three parts, so a decode step can capture the per-token ones in a CUDA graph and run only
+the mix eagerly (engine/model/decode_graph.py): `attention_inputs` (projections, norms, rotary),
+`attention_core` (cache write and attention per sequence), `attention_output` (gate, o_proj).
 """
 
 from __future__ import annotations
@@ -16,15 +19,10 @@ from engine.model.ops import Rotary, rms_norm
 from engine.weights.layout import AttentionWeights
 
 
-def full_attention(
-    x: torch.Tensor,
-    w: AttentionWeights,
-    cfg: ModelConfig,
-    rotary: Rotary,
-    batch: ForwardBatch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> torch.Tensor:
+def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary, positions: torch.Tensor,
+                     limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token part before the mix: q [n, heads, hd], k, v [n, kv_heads, hd] (normed, rotated)
+    and the output gate [n, heads * hd] (None without one)."""
     n, hd = x.shape[0], cfg.head_dim
     q = F.linear(x, w.q_proj, w.q_bias)
     gate = None
@@ -35,9 +33,15 @@ def full_attention(
     k = rms_norm(F.linear(x, w.k_proj, w.k_bias).view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps,
                  cfg.norm_zero_centered)
     v = F.linear(x, w.v_proj, w.v_bias).view(n, cfg.num_kv_heads, hd)
-    q = rotary.apply(q, batch.positions)
-    k = rotary.apply(k, batch.positions)
-    out = torch.empty(n, cfg.num_heads, hd, dtype=x.dtype, device=x.device)
+    return rotary.apply(q, positions, limit), rotary.apply(k, positions, limit), v, gate
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, batch: ForwardBatch,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The mix across tokens: writes the new keys/values into the cache and attends each sequence's
+    queries over its cached and new keys; returns [n, heads * hd]."""
+    n, hd = q.shape[0], cfg.head_dim
+    out = torch.empty(n, cfg.num_heads, hd, dtype=q.dtype, device=q.device)
     groups = cfg.num_heads // cfg.num_kv_heads
     for s in batch.seqs:
         new_slots = s.kv_slots[s.cached_len:]
@@ -46,8 +50,8 @@ def full_attention(
         keys = k_cache[s.kv_slots].repeat_interleave(groups, dim=1)  # [S, heads, hd]
         vals = v_cache[s.kv_slots].repeat_interleave(groups, dim=1)
         total = s.cached_len + s.length
-        qpos = torch.arange(s.cached_len, total, device=x.device)[:, None]
-        kpos = torch.arange(total, device=x.device)[None, :]
+        qpos = torch.arange(s.cached_len, total, device=q.device)[:, None]
+        kpos = torch.arange(total, device=q.device)[None, :]
         mask = kpos <= qpos
         if cfg.sliding_window is not None:
             mask &= kpos > qpos - cfg.sliding_window
@@ -56,7 +60,23 @@ def full_attention(
             attn_mask=mask, scale=hd**-0.5,
         )
         out[s.start:s.end] = o.transpose(0, 1)
-    o = out.reshape(n, cfg.num_heads * hd)
+    return out.reshape(n, cfg.num_heads * hd)
+
+
+def attention_output(o: torch.Tensor, gate: torch.Tensor | None, w: AttentionWeights) -> torch.Tensor:
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return F.linear(o, w.o_proj, w.o_bias)
+
+
+def full_attention(
+    x: torch.Tensor,
+    w: AttentionWeights,
+    cfg: ModelConfig,
+    rotary: Rotary,
+    batch: ForwardBatch,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    q, k, v, gate = attention_inputs(x, w, cfg, rotary, batch.positions, batch.position_limit)
+    return attention_output(attention_core(q, k, v, cfg, batch, k_cache, v_cache), gate, w)

@@ -36,5 +36,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def position_limit(self) -> int:
+        """One past the largest position in the batch, known on the host (no device read)."""
+        return max((s.cached_len + s.length for s in self.seqs), default=1)
+
     def last_token_index(self) -> torch.Tensor:
         return torch.tensor([s.end - 1 for s in self.seqs], dtype=torch.long, device=self.input_ids.device)

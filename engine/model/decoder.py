@@ -3,7 +3,10 @@
 Contract: `Decoder(cfg, weights, executor)`; `forward(batch, kv, states)` runs the embedding, every
 layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returning hidden states
 [N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
-the LM head in float32. No family-specific code paths beyond the traits in the config.
+the LM head in float32. No family-specific code paths beyond the traits in the config. With
+`cuda_graphs` set (by the engine) and an executor that supports it, batches of up to GRAPH_TOKENS
+tokens run through `decode_graph.DecodeGraphs`: the same computation, the per-token parts of each
+layer replayed from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.cache.pools import KVPool, StatePool
 from engine.config import FULL_ATTENTION, ModelConfig
+from engine.model import decode_graph
 from engine.model.attention import full_attention
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
@@ -21,19 +25,41 @@ from engine.model.ops import Rotary, rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
+GRAPH_TOKENS = 8  # batches of up to this many tokens may run through decode graphs
+
 
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, executor: ExpertExecutor) -> None:
         self.cfg = cfg
         self.weights = weights
-        self.executor = executor
+        self._graphs: dict[int, decode_graph.DecodeGraphs] = {}
+        self._executor = executor
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
         self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
         self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}
+        # decode-sized passes through CUDA graphs (engine/model/decode_graph.py), when the engine
+        # turns it on and the executor can be captured
+        self.cuda_graphs = False
+
+    @property
+    def executor(self) -> ExpertExecutor:
+        return self._executor
+
+    @executor.setter
+    def executor(self, executor: ExpertExecutor) -> None:
+        self._executor = executor
+        self._graphs.clear()  # captured passes hold the old executor's kernels
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
+        n = batch.num_tokens
+        if self.cuda_graphs and 0 < n <= GRAPH_TOKENS:
+            graphs = self._graphs.get(n)
+            if graphs is None and decode_graph.usable(self, n):
+                graphs = self._graphs[n] = decode_graph.DecodeGraphs(self, n)
+            if graphs is not None:
+                return graphs.forward(batch, kv, states)
         cfg, w = self.cfg, self.weights
         h = F.embedding(batch.input_ids, w.embed)
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered

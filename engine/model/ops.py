@@ -44,6 +44,20 @@ class Rotary:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._builds = 0
+
+    def prepare(self, n: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Tables for positions below n (grown by doubling)."""
+        self._tables(n, device, dtype)
+
+    @property
+    def size(self) -> int:
+        return 0 if self._cos is None else int(self._cos.shape[0])
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the tables are rebuilt (a captured graph holds the old ones)."""
+        return self._builds
 
     def _tables(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self._cos
@@ -54,14 +68,17 @@ class Rotary:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos = emb.cos().to(device=device, dtype=dtype)
             self._sin = emb.sin().to(device=device, dtype=dtype)
+            self._builds += 1
         assert self._cos is not None and self._sin is not None
         return self._cos, self._sin
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T] -> rotated x."""
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T] -> rotated x. `limit` (> every position), when
+        the caller knows it on the host, spares reading positions back (a device sync); the
+        decoder passes it, so a forward pass never waits here."""
         if self.rotary_dim == 0:
             return x
-        cos_t, sin_t = self._tables(int(positions.max()) + 1, x.device, x.dtype)
+        cos_t, sin_t = self._tables(limit if limit is not None else int(positions.max()) + 1, x.device, x.dtype)
         cos = cos_t[positions][:, None, :]
         sin = sin_t[positions][:, None, :]
         rd = self.rotary_dim

@@ -175,6 +175,11 @@ def test_engine_logits_equal_all_resident(tmp_path: Path, arch: str) -> None:
             ex = eng.decoder.executor
             assert isinstance(ex, CachedExpertExecutor)
             ex.check()
+            graphs = eng.decoder._graphs.get(1)
+            if kw.get("cuda_graphs"):  # whole decode passes went through captured segments
+                assert graphs is not None and graphs.captured == len(eng.decoder.weights.layers)
+            else:
+                assert graphs is None
             return torch.stack([t.float().cpu() for t in h.logits]), ex
 
     all_in, ex_all = logits(gpu_memory=2**34, fetch_ratio=1.0, cuda_graphs=False)

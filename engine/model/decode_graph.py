@@ -1,0 +1,197 @@
+"""Decode-sized forward passes with everything but the mixing across tokens in CUDA graphs.
+
+Contract: `DecodeGraphs(decoder, tokens)` runs `forward(batch, kv, states)` for batches of exactly
+`tokens` tokens (any mix of sequences), with the decoder's results. What runs per layer:
+- eagerly: the mix across tokens, which depends on each sequence's length: `attention_core` (KV
+  write, attention per sequence) for full-attention layers, the whole Gated DeltaNet layer for
+  linear-attention ones;
+- one CUDA graph per layer (captured on the layer's second call, replayed afterwards): everything
+  from the end of that mix to the start of the next one: the attention output projection, the
+  residual, the post norm, the router, the routed experts (the expert cache's device step,
+  engine/gpu/device_step.py, enqueued inside this graph: cache plan, fetch, GPU experts, the CPU
+  branch's doorbell), the shared expert, the residual, the next layer's input norm and its
+  attention inputs (projections, norms, rotary), or the final norm after the last layer.
+So a layer costs one graph replay plus the few attention ops in Python, instead of ~70 operator
+launches, and nothing in the pass reads the device from the host.
+
+Static buffers hold the residual stream and the attention inputs between segments. The rotary
+tables are captured by reference: when they grow (a longer sequence than any before), the graphs
+are dropped and captured again. `usable(decoder, tokens)` says whether the decoder can run this way: an
+expert executor whose decode step can be enqueued inside a capture
+(`supports_graph_step(tokens)`, then `graph_step(x, ids, weights, moe_index)`) or whose call is
+capture-safe as it is (`capture_safe`). Off CUDA the same segments run eagerly, nothing is
+captured (how the CPU tests check that the segmented pass computes what the plain one does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache.pools import KVPool, StatePool
+from engine.config import FULL_ATTENTION
+from engine.model.attention import attention_core, attention_inputs, attention_output
+from engine.model.batch import ForwardBatch
+from engine.model.linear_attention import gated_deltanet
+from engine.model.moe import route
+from engine.model.ops import rms_norm, swiglu_mlp
+
+if TYPE_CHECKING:
+    from engine.model.decoder import Decoder
+
+log = logging.getLogger("freetoken.engine")
+
+
+def usable(decoder: Decoder, tokens: int) -> bool:
+    ex = decoder.executor
+    supports = getattr(ex, "supports_graph_step", None)
+    return (supports is not None and supports(tokens)) or getattr(ex, "capture_safe", False)
+
+
+class DecodeGraphs:
+    def __init__(self, decoder: Decoder, tokens: int) -> None:
+        self.d = decoder
+        cfg, w = decoder.cfg, decoder.weights
+        self.tokens = n = tokens
+        dev, dtype = w.embed.device, w.embed.dtype
+        hd = cfg.head_dim
+        self.h = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.xn = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)  # input of a linear-attention layer
+        self.mix = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)  # its output
+        self.q = torch.zeros(n, cfg.num_heads, hd, dtype=dtype, device=dev)
+        self.k = torch.zeros(n, cfg.num_kv_heads, hd, dtype=dtype, device=dev)
+        self.v = torch.zeros(n, cfg.num_kv_heads, hd, dtype=dtype, device=dev)
+        self.gate = torch.zeros(n, cfg.num_heads * hd, dtype=dtype, device=dev) if cfg.attn_output_gate else None
+        self.o = torch.zeros(n, cfg.num_heads * hd, dtype=dtype, device=dev)
+        self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.limit = 1  # rotary table size the captured segments were built with
+        self.capture = dev.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._eager: set[int] = set()
+        self._failed: set[int] = set()
+        self._rotary_version = -1
+
+    # ------------------------------------------------------------------ the per-token segments
+    def _inputs_of(self, li: int, xn: torch.Tensor) -> None:
+        """Writes what layer li's mix needs, from its normed input."""
+        d = self.d
+        lw = d.weights.layers[li]
+        if d.cfg.layer_types[li] == FULL_ATTENTION:
+            assert lw.attention is not None
+            q, k, v, gate = attention_inputs(xn, lw.attention, d.cfg, d.rotary, self.positions, self.limit)
+            self.q.copy_(q)
+            self.k.copy_(k)
+            self.v.copy_(v)
+            if gate is not None:
+                assert self.gate is not None
+                self.gate.copy_(gate)
+        else:
+            self.xn.copy_(xn)
+
+    def _segment(self, li: int) -> None:
+        """From the end of layer li's mix to the start of layer li+1's (or the final norm)."""
+        d = self.d
+        cfg, w = d.cfg, d.weights
+        lw = w.layers[li]
+        eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
+        if cfg.layer_types[li] == FULL_ATTENTION:
+            assert lw.attention is not None
+            x = attention_output(self.o, self.gate, lw.attention)
+        else:
+            x = self.mix
+        h = self.h + x
+        x = rms_norm(h, lw.post_norm, eps, zc)
+        if lw.moe is not None:
+            ids, weights = route(x, lw.moe.router, cfg.top_k, cfg.norm_topk_prob)
+            out = self._experts(x, ids, weights, lw.moe_index)
+            if lw.moe.shared is not None:
+                sh = lw.moe.shared
+                assert lw.moe.shared_gate is not None
+                out = out + torch.sigmoid(F.linear(x, lw.moe.shared_gate)) * swiglu_mlp(
+                    x, sh.gate_proj, sh.up_proj, sh.down_proj)
+            x = out
+        else:
+            assert lw.mlp is not None
+            x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
+        h = h + x
+        self.h.copy_(h)
+        if li + 1 < len(w.layers):
+            self._inputs_of(li + 1, rms_norm(h, w.layers[li + 1].input_norm, eps, zc))
+        else:
+            self.final.copy_(rms_norm(h, w.final_norm, eps, zc))
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        ex = self.d.executor
+        step = getattr(ex, "graph_step", None)
+        if step is not None:
+            return step(x, ids, weights, moe_index)
+        return ex(x, ids, weights, moe_index)
+
+    def _run(self, key: int, fn: Callable[[], None]) -> None:
+        """fn eagerly on its first call, captured on its second, replayed afterwards."""
+        if not self.capture:
+            fn()
+            return
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        if key in self._eager and key not in self._failed:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    fn()
+            except Exception as exc:  # torch raises AcceleratorError or RuntimeError
+                self._failed.add(key)
+                log.warning("decode segment %d (%d tokens): CUDA graph capture failed, running eagerly: %s", key,
+                            self.tokens, str(exc).splitlines()[0])
+            else:
+                self._graphs[key] = graph
+                graph.replay()
+                return
+        self._eager.add(key)
+        fn()
+
+    # ------------------------------------------------------------------ the pass
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
+        d = self.d
+        cfg, w = d.cfg, d.weights
+        if batch.num_tokens != self.tokens:
+            raise ValueError(f"these graphs serve {self.tokens} tokens, the batch has {batch.num_tokens}")
+        # the rotary tables are sized ahead (doubling), and the segments are recaptured when they grow
+        limit = max(batch.position_limit, self.limit)
+        d.rotary.prepare(limit, self.h.device, self.h.dtype)
+        if d.rotary.version != self._rotary_version:
+            self._graphs.clear()
+            self._eager.clear()
+            self._rotary_version = d.rotary.version
+            self.limit = d.rotary.size
+        streamer = getattr(d.executor, "streamer", None)
+        if streamer is not None and streamer.active:  # a large forward stopped midway
+            streamer.finish()
+        self.positions.copy_(batch.positions)
+        h = F.embedding(batch.input_ids, w.embed)
+        self.h.copy_(h)
+        self._inputs_of(0, rms_norm(h, w.layers[0].input_norm, cfg.rms_norm_eps, cfg.norm_zero_centered))
+        for li, lw in enumerate(w.layers):
+            if cfg.layer_types[li] == FULL_ATTENTION:
+                ki = d._kv_index[li]
+                self.o.copy_(attention_core(self.q, self.k, self.v, cfg, batch, kv.k[ki], kv.v[ki]))
+            else:
+                assert lw.linear_attention is not None
+                si = d._state_index[li]
+                self.mix.copy_(gated_deltanet(self.xn, lw.linear_attention, cfg, batch, states.conv[si],
+                                              states.ssm[si]))
+            self._run(li, lambda li=li: self._segment(li))  # type: ignore[misc]
+        return self.final.clone()
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
