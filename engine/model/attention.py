@@ -55,10 +55,20 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
         mask = kpos <= qpos
         if cfg.sliding_window is not None:
             mask &= kpos > qpos - cfg.sliding_window
-        o = F.scaled_dot_product_attention(
-            q[s.start:s.end].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-            attn_mask=mask, scale=hd**-0.5,
-        )
+        if q.is_cuda:
+            # an additive mask and contiguous [1, heads, L, hd] operands let SDPA pick its
+            # memory-efficient kernel on long prompts; a bool mask sent it to the math path, which
+            # materialises heads x L x L scores (gigabytes at 8k tokens, over any --gpu-memory cap)
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            o = F.scaled_dot_product_attention(
+                q[s.start:s.end].transpose(0, 1).contiguous()[None], keys.transpose(0, 1).contiguous()[None],
+                vals.transpose(0, 1).contiguous()[None], attn_mask=bias[None, None], scale=hd**-0.5,
+            )[0]
+        else:
+            o = F.scaled_dot_product_attention(
+                q[s.start:s.end].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                attn_mask=mask, scale=hd**-0.5,
+            )
         out[s.start:s.end] = o.transpose(0, 1)
     return out.reshape(n, cfg.num_heads * hd)
 
