@@ -6,8 +6,9 @@ Contract: `split_gpu_memory(total, cfg, opts, dtype, dense_bytes, expert_bytes)`
 the cap cannot hold the fixed parts plus one expert slot. `dense_bytes(weights)` counts the dense
 tensors a decoder keeps on its device (every tensor of the weights except the host expert banks).
 The workspace reserve is an estimate of the activations of one prefill chunk (hidden states, the
-attention and MoE intermediates, logits of the chunk's last tokens) plus a fixed margin for the
-allocator and CUDA graphs; the engine reports the measured peak next to the cap.
+attention and MoE intermediates, logits of the chunk's last tokens), the attention temporaries of
+the longest context the KV pool holds, and a fixed margin for the allocator and CUDA graphs; the
+benchmarks report the measured peak next to the cap.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
     per_token = item * (12 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
                         + 3 * cfg.top_k * cfg.moe_intermediate_size)
     logits = 4 * cfg.vocab_size * opts.max_running
-    return tokens * per_token + logits + MARGIN
+    # attention over the longest context the KV pool can hold (engine/model/attention.py): the
+    # keys and values repeated to every query head and made contiguous (4 copies), the additive
+    # mask of a chunk's queries over all keys and its boolean source
+    context = opts.kv_tokens
+    attention = 4 * context * cfg.num_heads * cfg.head_dim * item + opts.prefill_chunk * context * (item + 1)
+    return tokens * per_token + logits + attention + MARGIN
 
 
 def split_gpu_memory(total: int, cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype, dense: int,
