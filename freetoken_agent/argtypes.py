@@ -54,7 +54,7 @@ def positive_int_list(text: str) -> list[int]:
 
 def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, ...] = ("--threads",)) -> None:
     """The engine flags `serve`, `generate` and the model benches share: CPU threads (spelt
-    `threads_flags`), expert executor, compute dtype, GPU memory cap, fetch ratio."""
+    `threads_flags`), expert executor, compute dtype, GPU memory cap, fetch ratio, CUDA graphs."""
     p.add_argument(*threads_flags, dest="threads", type=int, default=0,
                    help="CPU threads for torch and the native expert executor (default: one per physical core)")
     p.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
@@ -67,3 +67,5 @@ def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, .
     p.add_argument("--fetch-ratio", type=float, default=-1.0,
                    help="share of cache misses fetched over PCIe, the rest run on the CPU (default: from the "
                         "stored calibration of this machine, measured at first start)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")

@@ -40,7 +40,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     with load_progress("loading weights") as progress:
         opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                             gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio,
+                             gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
                              calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
     print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)

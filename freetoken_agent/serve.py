@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio,
+                         gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
                          calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
                          max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
                          host_checkpoint_slots=args.host_checkpoint_slots)
