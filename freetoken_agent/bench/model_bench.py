@@ -101,7 +101,8 @@ class ModelBench:
         self.opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor,
                                   kv_tokens=kv_tokens, max_running=1, checkpoint_slots=0, host_checkpoint_slots=0,
                                   prefill_chunk=prefill_chunk, gpu_memory=args.gpu_memory,
-                                  fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs, calibration_file=str(calibration_path()))
+                                  fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                                  calibration_file=str(calibration_path()))
         self.dtype = parse_dtype(args.dtype or self.cfg.torch_dtype)
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
