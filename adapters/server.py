@@ -121,8 +121,12 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         eng = state.service.engine
-        return {"status": "ok", "model": state.model_name, "running": len(eng.scheduler.running),
-                "waiting": len(eng.scheduler.waiting)}
+        out: dict[str, Any] = {"status": "ok", "model": state.model_name, "running": len(eng.scheduler.running),
+                               "waiting": len(eng.scheduler.waiting)}
+        gpu = eng.gpu_report()
+        if gpu is not None:  # --gpu-memory: the cap, its split and the measured peak beside it
+            out["gpu_memory"] = gpu
+        return out
 
     @app.api_route("/", methods=["GET", "HEAD"])
     @app.api_route("/api/hello", methods=["GET", "HEAD"])

@@ -15,6 +15,7 @@ Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and i
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,8 @@ class Engine:
         self.cfg = decoder.cfg
         self.dtype = decoder.weights.embed.dtype
         self.gpu_budget = None
+        self._cache_stats: dict[str, float] = {}
+        self._cache_stats_at = 0.0
         if opts.gpu_memory:
             from engine.gpu.setup import attach_expert_cache
 
@@ -191,8 +194,30 @@ class Engine:
             with self._step_lock:
                 try:
                     sched.step()
+                    self._refresh_cache_stats()
                 except Exception as e:  # never let the engine thread die with requests waiting on it
                     sched.fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+
+    def _refresh_cache_stats(self) -> None:
+        """Copies the expert cache's device counters to the host at most once a second, here on the
+        engine thread (a read from another thread could meet a CUDA graph capture in progress)."""
+        stats = getattr(self.decoder.executor, "stats", None)
+        if stats is None or time.monotonic() - self._cache_stats_at < 1.0:
+            return
+        self._cache_stats_at = time.monotonic()
+        s = self.decoder.executor.stats  # type: ignore[attr-defined]
+        self._cache_stats = {"hits": s.hits, "misses": s.misses, "fetched": s.fetched, "hit_rate": s.hit_rate}
+
+    def gpu_report(self) -> dict[str, object] | None:
+        """The GPU cap, how it was split, the measured peak allocation, and the expert cache's counters
+        (as of the last refresh); None without --gpu-memory. Safe from any thread."""
+        if self.gpu_budget is None:
+            return None
+        b = self.gpu_budget
+        return {"cap_bytes": b.total, "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.opts.device),
+                "budget": {"dense": b.dense, "kv": b.kv, "states": b.states, "workspace": b.workspace,
+                           "experts": b.experts},
+                "expert_cache": dict(self._cache_stats) if self._cache_stats else None}
 
 
 def _apply_threads(opts: EngineOptions) -> None:

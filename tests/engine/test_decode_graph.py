@@ -53,3 +53,9 @@ def test_segmented_decode_equals_plain(tmp_path: Path, arch: str) -> None:
     seg, used_seg = logits(True)
     assert used_plain == 0 and used_seg == 1  # one segmented pass object, for 1-token steps
     assert torch.equal(plain, seg)
+
+
+def test_gpu_report_is_none_without_a_cap(tmp_path: Path) -> None:
+    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+    with Engine(model, EngineOptions(dtype="float32", kv_tokens=256, max_running=1, prefill_chunk=64)) as eng:
+        assert eng.gpu_report() is None

@@ -41,5 +41,8 @@ def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
         assert eng.decoder.weights.experts.w13.is_pinned()
         got = list(eng.generate(prompt, params))
         peak = torch.cuda.max_memory_allocated() - before
+        report = eng.gpu_report()
+        assert report is not None and report["cap_bytes"] == cap
+        assert report["peak_allocated_bytes"] >= peak > 0
     assert got == want
     assert peak <= cap, f"peak {peak} > cap {cap}"
