@@ -2,12 +2,13 @@
 a real shape, cold caches, one timed request, the stored calibration, and the machine facts.
 
 Contract:
-- `add_model_arguments(p)`: --shape (shapes the engine runs), --layers, --dummy (required: random
-  weights are the only source so far, and every report says so), --seed, --device, the engine
+- `add_model_arguments(p)`: the weights, one of --dummy (random weights of --shape / --layers, made
+  in memory; every report says so) or --model PATH (a checkpoint), --seed, --device, the engine
   flags of `add_engine_arguments` (threads spelt --cpu-threads or --threads), --json.
 - `ModelBench(args, kv_tokens, prefill_chunk)`: checks the arguments before any weight exists
   (`ConfigError`: no CUDA, --gpu-memory off CUDA, bad options; --device defaults to cuda when
-  available), builds the decoder (engine/weights/dummy.py) and `Engine.from_decoder` with batch-1
+  available), builds the decoder (engine/weights/dummy.py) and `Engine.from_decoder`, or loads the
+  checkpoint with `Engine(path)`, with batch-1
   options: one running request, no recurrent-state checkpoints, `kv_tokens` KV slots. `close()`
   stops the engine.
 - `ModelBench.cold()`: empties the prefix cache and, when the executor has an expert cache table,
@@ -45,10 +46,11 @@ from freetoken_agent.bench.shapes import MODEL_SHAPES, SHAPES
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen3-30b-a3b", choices=MODEL_SHAPES, help="model shape")
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=MODEL_SHAPES, help="model shape (with --dummy)")
     p.add_argument("--layers", type=positive_int, default=None, help="layer count (default: the shape's)")
-    p.add_argument("--dummy", action="store_true", required=True,
-                   help="random weights of the shape, made in memory (required: the only weight source so far)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dummy", action="store_true", help="random weights of --shape, made in memory")
+    source.add_argument("--model", default=None, metavar="PATH", help="a checkpoint directory (config.json + safetensors)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
     add_engine_arguments(p, threads_flags=("--cpu-threads", "--threads"))
@@ -95,7 +97,20 @@ class ModelBench:
         if args.threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {args.threads}")
         self.args, self.shape = args, SHAPES[args.shape]
-        self.cfg = dummy_config(self.shape, args.layers)
+        self.model = getattr(args, "model", None)
+        if self.model is not None:
+            from pathlib import Path
+
+            from engine.config import ModelConfig
+
+            path = Path(self.model)
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"--model {self.model}: no config.json there")
+            if args.layers is not None:
+                raise ConfigError("--layers applies to --dummy shapes, not to a checkpoint")
+            self.cfg = ModelConfig.from_file(path / "config.json")
+        else:
+            self.cfg = dummy_config(self.shape, args.layers)
         if kv_tokens > self.cfg.max_position_embeddings:
             raise ConfigError(f"{kv_tokens} tokens exceed the shape's {self.cfg.max_position_embeddings} positions")
         self.opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor,
@@ -107,6 +122,12 @@ class ModelBench:
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.model is not None:
+            self.note(f"loading {self.model} on {args.device}")
+            t0 = time.perf_counter()
+            self.engine = Engine(self.model, dataclasses.replace(self.opts, dtype=args.dtype))
+            self.load_s = time.perf_counter() - t0
+            return
         self.note(f"building random weights of {self.shape.name} ({self.cfg.num_layers} layers, "
                   f"{self.shape.bank_bytes(self.cfg.num_moe_layers, self.dtype.itemsize) / 1e9:.1f} GB of experts, "
                   f"seed {args.seed}) on {args.device}")
@@ -157,7 +178,7 @@ class ModelBench:
 
         before = self.stats()
         submitted = time.perf_counter()
-        handle = self.engine.submit(prompt, SamplingParams(max_tokens=max_tokens), listener=listener)
+        handle = self.engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), listener=listener)
         handle.result()
         done.wait()
         return Timing(submitted, marks["first"], marks["last"], marks["count"], before, marks["first_stats"],
@@ -207,9 +228,11 @@ class ModelBench:
         cuda = self.device.type == "cuda"
         cal, _ = self.calibration()
         banks = self.engine.decoder.weights.experts
+        real = self.model is not None
         return {
-            "weights": "dummy", "seed": self.args.seed, "routing": "random routers (near-uniform)",
-            "shape": self.shape.name, "family": self.cfg.family, "layers": self.cfg.num_layers,
+            "weights": f"checkpoint {self.model}" if real else "dummy", "seed": self.args.seed,
+            "routing": "the checkpoint's routers" if real else "random routers (near-uniform)",
+            "shape": self.model if real else self.shape.name, "family": self.cfg.family, "layers": self.cfg.num_layers,
             "experts": self.cfg.num_experts, "top_k": self.cfg.top_k, "hidden": self.cfg.hidden_size,
             "expert_inter": self.cfg.moe_intermediate_size, "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device), "gpu": torch.cuda.get_device_name(self.device) if cuda else None,
@@ -227,7 +250,8 @@ class ModelBench:
         f = self.facts()
         cap = f"{f['gpu_memory'] / 2**30:.1f} GiB cap" if f["gpu_memory"] else "no GPU cap"
         peak = f", peak {f['peak_gpu_bytes'] / 2**30:.2f} GiB" if f["peak_gpu_bytes"] is not None else ""
-        return (f"{f['shape']} ({f['layers']} layers), dummy weights seed {f['seed']}, {f['device']}"
+        weights = f"dummy weights seed {f['seed']}" if f["weights"] == "dummy" else f["weights"]
+        return (f"{f['shape']} ({f['layers']} layers), {weights}, {f['device']}"
                 f"{' ' + f['gpu'] if f['gpu'] else ''}, {cap}{peak}, {f['cpu_threads']} CPU threads; "
                 f"experts: {f['executor']}")
 

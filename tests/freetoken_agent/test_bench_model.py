@@ -254,3 +254,19 @@ def test_missing_dummy_flag_and_unavailable_cuda(capsys: pytest.CaptureFixture[s
     if not torch.cuda.is_available():
         assert main(["bench", "prefill", "--shape", "tiny-qwen3", "--dummy", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
+    from freetoken_agent.demo import write_demo_model
+
+    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+    proc = run_cli("bench", "decode", "--model", str(model), "--device", "cpu", "--tokens", "6", "--reps", "1",
+                   "--prompt-tokens", "8", "--cpu-threads", "1", "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["weights"] == f"checkpoint {model}" and r["shape"] == str(model) and r["tokens"] == 6
+    assert r["tok_s"] > 0 and r["family"] == "qwen3_moe" and r["routing"] == "the checkpoint's routers"
+    both = run_cli("bench", "decode", "--model", str(model), "--dummy", "--device", "cpu", cache=tmp_path)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = run_cli("bench", "prefill", "--model", str(tmp_path / "nowhere"), "--device", "cpu", cache=tmp_path)
+    assert missing.returncode != 0 and "no config.json" in missing.stderr and "Traceback" not in missing.stderr
