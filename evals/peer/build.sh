@@ -76,7 +76,12 @@ if [[ "$PEER_CUDA" == ON ]]; then
     # python's nvidia-cublas wheel (nvidia/cu13/{lib,include}) has it; then name it to cmake.
     TOP="$("$NVCC" --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)"
     TOP="$(cd "${TOP:-/usr/local/cuda}" 2>/dev/null && pwd -P || echo /usr/local/cuda)"
-    TK_LIB="" TK_INC=""
+    TK_LIB="" TK_INC="" RPATH_DIRS=()
+    # the binaries find the toolkit's libcudart (and an outside cuBLAS) through their RUNPATH, in
+    # case the loader's search path lacks those directories
+    for d in "$TOP/lib64" "$TOP/lib" "$TOP/targets/x86_64-linux/lib"; do
+        if compgen -G "$d/libcudart.so*" >/dev/null; then RPATH_DIRS+=("$(cd "$d" && pwd -P)"); break; fi
+    done
     for d in "$TOP/lib64" "$TOP/lib" "$TOP/targets/x86_64-linux/lib"; do
         [[ -e "$d/libcublas.so" ]] && TK_LIB="$d/libcublas.so"
     done
@@ -127,11 +132,15 @@ if [[ "$PEER_CUDA" == ON ]]; then
         [[ -n "$CB_LIB" && -n "$CB_LT" ]] || die "no cuBLAS: not in $TOP, not in python's nvidia packages ($PY), not in ldconfig"
         [[ -n "$TK_INC" || -n "$CB_INC" ]] || die "no cublas_v2.h in $TOP nor in python's nvidia packages"
         echo "   cuBLAS from outside the toolkit: $CB_LIB, $CB_LT, ${CB_INC:-$TK_INC/cublas_v2.h}"
-        CUDA_FLAGS+=(-DCUDA_cublas_LIBRARY="$CB_LIB" -DCUDA_cublasLt_LIBRARY="$CB_LT"
-                     -DCMAKE_BUILD_RPATH="$(dirname "$CB_LIB")")
+        CUDA_FLAGS+=(-DCUDA_cublas_LIBRARY="$CB_LIB" -DCUDA_cublasLt_LIBRARY="$CB_LT")
+        RPATH_DIRS+=("$(dirname "$CB_LIB")")
         if [[ -z "$TK_INC" ]]; then
             CUDA_FLAGS+=(-DCMAKE_CUDA_FLAGS="-I$(dirname "$CB_INC")" -DCMAKE_CXX_FLAGS="-I$(dirname "$CB_INC")")
         fi
+    fi
+    if (( ${#RPATH_DIRS[@]} )); then
+        CUDA_FLAGS+=(-DCMAKE_BUILD_RPATH="$(IFS=';'; echo "${RPATH_DIRS[*]}")")
+        echo "   RUNPATH: ${RPATH_DIRS[*]}"
     fi
 else
     echo "   PEER_CUDA=$PEER_CUDA: building for the CPU (a test of this script, not a peer build)"

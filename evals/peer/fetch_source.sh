@@ -64,6 +64,8 @@ SDIST_COMMIT="$(tr -d '[:space:]' < "$WORK/$TOP/.git/HEAD")"
 # 2. the allowlist
 [[ -f "$SRC/tools/llama-bench/llama-bench.cpp" ]] || die "tools/llama-bench not found in this llama.cpp version"
 grep -q -- '--n-cpu-moe' "$SRC/tools/llama-bench/llama-bench.cpp" || die "this llama-bench has no --n-cpu-moe"
+grep -q -- '--load-mode' "$SRC/tools/llama-bench/llama-bench.cpp" \
+    || echo "fetch_source.sh: WARNING: this llama-bench has no --load-mode: give run_bench.py --load-mode '' --extra '-mmp 0'" >&2
 DST="$WORK/llama.cpp"
 mkdir -p "$DST"
 keep() {  # keep PATH... (relative to the llama.cpp root; each must exist)
