@@ -28,7 +28,6 @@ can start. The ratio is baked into the captured plan: a new executor is how a ne
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -36,11 +35,10 @@ import torch
 
 from engine.gpu.host_fn import device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
+from engine.graphs import GraphCache
 
 if TYPE_CHECKING:
     from engine.gpu.executor import CachedExpertExecutor
-
-log = logging.getLogger("freetoken.engine")
 
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
@@ -56,8 +54,6 @@ class DeviceStep:
 
         self.ex = executor
         self.tokens = tokens
-        self.graphs = graphs
-        self.pool = pool
         dev = executor.table.device
         banks = executor.banks
         hidden = banks.w2.shape[1]
@@ -79,9 +75,7 @@ class DeviceStep:
         self.cpu_branch = cpu_branch or os.environ.get("FREETOKEN_CPU_BRANCH", "doorbell")
         if self.cpu_branch not in CPU_BRANCHES:
             raise ValueError(f"unknown CPU branch hand-off {self.cpu_branch!r} (known: {', '.join(CPU_BRANCHES)})")
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._eager_calls: dict[int, int] = {}
-        self._uncapturable: set[int] = set()
+        self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
 
     def _task(self, layer: int) -> object:
         task = self._tasks.get(layer)
@@ -143,26 +137,7 @@ class DeviceStep:
         self.x.copy_(x)
         self.ids.copy_(ids)
         self.w.copy_(weights)
-        graph = self._graphs.get(layer)
-        if graph is not None:
-            graph.replay()
-            return self.out
-        if self.graphs and self._eager_calls.get(layer, 0) >= 1 and layer not in self._uncapturable:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    self._enqueue(layer)
-            except Exception as exc:  # torch raises AcceleratorError or RuntimeError
-                # the capture's plan updates never ran, so the cache state is as before: go eager
-                self._uncapturable.add(layer)
-                log.warning("MoE layer %d, %d tokens: CUDA graph capture failed, running eagerly: %s", layer,
-                            self.tokens, str(exc).splitlines()[0])
-            else:
-                self._graphs[layer] = graph
-                graph.replay()
-                return self.out
-        self._eager_calls[layer] = self._eager_calls.get(layer, 0) + 1
-        self._enqueue(layer)
+        self._graphs.run(layer, lambda: self._enqueue(layer))
         return self.out
 
     def check(self) -> None:
@@ -172,4 +147,4 @@ class DeviceStep:
 
     @property
     def captured(self) -> int:
-        return len(self._graphs)
+        return self._graphs.captured

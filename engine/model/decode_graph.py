@@ -25,8 +25,6 @@ captured (how the CPU tests check that the segmented pass computes what the plai
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 
 from engine.cache.pools import KVPool, StatePool
 from engine.config import FULL_ATTENTION
+from engine.graphs import GraphCache
 from engine.model.attention import attention_core, attention_inputs, attention_output
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
@@ -42,8 +41,6 @@ from engine.model.ops import rms_norm, swiglu_mlp
 
 if TYPE_CHECKING:
     from engine.model.decoder import Decoder
-
-log = logging.getLogger("freetoken.engine")
 
 
 def usable(decoder: Decoder, tokens: int) -> bool:
@@ -70,11 +67,7 @@ class DecodeGraphs:
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.limit = 1  # rotary table size the captured segments were built with
-        self.capture = dev.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._eager: set[int] = set()
-        self._failed: set[int] = set()
+        self._graphs = GraphCache(f"decode segment ({tokens} tokens), layer", enabled=dev.type == "cuda")
         self._rotary_version = -1
 
     # ------------------------------------------------------------------ the per-token segments
@@ -133,31 +126,6 @@ class DecodeGraphs:
             return step(x, ids, weights, moe_index)
         return ex(x, ids, weights, moe_index)
 
-    def _run(self, key: int, fn: Callable[[], None]) -> None:
-        """fn eagerly on its first call, captured on its second, replayed afterwards."""
-        if not self.capture:
-            fn()
-            return
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        if key in self._eager and key not in self._failed:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    fn()
-            except Exception as exc:  # torch raises AcceleratorError or RuntimeError
-                self._failed.add(key)
-                log.warning("decode segment %d (%d tokens): CUDA graph capture failed, running eagerly: %s", key,
-                            self.tokens, str(exc).splitlines()[0])
-            else:
-                self._graphs[key] = graph
-                graph.replay()
-                return
-        self._eager.add(key)
-        fn()
-
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
@@ -170,7 +138,6 @@ class DecodeGraphs:
         d.rotary.prepare(limit, self.h.device, self.h.dtype)
         if d.rotary.version != self._rotary_version:
             self._graphs.clear()
-            self._eager.clear()
             self._rotary_version = d.rotary.version
             self.limit = d.rotary.size
         streamer = getattr(d.executor, "streamer", None)
@@ -189,9 +156,9 @@ class DecodeGraphs:
                 si = d._state_index[li]
                 self.mix.copy_(gated_deltanet(self.xn, lw.linear_attention, cfg, batch, states.conv[si],
                                               states.ssm[si]))
-            self._run(li, lambda li=li: self._segment(li))  # type: ignore[misc]
+            self._graphs.run(li, lambda li=li: self._segment(li))  # type: ignore[misc]
         return self.final.clone()
 
     @property
     def captured(self) -> int:
-        return len(self._graphs)
+        return self._graphs.captured

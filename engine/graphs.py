@@ -1,0 +1,60 @@
+"""Lazily captured CUDA graphs, one per key: the pattern the decode paths share.
+
+Contract: `GraphCache(name)`; `run(key, fn)` calls `fn` (which only queues work on the current
+stream, reading and writing fixed buffers) eagerly the first time a key is seen (kernels compile,
+lazy state settles), captures it into a CUDA graph the second time and replays that graph, and
+replays it afterwards. A capture that fails is logged once, with `name` and the key, and that key
+runs eagerly from then on: correct, only slower. `enabled=False` always runs `fn` eagerly (off
+CUDA, or with graphs turned off). All graphs share one memory pool; they must replay in stream
+order, never concurrently (`pool` shares one pool with other caches). `clear()` drops every graph (when something they captured by reference
+is replaced); `captured` counts the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+import torch
+
+log = logging.getLogger("freetoken.engine")
+
+
+class GraphCache:
+    def __init__(self, name: str, enabled: bool = True, pool: tuple[int, int] | None = None) -> None:
+        self.name = name
+        self.enabled = enabled
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if enabled else None
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._seen: set[Hashable] = set()
+        self._failed: set[Hashable] = set()
+
+    def run(self, key: Hashable, fn: Callable[[], None]) -> None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        if self.enabled and key in self._seen and key not in self._failed:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    fn()
+            except Exception as exc:  # torch raises AcceleratorError or RuntimeError
+                # nothing captured ran, so the state fn updates is as before: run it eagerly
+                self._failed.add(key)
+                log.warning("%s %s: CUDA graph capture failed, running eagerly: %s", self.name, key,
+                            str(exc).splitlines()[0])
+            else:
+                self._graphs[key] = graph
+                graph.replay()
+                return
+        self._seen.add(key)
+        fn()
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
