@@ -13,8 +13,10 @@
 #     a later call on the same warm machine that finds a matching stamp skips the build (--force rebuilds);
 #     checks that they link (ldd) and that llama-bench sees a CUDA device;
 #   - --export (and $OUT set): writes each binary `xz -T$JOBS -6` compressed and split into pieces of
-#     15 MiB as $OUT/NAME.xz.part-NN, plus $OUT/peer-bin.sha256; evals/peer/restore.sh DIR reassembles
-#     them into .peer/bin/ on any machine. On a failed build with $OUT set, the log goes to
+#     15 MiB as $OUT/NAME.xz.part-NN, plus $OUT/peer-bin.sha256, llama-bench first, skipping (with a
+#     warning) a binary that would pass $EXPORT_BUDGET_MIB (default 60) MiB or 8 files in all: the
+#     CUDA llama-bench alone is ~40 MiB compressed. evals/peer/restore.sh DIR reassembles them into
+#     .peer/bin/ on any machine. On a failed build with $OUT set, the log goes to
 #     $OUT/peer-build.log.gz.
 #   - prints the time of every step; any failure exits non-zero with the reason and the log's tail.
 #   - cuBLAS and the driver library: when the CUDA toolkit lacks them (a toolkit assembled from pip
@@ -235,17 +237,32 @@ if [[ "$PEER_CUDA" == ON ]]; then
 fi
 step_done "checks"
 
-# 6. export compressed pieces
+# 6. export compressed pieces (what comes back from $OUT: at most 8 files, 64 MiB together)
 if (( EXPORT )); then
     [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || die "--export needs \$OUT set to an existing directory"
     step "exporting xz pieces of ${TARGETS[*]} to $OUT"
-    (cd "$BIN_DIR" && sha256sum "${TARGETS[@]}") > "$OUT/peer-bin.sha256"
-    for t in "${TARGETS[@]}"; do
-        xz -T"$JOBS" -6 -c "$BIN_DIR/$t" | split -b 15M -d -a 2 - "$OUT/$t.xz.part-"
+    BUDGET=$(( ${EXPORT_BUDGET_MIB:-60} * 1048576 ))
+    USED=0
+    N_FILES=1  # peer-bin.sha256
+    : > "$OUT/peer-bin.sha256"
+    for t in "${TARGETS[@]}"; do  # in order: llama-bench first
+        XZ="$(mktemp)"
+        xz -T"$JOBS" -6 -c "$BIN_DIR/$t" > "$XZ"
+        SIZE=$(stat -c %s "$XZ")
+        PIECES=$(( (SIZE + 15 * 1048576 - 1) / (15 * 1048576) ))
+        if (( USED + SIZE > BUDGET || N_FILES + PIECES > 8 )); then
+            echo "build.sh: WARNING: $t not exported: $(( SIZE >> 20 )) MiB compressed would pass what comes back" \
+                 "(${EXPORT_BUDGET_MIB:-60} MiB, 8 files); it stays in $BIN_DIR on this machine" >&2
+            rm -f "$XZ"
+            continue
+        fi
+        split -b 15M -d -a 2 "$XZ" "$OUT/$t.xz.part-"
+        rm -f "$XZ"
+        (cd "$BIN_DIR" && sha256sum "$t") >> "$OUT/peer-bin.sha256"
+        USED=$(( USED + SIZE ))
+        N_FILES=$(( N_FILES + PIECES ))
     done
     ls -la "$OUT"
-    n_files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
-    (( n_files <= 8 )) || echo "build.sh: WARNING: $OUT holds $n_files files; only 8 come back" >&2
     step_done "export"
 fi
 
