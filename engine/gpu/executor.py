@@ -229,6 +229,13 @@ class CachedExpertExecutor:
             self._steps[tokens] = step
         return step
 
+    def begin_forward(self, entries: int) -> None:
+        """Called by the decoder before a forward pass of `entries` routed entries (tokens x k): a
+        chunk the streamer will take has its first MoE layer's experts start streaming now, so
+        those copies overlap the embedding and the first attention instead of delaying layer 0."""
+        if self.streamer is not None and entries >= self.prefill_entries:
+            self.streamer.start(0)
+
     def supports_graph_step(self, tokens: int) -> bool:
         return 0 < tokens <= self.step_tokens
 

@@ -61,6 +61,9 @@ class Decoder:
             if graphs is not None:
                 return graphs.forward(batch, kv, states)
         cfg, w = self.cfg, self.weights
+        begin = getattr(self.executor, "begin_forward", None)
+        if begin is not None:  # e.g. start streaming the first MoE layer's experts during the embedding
+            begin(n * cfg.top_k)
         h = F.embedding(batch.input_ids, w.embed)
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         for li, lw in enumerate(w.layers):

@@ -190,3 +190,42 @@ def test_tiny_model_generates_the_same(spec: TinySpec, slots_frac: float, ratio:
         assert s.hits == 0 and s.fetched == 0
     else:
         assert s.hits > 0 and s.fetched > 0
+
+
+def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A prompt chunk with dense routing goes through the streamer (started before the embedding by
+    the decoder's begin_forward), decode through the per-layer plan, and the tokens and logits are
+    the reference's."""
+    spec = TinySpec("gpucache_stream", "qwen3_moe", qwen3_moe_text(num_experts=8, num_experts_per_tok=2,
+                                                                   num_hidden_layers=4), seed=13)
+    path, _ = tiny_checkpoint(spec)
+    prompt = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(engine) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
+        h = engine.submit(prompt, params, capture_logits=True)
+        out = h.result(timeout=120)
+        return out, torch.stack(h.logits)
+
+    ref_tokens, ref_logits = run(make_engine(Path(path), executor="torch"))
+    engine = make_engine(Path(path), executor="torch")
+    banks = engine.decoder.weights.experts
+    E, rows = banks.num_experts, banks.w13.shape[0]
+    cached = create_cached_executor(banks, (2 * E + 4) * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+    assert cached.streamer is not None and cached.prefill_entries <= 40 * 2 and rows > 2 * E + 4
+    engine.decoder.executor = cached
+    starts: list[int | None] = []
+    start = cached.streamer.start
+
+    def recording_start(first_moe_index: int | None = 0) -> None:
+        starts.append(first_moe_index)
+        start(first_moe_index)
+
+    cached.streamer.start = recording_start  # type: ignore[method-assign]
+    tokens, logits = run(engine)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert starts[0] == 0  # the decoder's begin_forward issued layer 0's copies before any layer ran
+    st = cached.streamer.stats
+    assert st.chunks == 1 and st.layers == rows // E and not cached.streamer.active
+    assert cached.table.invariant_errors() == [] and cached.stats.calls > 0  # decode went through the plan
