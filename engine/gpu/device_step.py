@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import ConfigError
 from engine.gpu.host_fn import device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
 from engine.graphs import GraphCache
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
 
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
+
+
+def resolve_cpu_branch(name: str | None) -> str:
+    """`name`, else FREETOKEN_CPU_BRANCH, else "doorbell"; ConfigError for an unknown one."""
+    branch = name or os.environ.get("FREETOKEN_CPU_BRANCH", "doorbell")
+    if branch not in CPU_BRANCHES:
+        raise ConfigError(f"unknown CPU branch hand-off {branch!r} (known: {', '.join(CPU_BRANCHES)})")
+    return branch
 
 
 class DeviceStep:
@@ -72,9 +81,7 @@ class DeviceStep:
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
         self._tasks: dict[int, object] = {}
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
-        self.cpu_branch = cpu_branch or os.environ.get("FREETOKEN_CPU_BRANCH", "doorbell")
-        if self.cpu_branch not in CPU_BRANCHES:
-            raise ValueError(f"unknown CPU branch hand-off {self.cpu_branch!r} (known: {', '.join(CPU_BRANCHES)})")
+        self.cpu_branch = resolve_cpu_branch(cpu_branch)
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
 
     def _task(self, layer: int) -> object:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.device_step import DeviceStep
+from engine.gpu.device_step import DeviceStep, resolve_cpu_branch
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
@@ -122,12 +122,7 @@ class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
                  cpu_branch: str | None = None) -> None:
-        if table.slots != slots.slots:
-            raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
-        if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
-            raise ValueError("cache table shape does not match the expert banks")
-        if table.device != slots.device:
-            raise ValueError(f"cache table on {table.device} but slots on {slots.device}")
+        table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
         self.ratio = check_ratio(ratio)
@@ -138,7 +133,7 @@ class CachedExpertExecutor:
         self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
         # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
         self.graphs = graphs
-        self.cpu_branch = cpu_branch
+        self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._graph_pool: tuple[int, int] | None = None

@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 _FETCH_BLOCK = 4096
+_FETCH_CTAS = int(os.environ.get("FREETOKEN_FETCH_CTAS", "64"))  # read once: fetch_experts runs every layer
 
 
 @triton.jit
@@ -57,8 +58,7 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
     # fill PCIe, without occupying every SM (FREETOKEN_FETCH_CTAS: programs over all copies, 0 = one
     # per chunk). Measured on the H200 (docs/benchmarks.md): one program per chunk takes every SM and
     # delays the CPU branch's small copies behind it; 48-128 programs keep ~47 of 49.5 GB/s.
-    ctas = int(os.environ.get("FREETOKEN_FETCH_CTAS", "64"))
-    programs = n_chunks if ctas <= 0 else max(1, min(n_chunks, ctas // n))
+    programs = n_chunks if _FETCH_CTAS <= 0 else max(1, min(n_chunks, _FETCH_CTAS // n))
     _fetch_kernel[(n, programs)](copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2, n13, n2, n_chunks,
                                  programs, BLOCK=_FETCH_BLOCK, num_warps=8)
 

@@ -97,12 +97,7 @@ class PrefillStats:
 class PrefillStreamer:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
-        if table.slots != slots.slots:
-            raise ValueError(f"cache table has {table.slots} slots but the pool has {slots.slots}")
-        if table.experts != banks.num_experts or table.layers * table.experts != banks.w13.shape[0]:
-            raise ValueError("cache table shape does not match the expert banks")
-        if table.device != slots.device:
-            raise ValueError(f"cache table on {table.device} but slots on {slots.device}")
+        table.check_matches(banks, slots)
         if copy_stream is not None and slots.device.type != "cuda":
             raise ValueError(f"a copy stream needs CUDA slots, the pool is on {slots.device}")
         self.banks, self.slots, self.table = banks, slots, table

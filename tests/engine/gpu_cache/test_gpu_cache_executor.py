@@ -9,6 +9,7 @@ through the cache as through the torch executor.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,12 @@ SPECS = [
 ]
 
 
+def _generate(engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
+    h = engine.submit(prompt, params, capture_logits=True)
+    out = h.result(timeout=120)
+    return out, torch.stack(h.logits)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 @pytest.mark.parametrize(("slots_frac", "ratio"), [(0.0, 1.0), (0.25, 0.0), (0.25, 0.5), (0.25, 1.0), (1.0, 1.0)])
 def test_tiny_model_generates_the_same(spec: TinySpec, slots_frac: float, ratio: float, tiny_checkpoint,  # type: ignore[no-untyped-def]
@@ -170,10 +177,7 @@ def test_tiny_model_generates_the_same(spec: TinySpec, slots_frac: float, ratio:
     prompt = torch.randint(0, 100, (23,), generator=torch.Generator().manual_seed(7)).tolist()
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
-    def run(engine) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-        h = engine.submit(prompt, params, capture_logits=True)
-        out = h.result(timeout=120)
-        return out, torch.stack(h.logits)
+    run = functools.partial(_generate, prompt=prompt, params=params)
 
     ref_tokens, ref_logits = run(make_engine(Path(path), executor="torch"))
     engine = make_engine(Path(path), executor="torch")
@@ -202,10 +206,7 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
     prompt = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
-    def run(engine) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-        h = engine.submit(prompt, params, capture_logits=True)
-        out = h.result(timeout=120)
-        return out, torch.stack(h.logits)
+    run = functools.partial(_generate, prompt=prompt, params=params)
 
     ref_tokens, ref_logits = run(make_engine(Path(path), executor="torch"))
     engine = make_engine(Path(path), executor="torch")
@@ -229,3 +230,14 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
     st = cached.streamer.stats
     assert st.chunks == 1 and st.layers == rows // E and not cached.streamer.active
     assert cached.table.invariant_errors() == [] and cached.stats.calls > 0  # decode went through the plan
+
+
+def test_unknown_cpu_branch_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from engine.errors import ConfigError
+
+    banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
+    with pytest.raises(ConfigError, match="unknown CPU branch hand-off 'bogus'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), cpu_branch="bogus")
+    monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "nope")
+    with pytest.raises(ConfigError, match="'nope'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
