@@ -1,43 +1,45 @@
 #!/usr/bin/env bash
 # Both systems in one GPU-machine call (../shared/BENCHMARKS.md): llama.cpp (experts in pinned host
-# memory, -ncmoe 16: one third resident) and freetoken-agent (the same 24-layer Qwen3-30B-A3B shape,
-# a GPU cap that leaves one third of the experts resident, the same 8 threads), decode and prefill.
+# memory, -ncmoe tuned to each cap) and freetoken-agent (the same shape with random weights, the
+# paired GPU cap, the same 8 threads), decode and prefill.
 # Prerequisites: evals/peer/README.md step 1 (the exported llama-bench in .peer/export); carry
-# [".whl", ".peer/llama.cpp.tar.xz", ".peer/export"]; run from the repository root, wheels installed.
-# Everything lands in $OUT; one summary is printed last. NCMOE / CAP override the pairing.
+# [".peer/llama.cpp.tar.xz", ".peer/export"] and the wheels; run from the repository root, wheels installed.
+# PAIRS lists "ncmoe:cap" pairs that leave about the same share of experts on the GPU for both
+# (default: 16:12GiB and 12:16GiB, a third and a half of the 24-layer Qwen3-30B-A3B variant: what a
+# 24 GiB and a 32 GiB card hold of the full 48-layer model). SHAPE / LAYERS / GGUF_ARGS select the
+# model (for Qwen3.6: SHAPE=qwen3.6-35b-a3b LAYERS=20 GGUF_ARGS="--arch qwen35moe --layers 20").
+# Everything lands in $OUT; one summary is printed last.
 set -u
 OUT=${OUT:-/tmp/side-by-side}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-NCMOE=${NCMOE:-16}
-CAP=${CAP:-12GiB}
-GGUF=/tmp/peer/qwen3moe-24l-bf16.gguf
+PAIRS=${PAIRS:-"16:12GiB 12:16GiB"}
+SHAPE=${SHAPE:-qwen3-30b-a3b}
+LAYERS=${LAYERS:-24}
+GGUF_ARGS=${GGUF_ARGS:-"--layers 24 --experts 128 --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128"}
+PROMPTS=${PROMPTS:-1024,4096,16384}
+GGUF=/tmp/peer/$SHAPE-${LAYERS}l-bf16.gguf
 [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
 python3 native/build.py -j 16 >/dev/null 2>&1 || echo "native build failed"
-python3 evals/peer/write_gguf.py --layers 24 --experts 128 --top-k 8 --hidden 2048 --inter 768 --heads 32 \
-    --kv-heads 4 --head-dim 128 --seed 0 --out "$GGUF" || exit 1
-python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "$NCMOE" --threads 8 --prompts 1024,4096,16384 --gen 128 \
-    --ubatch 2048 --reps 3 --load-mode none --timeout 200 --out-dir "$OUT"
-rm -f "$GGUF"  # the disk holds one 29 GiB model at a time; ours is made in memory
+t0=$(date +%s)
+# shellcheck disable=SC2086
+timeout 240 python3 evals/peer/write_gguf.py $GGUF_ARGS --seed 0 --out "$GGUF" > "$OUT/gguf.log" 2>&1 || { tail -5 "$OUT/gguf.log"; exit 1; }
+echo "gguf written in $(( $(date +%s) - t0 )) s"
+NCMOES=$(for p in $PAIRS; do printf '%s,' "${p%%:*}"; done)
+python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOES%,}" --threads 8 --prompts "$PROMPTS" --gen 128 \
+    --ubatch 2048 --reps 3 --load-mode none --timeout 150 --out-dir "$OUT" | tail -8
+rm -f "$GGUF"  # the disk holds one ~30 GiB model at a time; ours is made in memory
+echo "peer done at $(( $(date +%s) - t0 )) s"
 F="python3 -m freetoken_agent"
-$F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-timeout 150 $F bench decode --shape qwen3-30b-a3b --layers 24 --dummy --gpu-memory "$CAP" --cpu-threads 8 \
-    --tokens 128 --reps 3 --json > "$OUT/dec_ours.json" 2> "$OUT/dec_ours.err"
-timeout 120 $F bench prefill --shape qwen3-30b-a3b --layers 24 --dummy --gpu-memory "$CAP" --cpu-threads 8 \
-    --prompt-tokens 1024,4096,16384 --chunk 8192 --json > "$OUT/pre_ours.json" 2> "$OUT/pre_ours.err"
+$F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
+for p in $PAIRS; do
+    cap=${p#*:}
+    timeout "${DEC_S:-110}" $F bench decode --shape "$SHAPE" --layers "$LAYERS" --dummy --gpu-memory "$cap" \
+        --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
+    echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
+    timeout "${PRE_S:-100}" $F bench prefill --shape "$SHAPE" --layers "$LAYERS" --dummy --gpu-memory "$cap" \
+        --cpu-threads 8 --prompt-tokens "$PROMPTS" --chunk 8192 --json > "$OUT/pre_ours_$cap.json" 2> "$OUT/pre_ours_$cap.err"
+    echo "prefill $cap: exit $? at $(( $(date +%s) - t0 )) s"
+done
 python3 -m evals.gpu.summary "$OUT"
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-try:
-    peer = json.loads((out / "peer-bench.json").read_text())
-    ours = json.loads((out / "dec_ours.json").read_text())
-except (OSError, json.JSONDecodeError) as e:
-    sys.exit(f"no side-by-side ratio: {e}")
-for cfg in peer.get("summary", peer.get("configs", [])):
-    tg = next(iter(cfg.get("decode", {}).values()), {}).get("tok_s")
-    if tg:
-        print(f"llama.cpp ncmoe {cfg.get('ncmoe')}: decode {tg:.1f} tok/s, peak GPU {cfg.get('gpu_mem_peak_mib')} MiB; "
-              f"ours {ours['tok_s']:.1f} tok/s -> {ours['tok_s'] / tg:.2f}x")
-PY
+python3 -m evals.gpu.side_by_side "$OUT" $PAIRS
