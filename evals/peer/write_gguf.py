@@ -1,15 +1,30 @@
 #!/usr/bin/env python3
-"""Write a qwen3moe GGUF with random weights of a given shape, for the llama.cpp peer benchmark.
+"""Write a qwen3moe or qwen35moe GGUF with random weights of a given shape, for the llama.cpp peer benchmark.
 
 Contract:
-    python3 evals/peer/write_gguf.py --out PATH [--layers 24 --experts 128 --top-k 8 --hidden 2048
-        --inter 768 --heads 32 --kv-heads 4 --head-dim 128 --vocab-from VOCAB.gguf --seed 0
-        --dtype bf16 --threads N]
+    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe --layers N --experts 128
+        --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
+        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --threads N]
+        qwen35moe only: [--shared-inter 512 --full-attn-interval 4 --linear-key-heads 16
+        --linear-value-heads 32 --linear-head-dim 128 --conv-kernel 4 --rope-dim 64
+        --rope-sections 11,11,10,0]
 
-- The defaults are Qwen3-30B-A3B's per-layer shape with 24 layers instead of 48 (the GPU machine's
-  disk holds that file: 27 GiB (29 GB) of experts, 29 GiB (31 GB) in all).
+- --arch qwen3moe (the default): Qwen3-30B-A3B's per-layer shape with 24 layers instead of 48 (the
+  GPU machine's disk holds that file: 27 GiB (29 GB) of experts, 29 GiB (31 GB) in all).
+- --arch qwen35moe (llama.cpp's name for Qwen3.5/3.6-MoE): Qwen3.6-35B-A3B's per-layer shape
+  (256 experts top-8 of 512, a shared expert of 512 with a sigmoid gate, hidden 2048; every 4th
+  layer full attention: 16 q heads / 2 kv heads of 256, gated q, partial rotary 64 of 256 dims,
+  IMRoPE sections 11,11,10,0, theta 1e7; the others Gated DeltaNet: 16 key heads, 32 value heads of
+  128, conv kernel 4) with 20 layers instead of 40 (5 full attention + 15 Gated DeltaNet: 30 GiB of
+  experts, 32 GiB in all). --layers must be a multiple of --full-attn-interval. Tensor names,
+  shapes and keys are those llama.cpp's loader reads (src/models/qwen35moe.cpp of the peer's commit);
+  no MTP layer.
 - Matrices are normal(0, --std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
+  qwen35moe: the shared-expert gate vector (ffn_gate_inp_shexp) and the Gated DeltaNet conv kernel
+  (ssm_conv1d, which ggml's ssm_conv wants in float32) are float32 normal(0, --std); ssm_a (llama.cpp
+  stores -exp(A_log)) is -1.0 (A_log = 0) and ssm_dt.bias is 0, so each step's decay is
+  exp(-softplus(alpha)), in (0, 1): activations stay finite.
   Values depend only on --seed, the tensor's name and its shape (never on --threads), so two runs
   with the same arguments write byte-identical files.
 - The tokenizer (every tokenizer.* key) is copied from --vocab-from, by default llama.cpp's
@@ -84,20 +99,36 @@ class Shape:
     kv_heads: int
     head_dim: int
     vocab: int
+    # qwen35moe only (0 for qwen3moe)
+    shared_inter: int = 0  # the shared expert's intermediate size
+    full_attn_interval: int = 1  # layer i is full attention when (i + 1) % interval == 0, else Gated DeltaNet
+    linear_key_heads: int = 0  # Gated DeltaNet: ssm.group_count
+    linear_value_heads: int = 0  # ssm.time_step_rank
+    linear_head_dim: int = 0  # key and value head dim: ssm.state_size
+    conv_kernel: int = 0  # ssm.conv_kernel
+
+    def is_full_attention(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attn_interval == 0
+
+
+F32_RANDOM = ("router", "vec")
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # numpy (row-major) order: the reverse of ggml's ne
-    kind: str  # "mat": random in the file dtype; "router": random float32; "norm": float32 ones
+    # "mat": random in the file dtype; "router" / "vec": random float32; "norm": float32 ones;
+    # "const": float32 filled with `fill`
+    kind: str
+    fill: float = 0.0
 
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape))
 
     def nbytes(self, dtype: str) -> int:
-        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for float32 routers and norms."""
+        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for every float32 tensor."""
         return self.numel * (2 if self.kind == "mat" else 4)
 
 
@@ -128,6 +159,60 @@ def tensor_specs(s: Shape) -> list[TensorSpec]:
     return specs
 
 
+def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
+    """Every tensor llama.cpp's qwen35moe loader asks for (load_arch_tensors in src/models/qwen35moe.cpp),
+    shapes in numpy order (the reverse of the loader's ne): untied output, separate q (query and gate
+    interleaved per head, hence 2x) / k / v in full-attention layers, fused qkv plus a z gate in
+    Gated DeltaNet layers, separate gate and up expert banks, the shared expert and its gate."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    key_dim = s.linear_key_heads * s.linear_head_dim
+    value_dim = s.linear_value_heads * s.linear_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    specs = [
+        TensorSpec("token_embd.weight", (s.vocab, s.hidden), "mat"),
+        TensorSpec("output_norm.weight", (s.hidden,), "norm"),
+        TensorSpec("output.weight", (s.vocab, s.hidden), "mat"),
+    ]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (s.hidden,), "norm"),
+            TensorSpec(b + "post_attention_norm.weight", (s.hidden,), "norm"),
+        ]
+        if s.is_full_attention(i):
+            specs += [
+                TensorSpec(b + "attn_q.weight", (2 * q, s.hidden), "mat"),
+                TensorSpec(b + "attn_k.weight", (kv, s.hidden), "mat"),
+                TensorSpec(b + "attn_v.weight", (kv, s.hidden), "mat"),
+                TensorSpec(b + "attn_output.weight", (s.hidden, q), "mat"),
+                TensorSpec(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
+                TensorSpec(b + "attn_k_norm.weight", (s.head_dim,), "norm"),
+            ]
+        else:
+            specs += [
+                TensorSpec(b + "attn_qkv.weight", (conv_dim, s.hidden), "mat"),
+                TensorSpec(b + "attn_gate.weight", (value_dim, s.hidden), "mat"),
+                TensorSpec(b + "ssm_conv1d.weight", (conv_dim, s.conv_kernel), "vec"),
+                TensorSpec(b + "ssm_dt.bias", (s.linear_value_heads,), "const", 0.0),
+                TensorSpec(b + "ssm_a", (s.linear_value_heads,), "const", -1.0),  # -exp(A_log), A_log = 0
+                TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
+                TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat"),
+                TensorSpec(b + "ssm_norm.weight", (s.linear_head_dim,), "norm"),
+                TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat"),
+            ]
+        specs += [
+            TensorSpec(b + "ffn_gate_inp.weight", (s.experts, s.hidden), "router"),
+            TensorSpec(b + "ffn_gate_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
+            TensorSpec(b + "ffn_up_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
+            TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat"),
+            TensorSpec(b + "ffn_gate_inp_shexp.weight", (s.hidden,), "vec"),
+            TensorSpec(b + "ffn_gate_shexp.weight", (s.shared_inter, s.hidden), "mat"),
+            TensorSpec(b + "ffn_up_shexp.weight", (s.shared_inter, s.hidden), "mat"),
+            TensorSpec(b + "ffn_down_shexp.weight", (s.hidden, s.shared_inter), "mat"),
+        ]
+    return specs
+
+
 def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: float, dtype: str) -> None:
     """Fill out[index*CHUNK : ...] (a flat view) with this chunk's deterministic random values."""
     lo = index * CHUNK
@@ -136,7 +221,7 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
     rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key)))
     tmp = rng.standard_normal(hi - lo, dtype=np.float32)
     tmp *= np.float32(std)
-    if spec.kind == "router":
+    if spec.kind in F32_RANDOM:
         out[lo:hi] = tmp
     elif dtype == "bf16":
         out[lo:hi] = tmp.view(np.uint16)[1::2]  # the high half of each little-endian float32: truncated bf16
@@ -147,7 +232,9 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
 def make_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, dtype: str) -> np.ndarray:
     if spec.kind == "norm":
         return np.ones(spec.shape, dtype=np.float32)
-    np_dtype: Any = np.float32 if spec.kind == "router" else (np.uint16 if dtype == "bf16" else np.float16)
+    if spec.kind == "const":
+        return np.full(spec.shape, spec.fill, dtype=np.float32)
+    np_dtype: Any = np.float32 if spec.kind in F32_RANDOM else (np.uint16 if dtype == "bf16" else np.float16)
     arr = np.empty(spec.numel, dtype=np_dtype)
     n_chunks = (spec.numel + CHUNK - 1) // CHUNK
     for f in [pool.submit(fill_chunk, arr, spec, seed, c, std, dtype) for c in range(n_chunks)]:
@@ -173,20 +260,59 @@ def copy_tokenizer(gguf: ModuleType, writer: Any, vocab_path: Path) -> int:
     return n_vocab
 
 
+# Per-architecture defaults of the options that default to None. qwen3moe: Qwen3-30B-A3B with 24 of
+# its 48 layers; qwen35moe: Qwen3.6-35B-A3B (freetoken_agent/bench/shapes.py) with 20 of its 40 layers.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3moe": dict(layers=24, experts=128, top_k=8, hidden=2048, inter=768, heads=32, kv_heads=4,
+                     head_dim=128, ff=6144, ctx=40960, rope_base=1e6),
+    "qwen35moe": dict(layers=20, experts=256, top_k=8, hidden=2048, inter=512, heads=16, kv_heads=2,
+                      head_dim=256, ctx=262144, rope_base=1e7, shared_inter=512, full_attn_interval=4,
+                      linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, conv_kernel=4),
+}
+QWEN35_ONLY = ("shared_inter", "full_attn_interval", "linear_key_heads", "linear_value_heads", "linear_head_dim",
+               "conv_kernel", "rope_dim", "rope_sections")
+QWEN3_ONLY = ("ff",)
+PARTIAL_ROTARY = 0.25  # Qwen3.5/3.6's partial_rotary_factor: rope.dimension_count = head_dim / 4
+
+
+def mrope_sections(rope_dim: int) -> list[int]:
+    """IMRoPE sections (t, h, w, e) over rope_dim / 2 rotary pairs, split as Qwen3.5's mrope_section
+    [11, 11, 10] splits 32: t = ceil(half / 3), h = ceil((half - t) / 2), w = the rest, e = 0."""
+    half = rope_dim // 2
+    t = -(-half // 3)
+    h = -(-(half - t) // 2)
+    return [t, h, half - t - h, 0]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8, help="experts used per token")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768, help="expert intermediate size")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--ff", type=int, default=6144, help="feed_forward_length (unused by qwen3moe's MoE layers)")
-    p.add_argument("--ctx", type=int, default=40960, help="context_length")
-    p.add_argument("--rope-base", type=float, default=1e6)
+    p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3moe",
+                   help="qwen3moe (Qwen3-MoE) or qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid)")
+    p.add_argument("--layers", type=int, default=None, help="qwen3moe 24, qwen35moe 20")
+    p.add_argument("--experts", type=int, default=None, help="qwen3moe 128, qwen35moe 256")
+    p.add_argument("--top-k", type=int, default=None, help="experts used per token (8)")
+    p.add_argument("--hidden", type=int, default=None, help="2048")
+    p.add_argument("--inter", type=int, default=None, help="expert intermediate size (qwen3moe 768, qwen35moe 512)")
+    p.add_argument("--heads", type=int, default=None, help="full-attention query heads (qwen3moe 32, qwen35moe 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="qwen3moe 4, qwen35moe 2")
+    p.add_argument("--head-dim", type=int, default=None, help="qwen3moe 128, qwen35moe 256")
+    p.add_argument("--ff", type=int, default=None,
+                   help="qwen3moe only: feed_forward_length (6144; unused by qwen3moe's MoE layers)")
+    p.add_argument("--ctx", type=int, default=None, help="context_length (qwen3moe 40960, qwen35moe 262144)")
+    p.add_argument("--rope-base", type=float, default=None, help="qwen3moe 1e6, qwen35moe 1e7")
+    p.add_argument("--shared-inter", type=int, default=None, help="qwen35moe: shared expert intermediate size (512)")
+    p.add_argument("--full-attn-interval", type=int, default=None,
+                   help="qwen35moe: every n-th layer is full attention, the others Gated DeltaNet (4)")
+    p.add_argument("--linear-key-heads", type=int, default=None, help="qwen35moe: Gated DeltaNet key heads (16)")
+    p.add_argument("--linear-value-heads", type=int, default=None, help="qwen35moe: Gated DeltaNet value heads (32)")
+    p.add_argument("--linear-head-dim", type=int, default=None,
+                   help="qwen35moe: Gated DeltaNet key and value head dim (128)")
+    p.add_argument("--conv-kernel", type=int, default=None, help="qwen35moe: Gated DeltaNet conv kernel (4)")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="qwen35moe: rotated dims per head (head_dim * 0.25, i.e. 64)")
+    p.add_argument("--rope-sections", type=str, default=None,
+                   help="qwen35moe: IMRoPE sections, 4 comma-separated ints (11,11,10,0 for --rope-dim 64)")
     p.add_argument("--rms-eps", type=float, default=1e-6)
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
@@ -200,7 +326,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print the tensors and sizes, write nothing")
     p.add_argument("--force", action="store_true",
                    help="rewrite --out even when OUT.args.json says it already holds these weights")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    other = QWEN3_ONLY if args.arch == "qwen35moe" else QWEN35_ONLY
+    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    if given:
+        p.error(f"{', '.join(given)}: only for --arch {'qwen3moe' if args.arch == 'qwen35moe' else 'qwen35moe'}")
+    for key, value in ARCH_DEFAULTS[args.arch].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.arch == "qwen35moe":
+        check_qwen35(p, args)
+    return args
+
+
+def check_qwen35(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve --rope-dim / --rope-sections and refuse shapes llama.cpp's qwen35moe graph cannot run."""
+    if args.rope_dim is None:
+        args.rope_dim = int(args.head_dim * PARTIAL_ROTARY)
+    if not (0 < args.rope_dim <= args.head_dim and args.rope_dim % 2 == 0):
+        p.error(f"--rope-dim {args.rope_dim}: need an even number in (0, --head-dim {args.head_dim}]")
+    if args.rope_sections is None:
+        args.rope_sections = mrope_sections(args.rope_dim)
+    else:
+        try:
+            args.rope_sections = [int(x) for x in args.rope_sections.split(",")]
+        except ValueError:
+            p.error(f"--rope-sections {args.rope_sections!r}: need 4 comma-separated ints")
+    if len(args.rope_sections) != 4 or min(args.rope_sections) < 0 or sum(args.rope_sections[:3]) == 0:
+        p.error(f"--rope-sections {args.rope_sections}: need 4 non-negative ints, one of the first 3 positive")
+    if args.full_attn_interval < 1 or args.layers % args.full_attn_interval != 0:
+        p.error(f"--layers {args.layers} is not a multiple of --full-attn-interval {args.full_attn_interval}: "
+                "the model would not end on a full-attention layer (Qwen3.5/3.6's 3:1 pattern has "
+                f"{args.full_attn_interval - 1} Gated DeltaNet layers before each full-attention one)")
+    if args.linear_key_heads < 1 or args.linear_value_heads % args.linear_key_heads != 0:
+        p.error("--linear-value-heads must be a multiple of --linear-key-heads (llama.cpp repeats key heads)")
+    for key in ("shared_inter", "linear_head_dim", "conv_kernel"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be positive")
 
 
 VOCAB_NAME = "models/ggml-vocab-qwen2.gguf"
@@ -225,10 +387,14 @@ def default_vocab() -> Path:
 
 
 def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
-    """What the file's bytes depend on (the vocabulary by size), stored next to it as OUT.args.json."""
+    """What the file's bytes depend on (the vocabulary by size), stored next to it as OUT.args.json
+    (for qwen3moe the same keys as before --arch existed)."""
     keys = ("layers", "experts", "top_k", "hidden", "inter", "heads", "kv_heads", "head_dim", "ff", "ctx",
             "rope_base", "rms_eps", "std", "seed", "dtype")
-    return {k: getattr(args, k) for k in keys} | {"chunk": CHUNK, "writer": "write_gguf.py v1"}
+    stamp = {k: getattr(args, k) for k in keys} | {"chunk": CHUNK, "writer": "write_gguf.py v1"}
+    if args.arch != "qwen3moe":
+        stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in QWEN35_ONLY}
+    return stamp
 
 
 def write(args: argparse.Namespace) -> dict[str, float]:
@@ -245,40 +411,52 @@ def write(args: argparse.Namespace) -> dict[str, float]:
             print(f"write_gguf: {args.out} already holds these weights ({stamp_path.name} matches); "
                   "not rewriting it (--force does)", flush=True)
             return {"bytes": float(args.out.stat().st_size), "seconds": 0.0}
-    arch = "qwen3moe"
+    arch = args.arch
     part = args.out.with_name(args.out.name + ".part")
     writer = gguf.GGUFWriter(str(part), arch)
     n_vocab = copy_tokenizer(gguf, writer, vocab_path)
     shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
                   args.head_dim, n_vocab)
+    if arch == "qwen35moe":
+        shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
+                      args.head_dim, n_vocab, args.shared_inter, args.full_attn_interval, args.linear_key_heads,
+                      args.linear_value_heads, args.linear_head_dim, args.conv_kernel)
     if not (0 < shape.top_k <= shape.experts):
         raise SystemExit("write_gguf.py: need 0 < --top-k <= --experts")
 
-    writer.add_name(f"random qwen3moe {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
+    writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
     writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}), written by "
                            "freetoken-agent evals/peer/write_gguf.py; not a trained model")
     writer.add_file_type(FILE_TYPE[args.dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_uint32(f"{arch}.context_length", args.ctx)
-    writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
-    writer.add_uint32(f"{arch}.block_count", shape.layers)
-    writer.add_uint32(f"{arch}.feed_forward_length", args.ff)
-    writer.add_uint32(f"{arch}.attention.head_count", shape.heads)
-    writer.add_uint32(f"{arch}.attention.head_count_kv", shape.kv_heads)
-    writer.add_uint32(f"{arch}.attention.key_length", shape.head_dim)
-    writer.add_uint32(f"{arch}.attention.value_length", shape.head_dim)
-    writer.add_uint32(f"{arch}.rope.dimension_count", shape.head_dim)
-    writer.add_float32(f"{arch}.rope.freq_base", args.rope_base)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_eps)
-    writer.add_uint32(f"{arch}.expert_count", shape.experts)
-    writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
-    writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
+    if arch == "qwen35moe":
+        add_qwen35moe_hparams(writer, arch, shape, args)
+        specs = qwen35moe_tensor_specs(shape)
+    else:
+        writer.add_uint32(f"{arch}.context_length", args.ctx)
+        writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
+        writer.add_uint32(f"{arch}.block_count", shape.layers)
+        writer.add_uint32(f"{arch}.feed_forward_length", args.ff)
+        writer.add_uint32(f"{arch}.attention.head_count", shape.heads)
+        writer.add_uint32(f"{arch}.attention.head_count_kv", shape.kv_heads)
+        writer.add_uint32(f"{arch}.attention.key_length", shape.head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", shape.head_dim)
+        writer.add_uint32(f"{arch}.rope.dimension_count", shape.head_dim)
+        writer.add_float32(f"{arch}.rope.freq_base", args.rope_base)
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_eps)
+        writer.add_uint32(f"{arch}.expert_count", shape.experts)
+        writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
+        specs = tensor_specs(shape)
 
-    specs = tensor_specs(shape)
     total = sum(t.nbytes(args.dtype) for t in specs)
     experts = sum(t.nbytes(args.dtype) for t in specs if "_exps." in t.name)
-    print(f"write_gguf: {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts), "
-          f"{args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+    layout = ""
+    if arch == "qwen35moe":
+        n_full = sum(shape.is_full_attention(i) for i in range(shape.layers))
+        layout = f", {n_full} full-attention + {shape.layers - n_full} Gated DeltaNet layers"
+    print(f"write_gguf: {arch}, {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts)"
+          f"{layout}, {args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
     if args.plan:
         for t in specs:
             print(f"  {t.name:32s} {t.kind:6s} {t.shape!s:24s} {t.nbytes(args.dtype) / 2**20:10.2f} MiB")
@@ -331,6 +509,36 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     print(f"write_gguf: wrote {args.out} ({size / GIB:.2f} GiB) in {gen_s:.1f} s: {size / GIB / gen_s:.2f} GiB/s "
           f"({args.threads} threads, seed {args.seed})", flush=True)
     return {"bytes": float(size), "seconds": gen_s}
+
+
+def add_qwen35moe_hparams(writer: Any, arch: str, shape: Shape, args: argparse.Namespace) -> None:
+    """The keys llama.cpp's qwen35moe loader reads: the common ones (llama_model_base::load_hparams:
+    context_length, embedding_length, block_count required; head counts, key/value length, rope
+    dimension count and base, expert counts optional) and load_arch_hparams' (rms eps, rope
+    dimension_sections (4 int32) and the five ssm.* keys required; expert and shared-expert
+    feed-forward lengths and full_attention_interval optional). No feed_forward_length: with the
+    expert lengths given, the loader never uses it."""
+    writer.add_uint32(f"{arch}.context_length", args.ctx)
+    writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
+    writer.add_uint32(f"{arch}.block_count", shape.layers)
+    writer.add_uint32(f"{arch}.attention.head_count", shape.heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", shape.kv_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", shape.head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", shape.head_dim)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_eps)
+    writer.add_uint32(f"{arch}.rope.dimension_count", args.rope_dim)
+    writer.add_array(f"{arch}.rope.dimension_sections", [int(x) for x in args.rope_sections])
+    writer.add_float32(f"{arch}.rope.freq_base", args.rope_base)
+    writer.add_uint32(f"{arch}.expert_count", shape.experts)
+    writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
+    writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
+    writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", shape.shared_inter)
+    writer.add_uint32(f"{arch}.full_attention_interval", shape.full_attn_interval)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", shape.conv_kernel)
+    writer.add_uint32(f"{arch}.ssm.state_size", shape.linear_head_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", shape.linear_key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", shape.linear_value_heads)
+    writer.add_uint32(f"{arch}.ssm.inner_size", shape.linear_value_heads * shape.linear_head_dim)
 
 
 def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace) -> Iterator[np.ndarray]:
