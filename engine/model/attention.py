@@ -18,6 +18,8 @@ from engine.model.batch import ForwardBatch
 from engine.model.ops import Rotary, rms_norm
 from engine.weights.layout import AttentionWeights
 
+DECODE_ATTENTION_TOKENS = 8  # batches up to this size attend with engine/model/decode_attention.py on CUDA
+
 
 def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary, positions: torch.Tensor,
                      limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -39,8 +41,15 @@ def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rot
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, batch: ForwardBatch,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """The mix across tokens: writes the new keys/values into the cache and attends each sequence's
-    queries over its cached and new keys; returns [n, heads * hd]."""
+    queries over its cached and new keys; returns [n, heads * hd]. Decode-sized batches on CUDA use
+    the split-K kernel that decode graphs capture, so a step computes the same with graphs or without."""
     n, hd = q.shape[0], cfg.head_dim
+    if q.is_cuda and n <= DECODE_ATTENTION_TOKENS:
+        from engine.model.decode_attention import DecodeMeta, decode_attention  # triton: CUDA only
+
+        if batch.decode_meta is None:
+            batch.decode_meta = DecodeMeta.build(batch, q.device)
+        return decode_attention(q, k, v, k_cache, v_cache, batch.decode_meta, cfg.sliding_window, hd**-0.5)
     out = torch.empty(n, cfg.num_heads, hd, dtype=q.dtype, device=q.device)
     groups = cfg.num_heads // cfg.num_kv_heads
     for s in batch.seqs:

@@ -9,6 +9,7 @@ runs on the flat batch. Filled by the scheduler; read by the decoder.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     seqs: list[SeqEntry]
+    # decode-sized batches on CUDA: the device-side lengths of engine/model/decode_attention.py,
+    # built by the first attention layer of the pass and shared by the others
+    decode_meta: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,26 +1,25 @@
-"""Decode-sized forward passes with everything but the mixing across tokens in CUDA graphs.
+"""Decode-sized forward passes replayed from CUDA graphs, with only the Gated DeltaNet mixes eager.
 
 Contract: `DecodeGraphs(decoder, tokens)` runs `forward(batch, kv, states)` for batches of exactly
-`tokens` tokens (any mix of sequences), with the decoder's results. What runs per layer:
-- eagerly: the mix across tokens, which depends on each sequence's length: `attention_core` (KV
-  write, attention per sequence) for full-attention layers, the whole Gated DeltaNet layer for
-  linear-attention ones;
-- one CUDA graph per layer (captured on the layer's second call, replayed afterwards): everything
-  from the end of that mix to the start of the next one: the attention output projection, the
-  residual, the post norm, the router, the routed experts (the expert cache's device step,
-  engine/gpu/device_step.py, enqueued inside this graph: cache plan, fetch, GPU experts, the CPU
-  branch's doorbell), the shared expert, the residual, the next layer's input norm and its
-  attention inputs (projections, norms, rotary), or the final norm after the last layer.
-So a layer costs one graph replay plus the few attention ops in Python, instead of ~70 operator
-launches, and nothing in the pass reads the device from the host.
+`tokens` tokens (any mix of sequences), with the decoder's results. The pass is cut into runs at
+the linear-attention (Gated DeltaNet) layers, whose mix runs eagerly; everything else is captured,
+one CUDA graph per run (captured on the run's second call, replayed afterwards): the embedding,
+and per layer the attention inputs (projections, norms, rotary), the attention core (KV write and
+split-K attention over the device-side lengths of engine/model/decode_attention.py), the output
+projection, the residual, the norms, the router, the routed experts (the expert cache's device step,
+engine/gpu/device_step.py, enqueued inside the graph: cache plan, fetch, GPU experts, the CPU
+branch's doorbell), the shared expert, and the final norm. A model with full attention only
+(Qwen3-MoE) is one graph replay per step; before it, the step's token ids, positions, new KV slots,
+KV slot table and lengths are copied into fixed buffers, and nothing in the pass reads the device
+from the host.
 
-Static buffers hold the residual stream and the attention inputs between segments. The rotary
-tables are captured by reference: when they grow (a longer sequence than any before), the graphs
-are dropped and captured again. `usable(decoder, tokens)` says whether the decoder can run this way: an
-expert executor whose decode step can be enqueued inside a capture
-(`supports_graph_step(tokens)`, then `graph_step(x, ids, weights, moe_index)`) or whose call is
-capture-safe as it is (`capture_safe`). Off CUDA the same segments run eagerly, nothing is
-captured (how the CPU tests check that the segmented pass computes what the plain one does).
+The rotary tables and the KV pool are captured by reference: when the tables grow (a longer
+sequence than any before) or another pool comes, the graphs are dropped and captured again.
+`usable(decoder, tokens)` says whether the decoder can run this way: an expert executor whose
+decode step can be enqueued inside a capture (`supports_graph_step(tokens)`, then `graph_step(x,
+ids, weights, moe_index)`) or whose call is capture-safe as it is (`capture_safe`). Off CUDA the
+same runs execute eagerly with the plain attention core, nothing is captured (how the CPU tests
+check that the segmented pass computes what the plain one does).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from engine.model.moe import route
 from engine.model.ops import rms_norm, swiglu_mlp
 
 if TYPE_CHECKING:
+    from engine.model.decode_attention import DecodeMeta
     from engine.model.decoder import Decoder
 
 
@@ -49,6 +49,21 @@ def usable(decoder: Decoder, tokens: int) -> bool:
     return (supports is not None and supports(tokens)) or getattr(ex, "capture_safe", False)
 
 
+def runs_of(layer_types: list[str]) -> list[tuple[int | None, tuple[int, ...]]]:
+    """The pass cut at linear-attention layers: (the layer whose mix runs eagerly before the run, or
+    None for the first run, which starts with the embedding; the layers whose segments it holds)."""
+    runs: list[tuple[int | None, tuple[int, ...]]] = []
+    mix: int | None = None
+    layers: list[int] = []
+    for li, kind in enumerate(layer_types):
+        if kind != FULL_ATTENTION:
+            runs.append((mix, tuple(layers)))
+            mix, layers = li, []
+        layers.append(li)
+    runs.append((mix, tuple(layers)))
+    return runs
+
+
 class DecodeGraphs:
     def __init__(self, decoder: Decoder, tokens: int) -> None:
         self.d = decoder
@@ -56,6 +71,7 @@ class DecodeGraphs:
         self.tokens = n = tokens
         dev, dtype = w.embed.device, w.embed.dtype
         hd = cfg.head_dim
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.h = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.xn = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)  # input of a linear-attention layer
         self.mix = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)  # its output
@@ -66,10 +82,14 @@ class DecodeGraphs:
         self.o = torch.zeros(n, cfg.num_heads * hd, dtype=dtype, device=dev)
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.limit = 1  # rotary table size the captured segments were built with
-        self._graphs = GraphCache(f"decode segment ({tokens} tokens), layer", enabled=dev.type == "cuda")
+        self.limit = 1  # rotary table size the captured runs were built with
+        self.runs = runs_of(cfg.layer_types)
+        self.capture = dev.type == "cuda"
+        self._graphs = GraphCache(f"decode run ({tokens} tokens)", enabled=self.capture)
         self._rotary_version = -1
-
+        self._kv: KVPool | None = None
+        self._meta: DecodeMeta | None = None  # CUDA: the device-side lengths the captured attention reads
+        self._batch: ForwardBatch | None = None  # off CUDA: the batch the eager attention core walks
     # ------------------------------------------------------------------ the per-token segments
     def _inputs_of(self, li: int, xn: torch.Tensor) -> None:
         """Writes what layer li's mix needs, from its normed input."""
@@ -126,6 +146,37 @@ class DecodeGraphs:
             return step(x, ids, weights, moe_index)
         return ex(x, ids, weights, moe_index)
 
+    def _core(self, li: int) -> None:
+        """Layer li's attention core: KV write and attention, into self.o."""
+        d = self.d
+        assert self._kv is not None
+        ki = d._kv_index[li]
+        k_cache, v_cache = self._kv.k[ki], self._kv.v[ki]
+        if self._meta is not None:
+            from engine.model.decode_attention import decode_attention  # triton: CUDA only
+
+            o = decode_attention(self.q, self.k, self.v, k_cache, v_cache, self._meta, d.cfg.sliding_window,
+                                 d.cfg.head_dim**-0.5)
+        else:
+            assert self._batch is not None
+            o = attention_core(self.q, self.k, self.v, d.cfg, self._batch, k_cache, v_cache)
+        self.o.copy_(o)
+
+    def _run(self, r: int) -> None:
+        """Run r: the embedding (first run), then per layer its attention core (full attention) and
+        its segment."""
+        d = self.d
+        cfg, w = d.cfg, d.weights
+        if r == 0:
+            h = F.embedding(self.input_ids, w.embed)
+            self.h.copy_(h)
+            if w.layers:
+                self._inputs_of(0, rms_norm(h, w.layers[0].input_norm, cfg.rms_norm_eps, cfg.norm_zero_centered))
+        for li in self.runs[r][1]:
+            if cfg.layer_types[li] == FULL_ATTENTION:
+                self._core(li)
+            self._segment(li)
+
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
@@ -133,30 +184,35 @@ class DecodeGraphs:
         cfg, w = d.cfg, d.weights
         if batch.num_tokens != self.tokens:
             raise ValueError(f"these graphs serve {self.tokens} tokens, the batch has {batch.num_tokens}")
-        # the rotary tables are sized ahead (doubling), and the segments are recaptured when they grow
+        # the rotary tables are sized ahead (doubling), and the runs are recaptured when they grow
         limit = max(batch.position_limit, self.limit)
         d.rotary.prepare(limit, self.h.device, self.h.dtype)
-        if d.rotary.version != self._rotary_version:
+        if d.rotary.version != self._rotary_version or kv is not self._kv:
             self._graphs.clear()
             self._rotary_version = d.rotary.version
             self.limit = d.rotary.size
+            self._kv = kv
+            if self.capture:
+                from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
+
+                self._meta = DecodeMeta.empty(self.tokens, kv.k.shape[1], self.h.device)
         streamer = getattr(d.executor, "streamer", None)
         if streamer is not None and streamer.active:  # a large forward stopped midway
             streamer.finish()
+        self.input_ids.copy_(batch.input_ids)
         self.positions.copy_(batch.positions)
-        h = F.embedding(batch.input_ids, w.embed)
-        self.h.copy_(h)
-        self._inputs_of(0, rms_norm(h, w.layers[0].input_norm, cfg.rms_norm_eps, cfg.norm_zero_centered))
-        for li, lw in enumerate(w.layers):
-            if cfg.layer_types[li] == FULL_ATTENTION:
-                ki = d._kv_index[li]
-                self.o.copy_(attention_core(self.q, self.k, self.v, cfg, batch, kv.k[ki], kv.v[ki]))
-            else:
+        if self._meta is not None:
+            self._meta.fill(batch)
+        self._batch = batch
+        for r, (mix, _) in enumerate(self.runs):
+            if mix is not None:
+                lw = w.layers[mix]
                 assert lw.linear_attention is not None
-                si = d._state_index[li]
+                si = d._state_index[mix]
                 self.mix.copy_(gated_deltanet(self.xn, lw.linear_attention, cfg, batch, states.conv[si],
                                               states.ssm[si]))
-            self._graphs.run(li, lambda li=li: self._segment(li))  # type: ignore[misc]
+            self._graphs.run(r, lambda r=r: self._run(r))  # type: ignore[misc]
+        self._batch = None
         return self.final.clone()
 
     @property

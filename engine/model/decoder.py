@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from engine.cache.pools import KVPool, StatePool
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.model import decode_graph
-from engine.model.attention import full_attention
+from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
 from engine.model.moe import moe_block
@@ -25,7 +25,7 @@ from engine.model.ops import Rotary, rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
-GRAPH_TOKENS = 8  # batches of up to this many tokens may run through decode graphs
+GRAPH_TOKENS = DECODE_ATTENTION_TOKENS  # batches of up to this many tokens may run through decode graphs
 
 
 class Decoder:

@@ -59,3 +59,13 @@ def test_gpu_report_is_none_without_a_cap(tmp_path: Path) -> None:
     model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
     with Engine(model, EngineOptions(dtype="float32", kv_tokens=256, max_running=1, prefill_chunk=64)) as eng:
         assert eng.gpu_report() is None
+
+
+def test_runs_cut_at_linear_attention_layers() -> None:
+    from engine.config import FULL_ATTENTION, LINEAR_ATTENTION
+    from engine.model.decode_graph import runs_of
+
+    f, lin = FULL_ATTENTION, LINEAR_ATTENTION
+    assert runs_of([f, f, f]) == [(None, (0, 1, 2))]  # Qwen3-MoE: one graph per step
+    assert runs_of([lin, lin, lin, f, lin]) == [(None, ()), (0, (0,)), (1, (1,)), (2, (2, 3)), (4, (4,))]
+    assert runs_of([f, lin, f]) == [(None, (0,)), (1, (1, 2))]

@@ -1,0 +1,159 @@
+"""Attention for decode-sized batches on CUDA, with every length read on the device.
+
+Contract: `DecodeMeta.build(batch, capacity, device)` lays out, for the batch's n query tokens, the
+KV slot of each new token (`new_slots` [n]), each token's sequence's KV slots in position order
+(`table` [n, capacity] int32) and how many keys each token attends (`lengths` [n] int32: its
+position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale)` writes the new
+keys and values into the cache slots and returns every query's causal attention over its
+sequence's keys (GQA; with `window`, only the last `window` keys) as [n, heads * head_dim].
+
+Nothing in `decode_attention` depends on a host value that changes between steps (the grid is fixed
+by n, the heads and the split count; the kernel loops up to the lengths it loads), so it can be
+captured once in a CUDA graph and replayed for any context length (engine/model/decode_graph.py);
+`DecodeMeta.fill` rewrites the same buffers eagerly before each replay.
+
+The kernel is split-K ("flash decoding"): each of SPLITS programs per (token, KV head) takes a share
+of the keys, keeps a running max and sum in float32 (online softmax), and a second kernel merges the
+shares. Operands are widened to float32 and every product and sum is float32 (no TF32), so the
+only rounding to q's dtype is the output's. `DecodeMeta.fill` reads the lengths from host integers
+with a blocking copy: it runs at the start of a step, when the device has finished the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.batch import ForwardBatch
+
+_BLOCK_N = 32  # keys per inner step
+_NO_WINDOW = 1 << 30
+
+
+def splits_for(tokens: int, kv_heads: int) -> int:
+    """Programs per (token, KV head): enough in all to cover the SMs of a large GPU at batch 1."""
+    return max(1, min(64, triton.next_power_of_2(max(1, 128 // (tokens * kv_heads)))))
+
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
+                  table_stride, scale, window,
+                  KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sid = tl.program_id(2)
+    heads = KV_HEADS * GROUPS
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    gmask = g < GROUPS
+    head = kvh * GROUPS + g
+    q = tl.load(q_ptr + (t * heads + head)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    length = tl.load(len_ptr + t)
+    first = tl.maximum(length - window, 0)  # window is huge without a sliding window
+    span = length - first
+    chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + sid * chunk
+    hi = tl.minimum(lo + chunk, length)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    # a while loop, not range(lo, hi): under TRITON_INTERPRET (the CPU tests of this kernel) a
+    # loaded scalar is a one-element array, which range() cannot take
+    start = lo
+    while start < hi:
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        slot = tl.load(table_ptr + t * table_stride + n, mask=nmask, other=0).to(tl.int64)
+        kv_off = (slot * KV_HEADS + kvh)[:, None] * D + d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, out_dtype=tl.float32, input_precision="ieee")
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        start += BLOCK_N
+    part = (t * heads + head) * SPLITS + sid
+    tl.store(m_ptr + part, m_i, mask=gmask)
+    tl.store(l_ptr + part, l_i, mask=gmask)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)  # token * heads + head
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    m = tl.load(m_ptr + row * SPLITS + s)
+    l_ = tl.load(l_ptr + row * SPLITS + s)
+    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
+    top = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    total = tl.sum(w * l_, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass
+class DecodeMeta:
+    new_slots: torch.Tensor  # [n] long
+    table: torch.Tensor  # [n, capacity] int32
+    lengths: torch.Tensor  # [n] int32
+
+    @classmethod
+    def empty(cls, tokens: int, capacity: int, device: torch.device) -> DecodeMeta:
+        return cls(torch.zeros(tokens, dtype=torch.long, device=device),
+                   torch.zeros(tokens, capacity, dtype=torch.int32, device=device),
+                   torch.ones(tokens, dtype=torch.int32, device=device))
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, device: torch.device) -> DecodeMeta:
+        meta = cls.empty(batch.num_tokens, batch.position_limit, device)
+        meta.fill(batch)
+        return meta
+
+    def fill(self, batch: ForwardBatch) -> None:
+        """Rewrites the buffers for `batch` (queued copies; the lengths come from host integers)."""
+        if batch.num_tokens != self.new_slots.shape[0]:
+            raise ValueError(f"decode metadata for {self.new_slots.shape[0]} tokens, the batch has {batch.num_tokens}")
+        if batch.position_limit > self.table.shape[1]:
+            raise ValueError(f"a sequence of {batch.position_limit} tokens exceeds the table's {self.table.shape[1]}")
+        lengths = []
+        for s in batch.seqs:
+            total = s.cached_len + s.length
+            self.new_slots[s.start:s.end].copy_(s.kv_slots[s.cached_len:total])
+            self.table[s.start:s.end, :total].copy_(s.kv_slots[:total].expand(s.length, total))
+            lengths.extend(range(s.cached_len + 1, total + 1))
+        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=False)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: DecodeMeta, window: int | None, scale: float) -> torch.Tensor:
+    """q [n, heads, D], k / v [n, kv_heads, D]; caches [slots, kv_heads, D]. Returns [n, heads * D]."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads or dim & (dim - 1) or dim < 16:
+        raise ValueError(f"decode attention needs heads divisible by KV heads and a power-of-two head dim >= 16, "
+                         f"got {heads} heads, {kv_heads} KV heads, head dim {dim}")
+    k_cache.index_copy_(0, meta.new_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.new_slots, v.to(v_cache.dtype))
+    groups = heads // kv_heads
+    splits = splits_for(n, kv_heads)
+    m = torch.empty(n * heads * splits, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(n * heads * splits, dim, dtype=torch.float32, device=q.device)
+    _split_kernel[(n, kv_heads, splits)](
+        q.contiguous(), k_cache, v_cache, meta.table, meta.lengths, m, l_, acc, meta.table.stride(0), scale,
+        window or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups, G_PAD=max(16, triton.next_power_of_2(groups)), D=dim,
+        SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
+    out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(n * heads,)](m, l_, acc, out, D=dim, SPLITS=splits, num_warps=4)
+    return out.reshape(n, heads * dim)
