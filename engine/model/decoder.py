@@ -5,8 +5,8 @@ layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returni
 [N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
 the LM head in float32. No family-specific code paths beyond the traits in the config. With
 `cuda_graphs` set (by the engine) and an executor that supports it, batches of up to GRAPH_TOKENS
-tokens run through `decode_graph.DecodeGraphs`: the same computation, the per-token parts of each
-layer replayed from CUDA graphs.
+tokens (for hybrid models, one new token per sequence) run through `decode_graph.DecodeGraphs`:
+the same computation, each step replayed from one CUDA graph.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Decoder:
             graphs = self._graphs.get(n)
             if graphs is None and decode_graph.usable(self, n):
                 graphs = self._graphs[n] = decode_graph.DecodeGraphs(self, n)
-            if graphs is not None:
+            if graphs is not None and graphs.accepts(batch):
                 return graphs.forward(batch, kv, states)
         cfg, w = self.cfg, self.weights
         begin = getattr(self.executor, "begin_forward", None)

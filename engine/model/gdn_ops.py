@@ -6,7 +6,9 @@ Contract: for one sequence, heads already expanded to the value-head count,
 - `gated_delta_rule(q, k, v, g, beta, state)` -> (out, new_state): the recurrence
       S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - k_t^T exp(g_t) S_{t-1}))^T,   o_t = q_t^T S_t
   with q and k l2-normalised and q scaled by dk^-0.5 inside. Long inputs go through an exact
-  chunked (WY) form, one token through the plain recurrence. All math in float32.
+  chunked (WY) form, one token through the plain recurrence. All math in float32;
+- `conv_step` and `recurrent_step`: one token of each for a batch of sequences at once (leading
+  batch dim), the decode form (engine/model/linear_attention.py's `gated_deltanet_decode`).
 Shapes: q, k [T, H, dk]; v [T, H, dv]; g, beta [T, H]; state [H, dk, dv] (float32).
 """
 
@@ -27,11 +29,20 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     return F.silu(out[:, -seq:]).t(), new_state
 
 
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input per sequence: x [N, C], state [N, C, K-1], weight [C, K] -> (silu(conv) [N, C]
+    in x's dtype, the new windows [N, C, K-1] in state's dtype). The dot over K is float32."""
+    window = torch.cat([state.to(x.dtype), x[:, :, None]], dim=-1)  # [N, C, K]
+    out = (window.float() * weight.float()).sum(-1).to(x.dtype)
+    return F.silu(out), window[:, :, 1:].to(state.dtype)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prep(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prep(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k l2-normalised in float32, q scaled by dk^-0.5."""
     q = l2norm(q.float())
     k = l2norm(k.float())
     return q * (q.shape[-1] ** -0.5), k
@@ -45,22 +56,30 @@ def gated_delta_rule(
     return _chunked(q, k, v, g, beta, state)
 
 
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence for any leading batch dims: q, k [..., H, dk] (prepared: l2-
+    normalised, q scaled), v [..., H, dv], g, beta [..., H], s [..., H, dk, dv], all float32."""
+    s = s * g.exp()[..., None, None]
+    kv_mem = torch.einsum("...hk,...hkv->...hv", k, s)
+    delta = (v - kv_mem) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("...hk,...hkv->...hv", q, s), s
+
+
 def _recurrent(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
-    q, k = _prep(q, k)
+    q, k = prep(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
     s = state.float()
     outs = []
     for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        kv_mem = torch.einsum("hk,hkv->hv", k[t], s)
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        s = s + k[t][:, :, None] * delta[:, None, :]
-        outs.append(torch.einsum("hk,hkv->hv", q[t], s))
+        o, s = recurrent_step(q[t], k[t], v[t], g[t], beta[t], s)
+        outs.append(o)
     return torch.stack(outs), s
 
 
 def _chunked(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
-    q, k = _prep(q, k)
+    q, k = prep(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
     seq, heads = q.shape[:2]
     s = state.float()

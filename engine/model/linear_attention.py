@@ -2,11 +2,14 @@
 
 Contract: `gated_deltanet(x, w, cfg, batch, conv_state, ssm_state)` runs each sequence's new
 tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, dk, dv] float32),
-updates that slot in place, and returns out_proj output [N, H]. For bf16/fp16 models on CUDA, when
-fla-core imports, the whole batch goes through fla's chunked (prefill) or fused-recurrent (decode)
-Triton kernels as one varlen call; float32 models (whose promise is the reference's logits to
-1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
-forces either path.
+updates that slot in place, and returns out_proj output [N, H]. Batches where every sequence has
+exactly one new token (decode) take `gated_deltanet_decode`: all sequences at once, state slots
+named by a device tensor, torch ops only and no host read, so decode graphs
+(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. Longer
+chunks: for bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's
+chunked Triton kernel as one varlen call; float32 models (whose promise is the reference's logits
+to 1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
+forces either path for those chunks.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ def _fla(x: torch.Tensor) -> Any | None:
 @functools.cache
 def _import_fla() -> Any | None:
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # fla needs triton and a GPU; absent on CPU-only machines
         return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    return chunk_gated_delta_rule
 
 
 def gated_deltanet(
@@ -51,13 +54,13 @@ def gated_deltanet(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
 ) -> torch.Tensor:
+    if all(s.length == 1 for s in batch.seqs):
+        slots = torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long).to(x.device)
+        return gated_deltanet_decode(x, w, cfg, slots, conv_state, ssm_state)
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = F.linear(x, w.in_proj_qkv)
-    z = F.linear(x, w.in_proj_z)
-    beta = torch.sigmoid(F.linear(x, w.in_proj_b))
-    g = -w.a_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias)
+    mixed, z, beta, g = _projections(x, w)
     conv_out = torch.empty_like(mixed)
     for s in batch.seqs:
         sl = slice(s.start, s.end)
@@ -80,14 +83,42 @@ def gated_deltanet(
     return F.linear(core.reshape(n, hv * dv), w.out_proj)
 
 
+def _projections(x: torch.Tensor, w: LinearAttentionWeights
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv input, the output gate z, beta and the log decay g (float32) of every token."""
+    mixed = F.linear(x, w.in_proj_qkv)
+    z = F.linear(x, w.in_proj_z)
+    beta = torch.sigmoid(F.linear(x, w.in_proj_b))
+    g = -w.a_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias)
+    return mixed, z, beta, g
+
+
+def gated_deltanet_decode(x: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, slots: torch.Tensor,
+                          conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence: x [N, H], token i's state in slot slots[i] (a device tensor)."""
+    n = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed, z, beta, g = _projections(x, w)
+    conv_out, window = gdn_ops.conv_step(mixed, conv_state.index_select(0, slots), w.conv)
+    conv_state.index_copy_(0, slots, window)
+    q, k, v = torch.split(conv_out, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+    q, k = gdn_ops.prep(q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1),
+                        k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1))
+    core, state = gdn_ops.recurrent_step(q, k, v.reshape(n, hv, dv).float(), g, beta.float(),
+                                         ssm_state.index_select(0, slots).float())
+    ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
+    core = gated_rms_norm(core.to(x.dtype).reshape(n * hv, dv), z.reshape(n * hv, dv), w.norm, cfg.rms_norm_eps)
+    return F.linear(core.reshape(n, hv * dv), w.out_proj)
+
+
 def _fla_rule(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor) -> torch.Tensor:
-    chunk_rule, recurrent_rule = kernels
+    chunk_rule = kernels
     slots = torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long, device=q.device)
     lengths = [s.length for s in batch.seqs]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=q.device)
-    rule = recurrent_rule if max(lengths) == 1 else chunk_rule
-    out, final = rule(
+    out, final = chunk_rule(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta.float()[None],
         initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
     )
