@@ -6,9 +6,10 @@ Contract: `split_gpu_memory(total, cfg, opts, dtype, dense_bytes, expert_bytes)`
 the cap cannot hold the fixed parts plus one expert slot. `dense_bytes(weights)` counts the dense
 tensors a decoder keeps on its device (every tensor of the weights except the host expert banks).
 The workspace reserve is an estimate of the activations of one prefill chunk (hidden states, the
-attention and MoE intermediates, logits of the chunk's last tokens), the attention temporaries of
-the longest context the KV pool holds, and a fixed margin for the allocator and CUDA graphs; the
-benchmarks report the measured peak next to the cap.
+attention and MoE intermediates, the Gated DeltaNet temporaries of hybrid models, logits of the
+chunk's last tokens), the attention temporaries of the longest context the KV pool holds, and a
+fixed margin for the allocator and CUDA graphs; the benchmarks report the measured peak next to
+the cap.
 """
 
 from __future__ import annotations
@@ -68,7 +69,22 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
     # mask of a chunk's queries over all keys and its boolean source
     context = opts.kv_tokens
     attention = 4 * context * cfg.num_heads * cfg.head_dim * item + opts.prefill_chunk * context * (item + 1)
-    return tokens * per_token + logits + attention + MARGIN
+    return tokens * per_token + logits + attention + linear_attention_bytes(cfg, opts, item) + MARGIN
+
+
+def linear_attention_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> int:
+    """Gated DeltaNet temporaries of the worst layer (engine/model/linear_attention.py): per token the
+    conv input and output, z and the core output in the model's dtype plus float32 copies of q, k
+    (expanded to the value heads), v, g and beta; per chunk of 64 tokens a float32 state in fla's
+    chunked kernel; per decode sequence its state gathered, decayed, updated and written back."""
+    if not cfg.linear_attention_layer_ids:
+        return 0
+    conv = 2 * cfg.linear_key_dim + cfg.linear_value_dim
+    heads, state = cfg.linear_num_value_heads, cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    per_token = item * (2 * conv + 2 * cfg.linear_value_dim) + 4 * (3 * heads * cfg.linear_key_head_dim + 3 * heads)
+    chunk_states = 2 * -(-opts.prefill_chunk // 64) * heads * state * 4
+    decode_states = 4 * opts.max_running * heads * state * 4
+    return (opts.prefill_chunk + opts.max_running) * per_token + chunk_states + decode_states
 
 
 def split_gpu_memory(total: int, cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype, dense: int,

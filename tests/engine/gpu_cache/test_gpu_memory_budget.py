@@ -84,3 +84,17 @@ def test_cli_reports_a_bad_size_and_no_gpu_in_one_line(demo: Path):
     assert bad.returncode == 2 and "not a size" in bad.stderr
     cpu = subprocess.run([*base, "--gpu-memory", "8GiB"], capture_output=True, text=True, env=env, timeout=300)
     assert cpu.returncode == 2 and cpu.stderr.strip().splitlines()[-1].startswith("error: --gpu-memory caps GPU")
+
+
+def test_workspace_counts_gated_deltanet_temporaries(demo: Path, tmp_path: Path):
+    import torch
+
+    from engine.gpu.budget import linear_attention_bytes, workspace_bytes
+
+    hybrid = ModelConfig.from_file(demo / "config.json")
+    dense_only = ModelConfig.from_file(write_demo_model(tmp_path / "q", arch="qwen3_moe") / "config.json")
+    small, large = EngineOptions(prefill_chunk=256, max_running=4), EngineOptions(prefill_chunk=1024, max_running=4)
+    assert linear_attention_bytes(dense_only, large, 2) == 0
+    # a longer chunk holds more of them, and they are part of the workspace
+    assert 0 < linear_attention_bytes(hybrid, small, 2) < linear_attention_bytes(hybrid, large, 2)
+    assert workspace_bytes(hybrid, large, torch.bfloat16) > linear_attention_bytes(hybrid, large, 2)
