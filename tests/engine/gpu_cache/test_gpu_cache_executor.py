@@ -241,3 +241,43 @@ def test_unknown_cpu_branch_is_refused_at_construction(monkeypatch) -> None:  # 
     monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "nope")
     with pytest.raises(ConfigError, match="'nope'"):
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+
+
+def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A forward that fails after the streamer took its buffers (here: at the third MoE layer of the
+    first chunk) fails that request with a clear error; the next forward gives the buffers back, the
+    cache table stays consistent, and the engine goes on serving the reference's tokens and logits."""
+    from engine.errors import EngineError
+
+    spec = TinySpec("gpucache_stream_dies", "qwen3_moe", qwen3_moe_text(num_experts=8, num_experts_per_tok=2,
+                                                                        num_hidden_layers=4), seed=17)
+    path, _ = tiny_checkpoint(spec)
+    prompt = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref_tokens, ref_logits = _generate(make_engine(Path(path), executor="torch"), prompt, params)
+
+    engine = make_engine(Path(path), executor="torch")
+    banks = engine.decoder.weights.experts
+    E = banks.num_experts
+    cached = create_cached_executor(banks, (2 * E + 4) * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+    assert cached.streamer is not None
+    engine.decoder.executor = cached
+    layer = cached.streamer.layer
+    failures = []
+
+    def dying_layer(x, ids, weights, moe_index, next_moe_index=None):  # type: ignore[no-untyped-def]
+        if moe_index == 2 and not failures:
+            failures.append(moe_index)
+            raise RuntimeError("injected failure in MoE layer 2")
+        return layer(x, ids, weights, moe_index, next_moe_index)
+
+    cached.streamer.layer = dying_layer  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="injected failure in MoE layer 2"):
+        engine.submit(prompt, params).result(timeout=120)
+    assert failures == [2] and cached.streamer.active  # it died holding the two layer buffers
+    tokens, logits = _generate(engine, prompt, params)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert not cached.streamer.active and cached.table.reserved() == []
+    assert cached.table.invariant_errors() == []
+    _slot_pool_matches_table(cached)
