@@ -1,0 +1,51 @@
+"""engine/graphs.py's GraphCache: eager on a key's first call, captured on its second, replayed
+after; a capture that fails (here: a host read inside the captured function) is logged once and
+that key runs eagerly from then on, with correct results. Off CUDA (enabled=False) always eager."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.graphs import GraphCache
+
+
+def test_disabled_cache_always_runs_eagerly() -> None:
+    cache = GraphCache("test", enabled=False)
+    calls = []
+    for _ in range(3):
+        cache.run("k", lambda: calls.append(1))
+    assert calls == [1, 1, 1] and cache.captured == 0
+
+
+@pytest.mark.gpu
+def test_capture_replay_and_logged_eager_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    cache = GraphCache("test graphs")
+    x = torch.zeros(4, device="cuda")
+    out = torch.zeros(4, device="cuda")
+    calls = {"good": 0, "bad": 0}
+
+    def good() -> None:
+        calls["good"] += 1
+        out.copy_(x * 2 + 1)
+
+    def bad() -> None:  # reads the device from the host: cannot be captured
+        calls["bad"] += 1
+        out.copy_(x + float(x.sum().item()))
+
+    for step in range(4):
+        x.fill_(step)
+        cache.run("good", good)
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full((4,), 2.0 * step + 1, device="cuda"))
+    assert calls["good"] == 2 and cache.captured == 1  # eager once, captured once, replayed twice
+    with caplog.at_level(logging.WARNING, logger="freetoken.engine"):
+        for step in range(4):
+            x.fill_(step)
+            cache.run("bad", bad)
+            torch.cuda.synchronize()
+            assert torch.equal(out, torch.full((4,), step + 4.0 * step, device="cuda"))
+    assert cache.captured == 1 and calls["bad"] == 5  # the failed capture attempt, then eager each call
+    assert sum("CUDA graph capture failed" in r.getMessage() for r in caplog.records) == 1
