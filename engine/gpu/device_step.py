@@ -1,13 +1,14 @@
 """The decode-sized MoE layer of the GPU expert cache, queued without one host synchronisation and
 captured in a CUDA graph per (layer, batch size).
 
-Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch)` serves `executor` (a
+Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch, plan)` serves `executor` (a
 CachedExpertExecutor whose CPU side is the native executor) for batches of exactly `tokens` tokens
 routed to `k` experts each; `step(x, ids, weights, layer)` returns the layer's routed-expert output
 in a buffer the next call of this step overwrites (consume it before that, in stream order: the
 decoder's residual add does). Per call, on the current stream:
 
-    plan_layer (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py)
+    plan (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py, or the same in one
+          Triton program, engine/gpu/plan_kernel.py, with plan="fused" / FREETOKEN_PLAN=fused)
       |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
       '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
                        on the host (engine/gpu/host_fn.py) -> H2D its output
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
 
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
+PLANS = ("torch", "fused")
+
+
+def resolve_plan(name: str | None) -> str:
+    """`name`, else FREETOKEN_PLAN, else "torch"; ConfigError for an unknown one."""
+    plan = name or os.environ.get("FREETOKEN_PLAN", "torch")
+    if plan not in PLANS:
+        raise ConfigError(f"unknown cache plan {plan!r} (known: {', '.join(PLANS)})")
+    return plan
 
 
 def resolve_cpu_branch(name: str | None) -> str:
@@ -55,7 +65,7 @@ def resolve_cpu_branch(name: str | None) -> str:
 
 class DeviceStep:
     def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
-                 pool: tuple[int, int] | None = None, cpu_branch: str | None = None) -> None:
+                 pool: tuple[int, int] | None = None, cpu_branch: str | None = None, plan: str | None = None) -> None:
         from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
         from native.ftnative import HostTask  # noqa: F401  (fails early when the extension is missing)
 
@@ -82,6 +92,15 @@ class DeviceStep:
         self._tasks: dict[int, object] = {}
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         self.cpu_branch = resolve_cpu_branch(cpu_branch)
+        # the per-layer plan: plan_layer's ~25 torch kernels, or the same decisions in one Triton
+        # program (engine/gpu/plan_kernel.py) when the sizes fit it
+        self.plan = resolve_plan(plan)
+        if self.plan == "fused":
+            from engine.gpu import plan_kernel
+
+            self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
+        else:
+            self._fused = None
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
 
     def _task(self, layer: int) -> object:
@@ -101,8 +120,11 @@ class DeviceStep:
 
     def _enqueue(self, layer: int) -> None:
         ex = self.ex
-        plan = plan_layer(ex.table, layer, self.ids, ex.ratio)
-        ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
+        if self._fused is not None:
+            plan = self._fused.plan_layer_fused(ex.table, layer, self.ids, ex.ratio, ex._counts)
+        else:
+            plan = plan_layer(ex.table, layer, self.ids, ex.ratio)
+            ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
         cpu_ids = torch.where(plan.slot_ids < 0, self.ids, -1)
         self.w32.copy_(self.w)
         task = self._task(layer)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.device_step import DeviceStep, resolve_cpu_branch
+from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_plan
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
@@ -121,7 +121,7 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
-                 cpu_branch: str | None = None) -> None:
+                 cpu_branch: str | None = None, plan: str | None = None) -> None:
         table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
@@ -134,6 +134,7 @@ class CachedExpertExecutor:
         # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
         self.graphs = graphs
         self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
+        self.plan = resolve_plan(plan)  # likewise FREETOKEN_PLAN
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._graph_pool: tuple[int, int] | None = None
@@ -220,7 +221,7 @@ class CachedExpertExecutor:
         if step is None:
             if self.graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch)
+            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch, self.plan)
             self._steps[tokens] = step
         return step
 
@@ -267,10 +268,11 @@ class _Done:
 
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
-                           graphs: bool = True, cpu_branch: str | None = None) -> CachedExpertExecutor:
+                           graphs: bool = True, cpu_branch: str | None = None,
+                           plan: str | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
     slots = ExpertSlots.from_budget(banks, budget_bytes, device)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
-                                graphs=graphs, cpu_branch=cpu_branch)
+                                graphs=graphs, cpu_branch=cpu_branch, plan=plan)

@@ -104,6 +104,24 @@ def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list
     return outs, on_cpu
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("slots", [0, 3, 20])
+def test_fused_plan_step_equals_torch_plan_step(slots: int, ratio: float, graphs: bool) -> None:
+    """The device step with the one-program plan (engine/gpu/plan_kernel.py) gives the torch plan's
+    outputs bit for bit and leaves the same cache state."""
+    banks = _banks(torch.bfloat16)
+    runs = []
+    for plan in ("torch", "fused"):
+        ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, plan=plan)
+        outs, on_cpu = _run(ex, torch.bfloat16, 9)
+        assert all(step._fused is not None for step in ex._steps.values()) == (plan == "fused")
+        runs.append((outs, on_cpu, ex.table.table.clone(), ex.table.slot_owner.clone(), ex._counts.clone()))
+    (a, ca, ta, oa, na), (b, cb, tb, ob, nb) = runs
+    assert ca == cb and torch.equal(ta, tb) and torch.equal(oa, ob) and torch.equal(na, nb)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("branch", ["doorbell", "hostfunc"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])

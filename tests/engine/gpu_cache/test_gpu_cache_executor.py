@@ -232,7 +232,7 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
     assert cached.table.invariant_errors() == [] and cached.stats.calls > 0  # decode went through the plan
 
 
-def test_unknown_cpu_branch_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_cpu_branch_or_plan_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from engine.errors import ConfigError
 
     banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
@@ -240,6 +240,12 @@ def test_unknown_cpu_branch_is_refused_at_construction(monkeypatch) -> None:  # 
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), cpu_branch="bogus")
     monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "nope")
     with pytest.raises(ConfigError, match="'nope'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+    monkeypatch.delenv("FREETOKEN_CPU_BRANCH")
+    with pytest.raises(ConfigError, match="unknown cache plan 'quick'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), plan="quick")
+    monkeypatch.setenv("FREETOKEN_PLAN", "fast")
+    with pytest.raises(ConfigError, match="'fast'"):
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
 
 

@@ -1,0 +1,129 @@
+"""The decode step's cache plan (engine/gpu/plan.py's `plan_layer`) as one Triton kernel.
+
+Contract: `plan_layer_fused(state, layer, ids, ratio, counters)` computes exactly what
+`plan_layer(state, layer, ids, ratio)` does (the same `LayerPlan` values and the same updates of
+the cache table, slot owners, LRU timestamps and step counter; the CPU and CUDA tests compare the
+two over long random call sequences) and adds (hits, misses, fetched) to `counters` ([3] int64,
+when given), in one launch instead of ~25 small kernels. One program does it all: the routed entries' histogram,
+the hit / miss split, q* (round half to even of m * ratio, at least 1, at most m, at most the
+takeable slots), the victims and the misses to fetch chosen by K rounds of "first smallest key"
+(K = min(S, E, N*k): only the first K of either order can be taken), and the writes. The hits are
+marked in `last_use` first (a value the victim order never takes) and the program waits at a
+barrier before reading the slot keys, so the hits are protected without a scratch buffer.
+`fusable(state, ids)` says whether the sizes fit one program (slots up to 16384).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.plan import _NEVER, LayerPlan
+from engine.gpu.policy import check_ratio
+
+_MAX_SLOTS = 16384
+_BIG = 2**62  # above every key: padding, and positions already chosen
+
+
+def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
+    return state.slots <= _MAX_SLOTS and ids.numel() <= 1024 and state.experts <= 4096
+
+
+@triton.jit
+def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, call_ptr, slot_ids_ptr, src_ptr,
+                 dst_ptr,
+                 base, ratio,
+                 NK: tl.constexpr, NK_P: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, S: tl.constexpr,
+                 S_P: tl.constexpr, K: tl.constexpr, NEVER: tl.constexpr, BIG: tl.constexpr):
+    ent = tl.arange(0, NK_P)
+    ent_ok = ent < NK
+    idv = tl.load(ids_ptr + ent, mask=ent_ok, other=-1).to(tl.int64)
+    e = tl.arange(0, E_P)
+    e_ok = e < E
+    # 1. dedupe: a histogram of the routed entries
+    counts = tl.sum((idv[None, :] == e[:, None]).to(tl.int64), axis=1)
+    present = counts > 0
+    row = tl.load(table_ptr + base + e, mask=e_ok, other=-1).to(tl.int64)
+    hit = present & (row >= 0)
+    miss = present & (row < 0)
+    n_hit = tl.sum(hit.to(tl.int64), axis=0)
+    m = tl.sum(miss.to(tl.int64), axis=0)
+    now = tl.load(step_ptr) + 1
+    tl.store(step_ptr, now)
+    slot_of = tl.where(hit, row, -1)
+    src = tl.full([E_P], -1, tl.int64)
+    dst = tl.full([E_P], -1, tl.int64)
+    q = m * 0
+    if S > 0:
+        # protect this call's hits: their slot keys read as NEVER (the final last_use comes below)
+        tl.store(lu_ptr + row, NEVER, mask=hit)
+        tl.debug_barrier()
+        s = tl.arange(0, S_P)
+        s_ok = s < S
+        owner = tl.load(owner_ptr + s, mask=s_ok, other=0)
+        lu = tl.load(lu_ptr + s, mask=s_ok, other=0)
+        key = tl.where(owner < 0, -1, tl.minimum(lu, NEVER))
+        key = tl.where(s_ok, key, BIG)
+        takeable = tl.sum((key < NEVER).to(tl.int64), axis=0)
+        # 2. q* = min(max(1, round(m * ratio)), m), 0 for ratio 0; at most the takeable slots
+        # round half to even, as torch.round (m * ratio >= 0, so truncation is the floor)
+        x = m.to(tl.float64) * ratio
+        q = x.to(tl.int64)
+        frac = x - q.to(tl.float64)
+        q = q + tl.where(frac > 0.5, 1, 0) + tl.where((frac == 0.5) & (q % 2 == 1), 1, 0)
+        q = tl.minimum(tl.maximum(q, 1), m)
+        q = tl.where(ratio == 0.0, 0, q)
+        q = tl.minimum(q, takeable)
+        # 3. misses by tokens descending, then id
+        mkey = tl.where(miss, -counts, 1)
+        mkey = tl.where(e_ok, mkey, BIG)
+        for i in tl.static_range(K):
+            v = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int64)
+            f = tl.argmin(mkey, axis=0, tie_break_left=True).to(tl.int64)
+            key = tl.where(s == v, BIG, key)
+            mkey = tl.where(e == f, BIG, mkey)
+            take = q > i
+            old = tl.load(owner_ptr + v)
+            tl.store(table_ptr + old, -1, mask=take & (old >= 0))  # the victim's owner leaves
+            tl.store(table_ptr + base + f, v.to(tl.int32), mask=take)
+            tl.store(owner_ptr + v, base + f, mask=take)
+            tl.store(lu_ptr + v, now, mask=take)
+            src = tl.where((e == i) & take, base + f, src)
+            dst = tl.where((e == i) & take, v, dst)
+            slot_of = tl.where((e == f) & take, v, slot_of)
+        tl.store(lu_ptr + row, now, mask=hit)
+    tl.store(src_ptr + e, src, mask=e_ok)
+    tl.store(dst_ptr + e, dst, mask=e_ok)
+    sid = tl.sum(tl.where(idv[None, :] == e[:, None], slot_of[:, None], 0), axis=0)
+    tl.store(slot_ids_ptr + ent, tl.where(idv >= 0, sid, -1), mask=ent_ok)
+    c = tl.arange(0, 4)
+    add = tl.where(c == 0, n_hit, tl.where(c == 1, m, q))
+    tl.store(call_ptr + c, add, mask=c < 3)
+    old_counts = tl.load(counters_ptr + c, mask=c < 3)
+    tl.store(counters_ptr + c, old_counts + add, mask=c < 3)
+
+
+def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float,
+                     counters: torch.Tensor | None = None) -> LayerPlan:
+    if not 0 <= layer < state.layers:
+        raise ValueError(f"MoE layer {layer} out of range [0, {state.layers})")
+    if not fusable(state, ids):
+        raise ValueError(f"the fused plan serves up to {_MAX_SLOTS} slots and 1024 entries")
+    ratio = check_ratio(ratio)
+    E, S, dev = state.experts, state.slots, state.device
+    flat = ids.reshape(-1).contiguous()
+    nk = flat.numel()
+    slot_ids = torch.empty(nk, dtype=torch.int64, device=dev)
+    copy_src = torch.empty(E, dtype=torch.int64, device=dev)
+    copy_dst = torch.empty(E, dtype=torch.int64, device=dev)
+    call = torch.empty(3, dtype=torch.int64, device=dev)
+    if counters is None:
+        counters = torch.zeros(3, dtype=torch.int64, device=dev)
+    _plan_kernel[(1,)](
+        flat, state.table_flat, state.owner_flat, state.last_use_flat, state.step, counters, call, slot_ids, copy_src,
+        copy_dst, layer * E, ratio, NK=nk, NK_P=triton.next_power_of_2(max(nk, 2)), E=E,
+        E_P=triton.next_power_of_2(max(E, 2)), S=S, S_P=triton.next_power_of_2(max(S, 2)), K=min(S, E, nk),
+        NEVER=_NEVER, BIG=_BIG, num_warps=8)
+    return LayerPlan(slot_ids.view(ids.shape), copy_src, copy_dst, call[0], call[1], call[2])
