@@ -20,12 +20,15 @@ timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=shor
 tail -15 "$OUT/gpu_tests.log"
 [ "${BENCH:-1}" = 0 ] && exit 0
 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-bench() {
+bench() {  # FREETOKEN_PLAN=fused bench ... passes the knob through the environment
     local name=$1 limit=$2; shift 2
     timeout "$limit" $F bench "$@" --dummy --cpu-threads 8 --json > "$OUT/$name.json" 2> "$OUT/$name.err"
     echo "$name: exit $?"
 }
 bench dec_q3_24L_12G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3
+# the one-program cache plan (engine/gpu/plan_kernel.py) against the torch plan, same shape and cap
+FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
