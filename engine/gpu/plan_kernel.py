@@ -15,6 +15,8 @@ barrier before reading the slot keys, so the hits are protected without a scratc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,14 +29,21 @@ _MAX_SLOTS = 16384
 _BIG = 2**62  # above every key: padding, and positions already chosen
 
 
+@functools.cache
+def _ratio_tensor(ratio: float, device: torch.device) -> torch.Tensor:
+    """The ratio as a float64 device scalar, made once (on a step's first, eager call: never while
+    a graph is being captured, where a host-to-device copy could not be recorded)."""
+    return torch.tensor([ratio], dtype=torch.float64, device=device)
+
+
 def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
     return state.slots <= _MAX_SLOTS and ids.numel() <= 1024 and state.experts <= 4096
 
 
 @triton.jit
 def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, call_ptr, slot_ids_ptr, src_ptr,
-                 dst_ptr,
-                 base, ratio,
+                 dst_ptr, ratio_ptr,
+                 base,
                  NK: tl.constexpr, NK_P: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, S: tl.constexpr,
                  S_P: tl.constexpr, K: tl.constexpr, NEVER: tl.constexpr, BIG: tl.constexpr):
     ent = tl.arange(0, NK_P)
@@ -69,6 +78,7 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
         takeable = tl.sum((key < NEVER).to(tl.int64), axis=0)
         # 2. q* = min(max(1, round(m * ratio)), m), 0 for ratio 0; at most the takeable slots
         # round half to even, as torch.round (m * ratio >= 0, so truncation is the floor)
+        ratio = tl.load(ratio_ptr)  # float64, as the torch plan multiplies (a float argument would be float32)
         x = m.to(tl.float64) * ratio
         q = x.to(tl.int64)
         frac = x - q.to(tl.float64)
@@ -123,7 +133,7 @@ def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: fl
         counters = torch.zeros(3, dtype=torch.int64, device=dev)
     _plan_kernel[(1,)](
         flat, state.table_flat, state.owner_flat, state.last_use_flat, state.step, counters, call, slot_ids, copy_src,
-        copy_dst, layer * E, ratio, NK=nk, NK_P=triton.next_power_of_2(max(nk, 2)), E=E,
+        copy_dst, _ratio_tensor(ratio, dev), layer * E, NK=nk, NK_P=triton.next_power_of_2(max(nk, 2)), E=E,
         E_P=triton.next_power_of_2(max(E, 2)), S=S, S_P=triton.next_power_of_2(max(S, 2)), K=min(S, E, nk),
         NEVER=_NEVER, BIG=_BIG, num_warps=8)
     return LayerPlan(slot_ids.view(ids.shape), copy_src, copy_dst, call[0], call[1], call[2])
