@@ -2,7 +2,8 @@
 
 Contract: `load_decoder(model_dir, device, dtype=None, executor="auto", progress=None, threads=0)`
 returns a ready `Decoder`; dtype defaults to the checkpoint's; `threads` sizes the CPU executor's pool.
-All user-caused failures are `EngineError`s.
+`model_dir` is a Hugging Face checkpoint directory, or a `.gguf` file (engine/weights/gguf_reader.py:
+the config comes from its metadata). All user-caused failures are `EngineError`s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model.decoder import Decoder
 from engine.moe.executor import create_executor
+from engine.weights.gguf_reader import GgufReader
 from engine.weights.loader import Progress, load_weights
 from engine.weights.reader import CheckpointReader
 
@@ -37,11 +39,16 @@ def load_decoder(
     threads: int = 0,
 ) -> Decoder:
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ConfigError(f"{model_dir}: model directory not found")
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    reader: CheckpointReader | GgufReader
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        reader = GgufReader(model_dir)
+        cfg = ModelConfig.from_dict(reader.config(), source=str(model_dir))
+    elif model_dir.is_dir():
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        reader = CheckpointReader(model_dir)
+    else:
+        raise ConfigError(f"{model_dir}: model directory (or .gguf file) not found")
     dtype = dtype or parse_dtype(cfg.torch_dtype)
-    reader = CheckpointReader(model_dir)
     try:
         weights = load_weights(cfg, reader, torch.device(device), dtype, progress)
     finally:

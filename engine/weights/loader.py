@@ -15,6 +15,7 @@ import torch
 
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import WeightError
+from engine.weights.gguf_reader import GgufReader
 from engine.weights.layout import (
     AttentionWeights,
     DecoderWeights,
@@ -30,7 +31,7 @@ Progress = Callable[[int, int], None]
 
 
 class _Fetch:
-    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, reader: CheckpointReader | GgufReader, device: torch.device, dtype: torch.dtype) -> None:
         self.reader, self.device, self.dtype = reader, device, dtype
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -53,7 +54,7 @@ class _Fetch:
 
 def load_weights(
     cfg: ModelConfig,
-    reader: CheckpointReader,
+    reader: CheckpointReader | GgufReader,
     device: torch.device,
     dtype: torch.dtype,
     progress: Progress | None = None,

@@ -8,6 +8,9 @@
 # (default: 16:12GiB and 12:16GiB, a third and a half of the 24-layer Qwen3-30B-A3B variant: what a
 # 24 GiB and a 32 GiB card hold of the full 48-layer model). SHAPE / LAYERS / GGUF_ARGS select the
 # model (for Qwen3.6: SHAPE=qwen3.6-35b-a3b LAYERS=20 GGUF_ARGS="--arch qwen35moe --layers 20").
+# Weights: for Qwen3-MoE our engine reads the same GGUF llama.cpp ran (byte-identical weights);
+# the engine cannot read a qwen35moe GGUF, so for Qwen3.6 it builds random weights of the same
+# shape in memory (OURS=dummy forces that for both).
 # Everything lands in $OUT; one summary is printed last.
 set -u
 OUT=${OUT:-/tmp/side-by-side}
@@ -28,18 +31,25 @@ echo "gguf written in $(( $(date +%s) - t0 )) s"
 NCMOES=$(for p in $PAIRS; do printf '%s,' "${p%%:*}"; done)
 python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOES%,}" --threads 8 --prompts "$PROMPTS" --gen 128 \
     --ubatch 2048 --reps 3 --load-mode none --timeout 150 --out-dir "$OUT" | tail -8
-rm -f "$GGUF"  # the disk holds one ~30 GiB model at a time; ours is made in memory
 echo "peer done at $(( $(date +%s) - t0 )) s"
+OURS=${OURS:-$([ "$SHAPE" = qwen3-30b-a3b ] && echo gguf || echo dummy)}
+if [ "$OURS" = gguf ]; then
+    MODEL=(--model "$GGUF")
+else
+    rm -f "$GGUF"  # the disk holds one ~30 GiB model at a time; ours is made in memory
+    MODEL=(--shape "$SHAPE" --layers "$LAYERS" --dummy)
+fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 for p in $PAIRS; do
     cap=${p#*:}
-    timeout "${DEC_S:-110}" $F bench decode --shape "$SHAPE" --layers "$LAYERS" --dummy --gpu-memory "$cap" \
+    timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" --gpu-memory "$cap" \
         --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
-    timeout "${PRE_S:-100}" $F bench prefill --shape "$SHAPE" --layers "$LAYERS" --dummy --gpu-memory "$cap" \
+    timeout "${PRE_S:-100}" $F bench prefill "${MODEL[@]}" --gpu-memory "$cap" \
         --cpu-threads 8 --prompt-tokens "$PROMPTS" --chunk 8192 --json > "$OUT/pre_ours_$cap.json" 2> "$OUT/pre_ours_$cap.err"
     echo "prefill $cap: exit $? at $(( $(date +%s) - t0 )) s"
 done
+rm -f "$GGUF"
 python3 -m evals.gpu.summary "$OUT"
 python3 -m evals.gpu.side_by_side "$OUT" $PAIRS

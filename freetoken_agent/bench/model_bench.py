@@ -50,7 +50,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="layer count (default: the shape's)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dummy", action="store_true", help="random weights of --shape, made in memory")
-    source.add_argument("--model", default=None, metavar="PATH", help="a checkpoint directory (config.json + safetensors)")
+    source.add_argument("--model", default=None, metavar="PATH",
+                        help="a checkpoint directory (config.json + safetensors) or a Qwen3-MoE .gguf file")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
     add_engine_arguments(p, threads_flags=("--cpu-threads", "--threads"))
@@ -104,11 +105,16 @@ class ModelBench:
             from engine.config import ModelConfig
 
             path = Path(self.model)
-            if not (path / "config.json").is_file():
-                raise ConfigError(f"--model {self.model}: no config.json there")
             if args.layers is not None:
                 raise ConfigError("--layers applies to --dummy shapes, not to a checkpoint")
-            self.cfg = ModelConfig.from_file(path / "config.json")
+            if path.suffix == ".gguf" and path.is_file():  # the peer's own file: the same weights for both
+                from engine.weights.gguf_reader import GgufReader
+
+                self.cfg = ModelConfig.from_dict(GgufReader(path).config(), source=str(path))
+            elif (path / "config.json").is_file():
+                self.cfg = ModelConfig.from_file(path / "config.json")
+            else:
+                raise ConfigError(f"--model {self.model}: no config.json there (nor a .gguf file)")
         else:
             self.cfg = dummy_config(self.shape, args.layers)
         if kv_tokens > self.cfg.max_position_embeddings:

@@ -1,0 +1,172 @@
+"""A Qwen3-MoE GGUF (llama.cpp's format) loads as a model (engine/weights/gguf_reader.py).
+
+The file is the peer benchmark's own (evals/peer/write_gguf.py, tiny shape, random weights):
+- its metadata gives the config the shape was written with;
+- every tensor lands in its role: the GGUF bytes of attention, router and expert tensors equal
+  the decoder's weights at the matching place (GGUF lists dimensions fastest first);
+- an engine on the GGUF gives bit-identical logits to an engine on a Hugging Face checkpoint
+  holding the same tensors under their checkpoint names (itself checked against transformers by
+  tests/engine/test_lossless.py);
+- an unsupported architecture, a missing file and a quantised tensor fail with clear errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.engine import Engine
+from engine.errors import ConfigError, WeightError
+from engine.model.load import load_decoder
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from engine.weights.gguf_reader import GgufReader
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+
+REPO = Path(__file__).resolve().parents[2]
+L, E, K, H, INTER, HEADS, KV, HD, VOCAB = 2, 8, 2, 64, 32, 4, 2, 16, 300
+
+
+def _writer() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("peer_write_gguf_model", REPO / "evals" / "peer" / "write_gguf.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _vocab(path: Path) -> Path:
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([1] * (VOCAB - 1) + [3])
+    w.add_token_merges(["t 1", "t 2"])
+    w.add_eos_token_id(VOCAB - 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("gguf_model")
+    out = tmp / "tiny-qwen3moe.gguf"
+    args = ["--out", str(out), "--vocab-from", str(_vocab(tmp / "vocab.gguf")), "--layers", str(L), "--experts", str(E),
+            "--top-k", str(K), "--hidden", str(H), "--inter", str(INTER), "--heads", str(HEADS), "--kv-heads", str(KV),
+            "--head-dim", str(HD), "--std", "0.1", "--seed", "4", "--threads", "1"]
+    assert _writer().main(args) == 0
+    return out
+
+
+def _raw(path: Path, name: str) -> np.ndarray:
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    data = np.asarray(t.data)
+    if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    return data.astype(np.float32)
+
+
+def test_config_comes_from_the_metadata(model: Path) -> None:
+    cfg = GgufReader(model).config()
+    want = {"model_type": "qwen3_moe", "num_hidden_layers": L, "num_experts": E, "num_experts_per_tok": K,
+            "hidden_size": H, "moe_intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+            "head_dim": HD, "vocab_size": VOCAB, "norm_topk_prob": True, "torch_dtype": "bfloat16"}
+    assert {k: cfg[k] for k in want} == want
+    assert cfg["rope_theta"] == 1e6 and cfg["rms_norm_eps"] == pytest.approx(1e-6)
+
+
+def test_tensors_land_in_their_roles(model: Path) -> None:
+    dec = load_decoder(model, "cpu", torch.float32, executor="torch")
+    w = dec.weights
+    gate_up = w.experts.w13.view(L, E, 2 * INTER, H)
+    for layer in range(L):
+        gate = _raw(model, f"blk.{layer}.ffn_gate_exps.weight")  # [E, I, H] row-major
+        up = _raw(model, f"blk.{layer}.ffn_up_exps.weight")
+        down = _raw(model, f"blk.{layer}.ffn_down_exps.weight")  # [E, H, I]
+        assert gate.shape == (E, INTER, H) and down.shape == (E, H, INTER)
+        np.testing.assert_array_equal(gate_up[layer, :, :INTER].numpy(), gate)
+        np.testing.assert_array_equal(gate_up[layer, :, INTER:].numpy(), up)
+        np.testing.assert_array_equal(w.experts.w2.view(L, E, H, INTER)[layer].numpy(), down)
+        lw = w.layers[layer]
+        assert lw.moe is not None and lw.attention is not None
+        np.testing.assert_array_equal(lw.moe.router.numpy(), _raw(model, f"blk.{layer}.ffn_gate_inp.weight"))
+        np.testing.assert_array_equal(lw.attention.q_proj.numpy(), _raw(model, f"blk.{layer}.attn_q.weight"))
+        np.testing.assert_array_equal(lw.attention.o_proj.numpy(), _raw(model, f"blk.{layer}.attn_output.weight"))
+    np.testing.assert_array_equal(w.embed.numpy(), _raw(model, "token_embd.weight"))
+
+
+def test_engine_on_gguf_equals_engine_on_the_same_checkpoint(model: Path, tmp_path: Path) -> None:
+    reader = GgufReader(model)
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    tensors = {}
+    for name in reader.names():
+        t = reader.get(name).contiguous()
+        if name.endswith("mlp.experts.gate_proj") or name.endswith("mlp.experts.up_proj") \
+                or name.endswith("mlp.experts.down_proj"):
+            prefix, kind = name.rsplit(".", 1)
+            for e in range(E):  # the per-expert layout of Hugging Face checkpoints
+                tensors[f"{prefix}.{e}.{kind}.weight"] = t[e].clone()
+        else:
+            tensors[name] = t
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": VOCAB,
+              "hidden_size": H, "intermediate_size": 4 * H, "num_hidden_layers": L, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV, "head_dim": HD, "num_experts": E, "num_experts_per_tok": K,
+              "moe_intermediate_size": INTER, "norm_topk_prob": True, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    prompt = list(range(5, 40))
+    runs = []
+    for path in (model, ckpt):
+        with Engine(path, EngineOptions(dtype="float32", kv_tokens=256, max_running=1, prefill_chunk=16,
+                                        executor="torch")) as eng:
+            h = eng.submit(prompt, SamplingParams(max_tokens=6, ignore_eos=True), capture_logits=True)
+            tokens = h.result(timeout=120)
+            runs.append((tokens, torch.stack([t.float() for t in h.logits])))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][1].abs().max() > 0  # the logits carry signal: the comparison can fail
+
+
+def test_unsupported_and_missing_files_fail_clearly(model: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(other), "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="GGUF architecture 'llama' is not supported"):
+        load_decoder(other)
+    with pytest.raises(ConfigError, match="not found"):
+        load_decoder(tmp_path / "absent.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(WeightError, match="not a readable GGUF file"):
+        load_decoder(junk)
+
+
+def test_bench_runs_on_the_gguf(model: Path, capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from freetoken_agent.cli import main
+
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "decode", "--model", str(model), "--device", "cpu", "--tokens", "4", "--reps", "1",
+                 "--prompt-tokens", "8", "--cpu-threads", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weights"] == f"checkpoint {model}" and r["family"] == "qwen3_moe" and r["layers"] == L
+    assert r["experts"] == E and r["tok_s"] > 0
