@@ -22,6 +22,9 @@ def resolve_model(spec: str) -> Path:
             raise UsageError(f"unknown demo arch {arch!r} (choose from {', '.join(ARCHES)})")
         return demo_model_dir(arch)
     path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        raise UsageError(f"{path}: serving needs a Hugging Face model directory (its tokenizer and chat "
+                         f"template); GGUF files are read by `freetoken-agent bench --model` only")
     if not path.is_dir():
         raise UsageError(f"{path}: model directory not found")
     if not (path / "config.json").exists():

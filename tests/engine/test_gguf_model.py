@@ -170,3 +170,11 @@ def test_bench_runs_on_the_gguf(model: Path, capsys: pytest.CaptureFixture[str],
     r = json.loads(capsys.readouterr().out)
     assert r["weights"] == f"checkpoint {model}" and r["family"] == "qwen3_moe" and r["layers"] == L
     assert r["experts"] == E and r["tok_s"] > 0
+
+
+def test_serving_a_gguf_is_refused_with_the_reason(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from freetoken_agent.cli import main
+
+    assert main(["generate", "--model", str(model), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a Hugging Face model directory" in err and "bench --model" in err and "Traceback" not in err
