@@ -140,8 +140,10 @@ class PrefillStreamer:
         self._kernels: ModuleType | None = None
         self._counts: torch.Tensor | None = None  # grouped: [in_place, streamed_unused] on the device
         if self.grouped:
-            from engine.gpu import grouped  # Triton: imported only where the grouped path runs
-
+            try:
+                from engine.gpu import grouped  # Triton: imported only where the grouped path runs
+            except ImportError as e:
+                raise ConfigError(f"FREETOKEN_PREFILL_KERNEL=grouped needs triton: {e}") from e
             self._kernels = grouped
             self._counts = torch.zeros(2, dtype=torch.int64, device=slots.device)
         self.banks, self.slots, self.table = banks, slots, table
