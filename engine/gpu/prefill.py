@@ -7,10 +7,12 @@ so the decode path's per-layer planning (engine/gpu/plan.py: split the misses be
 CPU) is the wrong tool: the CPU would run hundreds of tokens per expert. Instead every expert of a
 layer is on the GPU when the layer runs: the resident ones in place, the others copied in.
 
-Contract: `PrefillStreamer(banks, slots, table, copy_stream)` (copy_stream: a CUDA stream other
-than the compute stream, or None: copies on the current stream, which is what a CPU device uses;
-the results are the same). `PrefillStreamer.fits(slots, experts)`: whether the pool has the 2E
-slots the two buffers need (E = experts per layer); when it does not, use the decode path.
+Contract: `PrefillStreamer(banks, slots, table, copy_stream, kernel=None)` (copy_stream: a CUDA
+stream other than the compute stream, or None: copies on the current stream, which is what a CPU
+device uses; the results are the same; kernel: how `layer` computes the experts, "loop" or
+"grouped", default the FREETOKEN_PREFILL_KERNEL environment variable, read once here, else "loop";
+any other value is a ConfigError). `PrefillStreamer.fits(slots, experts)`: whether the pool has
+the 2E slots the two buffers need (E = experts per layer); when it does not, use the decode path.
 - `start(first_moe_index=0)` (optional; `layer` calls it on first use): takes 2E slots from the
   pool with `table.reserve(2 * E)` (the least recently used, empty first; their experts leave the
   cache), snapshots which experts are resident (one device->host read of the whole table), and
@@ -22,9 +24,21 @@ slots the two buffers need (E = experts per layer); when it does not, use the de
   waiting for routing) is copied into buffer `moe_index % 2`. Before this layer computes, the
   copies of `next_moe_index` (when given, and of the other parity) are issued on the copy stream,
   so PCIe streams the next layer while this one's experts (and the next layer's attention) run.
-  The arithmetic is TorchExpertExecutor's (engine/moe/executor.py), operation for operation:
-  distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear, times the weight,
-  index_add_: the result is bit-identical to it.
+  The experts are computed by one of two kernels:
+  - "loop" (the default): TorchExpertExecutor's arithmetic (engine/moe/executor.py), operation
+    for operation: distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear,
+    times the weight, index_add_: the result is bit-identical to it. A Python loop over the
+    routed experts (about 8 kernel launches each) after a host read of the routing.
+  - "grouped" (on CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the
+    loop runs): engine/gpu/grouped.py, two Triton GEMM kernels over the entries sorted by expert,
+    each expert read from its slot through a [L, E] device tensor of slots made in `start`: no
+    host read, no loop over experts. Every intermediate is rounded where the reference rounds it
+    except the sum of a token's k contributions (float32, rounded once, instead of a running sum
+    in x's dtype): float32 results equal the reference's up to summation order, bf16 ones are
+    within a few bf16 roundings. Its workspace (silu(gate) * up of N*k + E*(BLOCK_M - 1) padded
+    rows and the N*k weighted contributions, in x's dtype) is not yet in engine/gpu/budget.py's
+    estimate. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
+    on the device).
 - `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
   the streamed experts of the (at most two) layers held in the buffers become resident
   (`table.register`, last_use = a fresh step: the freshest entries), the buffers' other slots are
@@ -32,7 +46,8 @@ slots the two buffers need (E = experts per layer); when it does not, use the de
   finds its working set plus the last two layers. Always call it (try/finally): until then the 2E
   slots stay reserved. The streamer can be started again for the next chunk.
 - `stats` (`PrefillStats`): chunks, layers, experts used in place, streamed, streamed but not
-  routed, registered by finish(), bytes streamed.
+  routed, registered by finish(), bytes streamed (with "grouped", reading it syncs: the in-place
+  and unused counts are device counters).
 
 LRU bookkeeping: each `layer` call advances `table.step` by one, like a planned decode call, and the
 resident experts it routed get last_use = that step (the hits of the decode path).
@@ -53,10 +68,14 @@ Host synchronisation (the costs of this version):
   device->host reads, each waiting for the compute stream's queued work (at the start of a forward,
   normally little); the residency snapshot is valid for the whole chunk because nothing else
   plans against the table until `finish`. `finish` sends its index lists without a sync.
-- per layer, one device->host read of the routed experts and their token counts (<= 2k int64
-  values), the same read TorchExpertExecutor makes: the per-expert loop needs them on the host. It
-  comes after the next layer's copies are issued and before the compute waits for this layer's
-  copies, so it waits for the routing (and the work queued before it), never for a copy.
+- per layer with "loop", one device->host read of the routed experts and their token counts
+  (<= 2k int64 values), the same read TorchExpertExecutor makes: the per-expert loop needs them on
+  the host. It comes after the next layer's copies are issued and before the compute waits for
+  this layer's copies, so it waits for the routing (and the work queued before it), never for a
+  copy. With "grouped", none: `start` also sends the slot of every expert of every layer ([L, E]
+  int64) and which are streamed ([L, E] bool) to the device (no wait), and `layer` only queues
+  work (the sort by expert before the wait for the copies, the two kernels after), so the host
+  can run ahead of the device by several layers.
 grouped_slot_experts (engine/gpu/executor.py) computes the same sum but its host reads would come
 after the wait for the copies (it sorts by slot id on the device), so it is not used here.
 
@@ -67,14 +86,28 @@ slots as available, so a call with more misses than unreserved slots would take 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.slots import ExpertSlots
 from engine.weights.layout import ExpertBanks
+
+PREFILL_KERNELS = ("loop", "grouped")
+
+
+def resolve_prefill_kernel(name: str | None = None) -> str:
+    """`name`, else FREETOKEN_PREFILL_KERNEL, else "loop"; ConfigError for an unknown one."""
+    kernel = name or os.environ.get("FREETOKEN_PREFILL_KERNEL", "loop")
+    if kernel not in PREFILL_KERNELS:
+        raise ConfigError(f"unknown prefill kernel FREETOKEN_PREFILL_KERNEL={kernel!r} "
+                          f"(valid: {', '.join(PREFILL_KERNELS)})")
+    return kernel
 
 
 @dataclass
@@ -96,10 +129,23 @@ class PrefillStats:
 
 class PrefillStreamer:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable,
-                 copy_stream: torch.cuda.Stream | None = None) -> None:
+                 copy_stream: torch.cuda.Stream | None = None, kernel: str | None = None) -> None:
         table.check_matches(banks, slots)
         if copy_stream is not None and slots.device.type != "cuda":
             raise ValueError(f"a copy stream needs CUDA slots, the pool is on {slots.device}")
+        self.kernel = resolve_prefill_kernel(kernel)  # a bad FREETOKEN_PREFILL_KERNEL fails here
+        # the Triton kernels run on CUDA, or on any device under Triton's interpreter (CPU tests)
+        self.grouped = self.kernel == "grouped" and (
+            slots.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        self._kernels: ModuleType | None = None
+        self._counts: torch.Tensor | None = None  # grouped: [in_place, streamed_unused] on the device
+        if self.grouped:
+            try:
+                from engine.gpu import grouped  # Triton: imported only where the grouped path runs
+            except ImportError as e:
+                raise ConfigError(f"FREETOKEN_PREFILL_KERNEL=grouped needs triton: {e}") from e
+            self._kernels = grouped
+            self._counts = torch.zeros(2, dtype=torch.int64, device=slots.device)
         self.banks, self.slots, self.table = banks, slots, table
         self.copy_stream = copy_stream
         self.experts = banks.num_experts
@@ -110,6 +156,8 @@ class PrefillStreamer:
         self._slot_of: list[list[int]] = []  # [L][E]: host, the slot each expert runs from
         self._missing: list[list[int]] = []  # [L]: experts not resident (streamed), ascending
         self._resident_row: torch.Tensor | None = None  # [L, E] int64 on the device: slot or trash
+        self._slot_dev: torch.Tensor | None = None  # grouped: [L, E] int64 on the device, _slot_of
+        self._missing_dev: torch.Tensor | None = None  # grouped: [L, E] bool on the device, _missing
         self._loaded: list[torch.cuda.Event | None] = [None, None]
         self._freed: list[torch.cuda.Event | None] = [None, None]
 
@@ -126,7 +174,13 @@ class PrefillStreamer:
 
     @property
     def stats(self) -> PrefillStats:
-        return PrefillStats(**vars(self._stats))
+        """Counts so far (with the grouped kernel, reads its device counters: a host sync)."""
+        stats = PrefillStats(**vars(self._stats))
+        if self._counts is not None:
+            in_place, unused = self._counts.tolist()
+            stats.in_place += in_place
+            stats.streamed_unused += unused
+        return stats
 
     def start(self, first_moe_index: int | None = 0) -> None:
         """Reserves the buffers and issues the copies of `first_moe_index` (None: none yet).
@@ -146,6 +200,9 @@ class PrefillStreamer:
                 self._missing.append([e for e, s in enumerate(row) if s < 0])
             rows = torch.where(snap >= 0, snap, table.trash_slot).to(torch.int64)
             self._resident_row = self._to_device(rows)
+            if self.grouped:
+                self._slot_dev = self._to_device(torch.tensor(self._slot_of, dtype=torch.int64))
+                self._missing_dev = self._to_device(snap < 0)
             self._buffer_layer = [None, None]
             self._loaded = [None, None]
             if self.copy_stream is not None:
@@ -176,6 +233,8 @@ class PrefillStreamer:
 
         dev = self.slots.device
         xd, idd, wd = x.to(dev), ids.to(dev), weights.to(dev)
+        if self.grouped:
+            return self._layer_grouped(xd, idd, wd, moe_index).to(x.device)
         flat_ids = idd.reshape(-1)
         # TorchExpertExecutor's grouping, step for step
         order = torch.argsort(flat_ids, stable=True)
@@ -219,6 +278,34 @@ class PrefillStreamer:
             self._freed[b] = stream.record_event()
         return out.to(x.device)
 
+    def _layer_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       moe_index: int) -> torch.Tensor:
+        """layer() through the grouped kernels (engine/gpu/grouped.py): no host read."""
+        assert self._resident_row is not None and self._slot_dev is not None and self._missing_dev is not None
+        assert self._kernels is not None and self._counts is not None
+        b = moe_index % 2
+        table, E = self.table, self.experts
+        slot_of = self._slot_dev[moe_index]
+        layout = self._kernels.group_entries(ids, slot_of)  # queued before the wait for the copies
+        flat_ids = ids.reshape(-1).to(torch.int64)
+        routed = torch.zeros(E, dtype=torch.bool, device=ids.device).index_fill_(0, flat_ids, True)
+        # LRU as in the loop path: one step per call, the resident experts routed here used now
+        table.step.add_(1)
+        hit_slot = torch.where(routed, self._resident_row[moe_index], table.trash_slot)
+        table.last_use_flat[hit_slot] = table.step.expand(E)
+        missing = self._missing_dev[moe_index]
+        self._counts += torch.stack([(routed & ~missing).sum(), (missing & ~routed).sum()])
+        self._stats.layers += 1
+        stream = self._compute_stream()
+        if stream is not None:
+            loaded = self._loaded[b]
+            assert loaded is not None
+            stream.wait_event(loaded)
+        out = self._kernels.grouped_experts(x, ids, weights, slot_of, self.slots.w13, self.slots.w2, layout)
+        if stream is not None:
+            self._freed[b] = stream.record_event()
+        return out
+
     def finish(self) -> None:
         """Registers the buffers' streamed experts as resident and releases the rest (see the
         module docstring); a no-op when not active."""
@@ -247,6 +334,7 @@ class PrefillStreamer:
         self._buffers, self._slot_of, self._missing = [], [], []
         self._buffer_layer = [None, None]
         self._resident_row = None
+        self._slot_dev = self._missing_dev = None
         self._loaded = [None, None]
         self._freed = [None, None]
 

@@ -8,14 +8,26 @@ standing in for the GPU (no copy stream: everything runs in order, same results)
   the last two layers are resident (streamed ones registered, the freshest), every resident slot
   holds its bank rows, and the decode path that follows gives the reference's outputs;
 - the buffers are the 2E least recently used slots (empty first); plan_layer never hits a reserved
-  slot nor takes one as a victim while it has unreserved slots to spare; `fits` is false below 2E.
+  slot nor takes one as a victim while it has unreserved slots to spare; `fits` is false below 2E;
+- FREETOKEN_PREFILL_KERNEL: an unknown value is a ConfigError naming the valid ones; `grouped` on a
+  CPU pool (no Triton interpreter) keeps the loop, bit for bit; through Triton's interpreter (when
+  triton is installed; a subprocess) the grouped kernels give the reference's outputs (float32 to
+  summation order, bf16 within a few roundings) and leave the same table, LRU state and stats as
+  the loop path, for empty, partly resident and full caches, dense and sparse routing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from engine.errors import ConfigError
 from engine.gpu.cache_table import RESERVED_USE, CacheTable
 from engine.gpu.executor import CachedExpertExecutor
 from engine.gpu.plan import plan_layer
@@ -245,3 +257,86 @@ def test_reserve_release_register_and_plan() -> None:
     table.reserve(3)
     table.reset()
     assert table.reserved() == [] and table.invariant_errors() == []
+
+
+def test_bad_prefill_kernel_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    banks = _banks()
+    slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, 2 * E)
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "fused")
+    with pytest.raises(ConfigError, match=r"'fused'.*valid: loop, grouped"):
+        PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E))
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "loop")
+    with pytest.raises(ConfigError, match="valid: loop, grouped"):
+        PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="Grouped")
+    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "loop"
+    monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL")
+    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "loop"
+
+
+def test_grouped_knob_on_a_cpu_pool_keeps_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "grouped")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    banks = _banks(seed=6)
+    ref = TorchExpertExecutor(banks)
+    slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, 2 * E)
+    streamer = PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E))
+    assert streamer.kernel == "grouped" and not streamer.grouped
+    for layer, (x, ids, w) in enumerate(_chunk(7)):
+        got = streamer.layer(x, ids, w, layer, layer + 1 if layer + 1 < L else None)
+        assert torch.equal(got, ref(x, ids, w, layer))
+    streamer.finish()
+
+
+def compare_kernels(state: str, n_slots: int, dtype: torch.dtype, n: int = N, experts: int = E) -> None:
+    """One chunk through a `loop` and a `grouped` streamer on identical tables and pools: the grouped
+    outputs match the reference (float32: to summation order; bf16: within a few roundings of the
+    output's scale), the tables (slots, owners, last use, step) and stats end up identical and every
+    resident slot holds its bank rows."""
+    base = _banks(seed=n_slots)
+    banks = ExpertBanks(base.w13.to(dtype), base.w2.to(dtype), E)
+    ref = TorchExpertExecutor(banks)
+    runs = []
+    for kernel in ("loop", "grouped"):
+        slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), dtype, n_slots)
+        table = CacheTable(L, E, n_slots)
+        _place(table, slots, banks, _state(state, n_slots))
+        streamer = PrefillStreamer(banks, slots, table, None, kernel=kernel)
+        assert streamer.grouped == (kernel == "grouped")
+        outs = []
+        for layer, (x, ids, w) in enumerate(_chunk(seed=n_slots, n=n, experts=experts)):
+            outs.append(streamer.layer(x.to(dtype), ids, w.to(dtype), layer, layer + 1 if layer + 1 < L else None))
+        streamer.finish()
+        assert table.invariant_errors() == [] and table.reserved() == []
+        _check_pool(table, slots, banks)
+        runs.append((outs, table, streamer.stats))
+    (loop_outs, loop_table, loop_stats), (outs, table, stats) = runs
+    for layer, (x, ids, w) in enumerate(_chunk(seed=n_slots, n=n, experts=experts)):
+        want = ref(x.to(dtype), ids, w.to(dtype), layer)
+        assert torch.equal(loop_outs[layer], want)
+        got = outs[layer]
+        assert got.dtype == dtype and got.shape == want.shape
+        scale = want.abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * scale)
+    for name in ("table", "slot_owner", "last_use", "step"):
+        assert torch.equal(getattr(table, name), getattr(loop_table, name)), name
+    assert dataclasses.asdict(stats) == dataclasses.asdict(loop_stats)
+
+
+def test_grouped_streamer_in_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), *sys.path[1:]])}
+    env.pop("FREETOKEN_PREFILL_KERNEL", None)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+if __name__ == "__main__":  # the interpreter test's child
+    for state, n_slots in CASES:
+        compare_kernels(state, n_slots, torch.float32)
+    compare_kernels("some", 2 * E + 5, torch.float32, n=3, experts=5)  # experts 5..7 never routed
+    compare_kernels("some", 2 * E + 5, torch.bfloat16)
+    print("ok")

@@ -6,12 +6,18 @@ GPU machine): a real copy stream, page-locked host banks, bfloat16 and float32.
   its bank rows;
 - chunks interleaved with decode steps on the same table and pool (the decode kernels that read a
   slot the next chunk reserves are ordered before that chunk's copies): still exact;
+- FREETOKEN_PREFILL_KERNEL=grouped (the Triton kernels of engine/gpu/grouped.py): the chunk's
+  outputs equal the reference's within float32 summation order / bf16 rounding tolerance, and the
+  table (slots, owners, LRU state) and stats equal those of the loop path on an identical pool,
+  for empty, partly resident and full caches, dense and sparse routing, two chunks in a row;
 - with large-ish banks (4 layers x 64 experts of ~4 MiB) it reports the achieved streaming rate
-  (printed: run with -s), next to a plain copy of the same experts; it asserts only correctness.
+  (printed: run with -s), next to a plain copy of the same experts, for both kernels; it asserts
+  only correctness.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -131,11 +137,73 @@ def test_chunks_interleaved_with_decode() -> None:
     assert decode.stats.hits > 0
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The grouped kernels against the reference: float32 to summation order, bf16 within a few
+    roundings of the output's scale (the reference rounds a running bf16 sum)."""
+    scale = want.abs().max().item()
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("state", "n_slots", "tokens", "experts"),
+                         [("empty", 2 * E, 40, E), ("some", 2 * E + 5, 40, E), ("full", L * E + 2 * E, 40, E),
+                          ("some", 2 * E, 600, E), ("some", 2 * E + 5, 3, 5)])
+def test_grouped_kernel_knob_on_cuda(monkeypatch: pytest.MonkeyPatch, state: str, n_slots: int, tokens: int,
+                                     experts: int, dtype: torch.dtype) -> None:
+    H, inter = 64, 32
+    banks = _banks(L, E, H, inter, dtype)
+    ref = TorchExpertExecutor(banks)
+    g = torch.Generator().manual_seed(n_slots)
+    if state == "empty":
+        placed: dict[int, int] = {}
+    elif state == "some":
+        flats = [1, E + 2, E + 6, 2 * E + 0, 2 * E + 5]
+        placed = dict(zip(flats, torch.randperm(n_slots, generator=g)[:len(flats)].tolist(), strict=True))
+    else:
+        flats = torch.randperm(L * E, generator=g)[:min(n_slots, L * E)].tolist()
+        placed = {f: s for s, f in enumerate(flats)}
+    chunks = [_chunk(L, E, K, tokens, H, dtype, seed=n_slots + r) for r in range(2)]
+    if experts < E:  # sparse routing: two neighbours among the first `experts` experts
+        chunks = [[(x, torch.stack([ids[:, 0] % experts, (ids[:, 0] + 1) % experts], dim=1), w)
+                   for x, ids, w in chunk] for chunk in chunks]
+    runs = []
+    for kernel in ("loop", "grouped"):
+        monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", kernel)
+        slots, table = _pool(banks, n_slots)
+        _place(table, slots, banks, placed)
+        streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream())
+        assert streamer.kernel == kernel and streamer.grouped == (kernel == "grouped")
+        outs = []
+        for chunk in chunks:
+            streamer.start(0)
+            for layer, (x, ids, w) in enumerate(chunk):
+                outs.append(streamer.layer(x, ids, w, layer, layer + 1 if layer + 1 < L else None))
+            streamer.finish()
+            assert table.invariant_errors() == [] and table.reserved() == []
+        _check_pool(table, slots, banks)
+        runs.append((outs, table, streamer.stats))
+    (loop_outs, loop_table, loop_stats), (outs, table, stats) = runs
+    wants = [ref(x, ids, w, layer) for chunk in chunks for layer, (x, ids, w) in enumerate(chunk)]
+    for want, loop_out, got in zip(wants, loop_outs, outs, strict=True):
+        assert torch.equal(loop_out, want)
+        assert got.dtype == dtype and got.device.type == "cuda"
+        _close(got, want)
+    for name in ("table", "slot_owner", "last_use", "step"):
+        assert torch.equal(getattr(table, name), getattr(loop_table, name)), name
+    assert dataclasses.asdict(stats) == dataclasses.asdict(loop_stats)
+    assert stats.layers == 2 * L and (stats.streamed_unused > 0) == (experts < E)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
 @pytest.mark.parametrize("tokens", [64, 1024])
-def test_streaming_rate(tokens: int) -> None:
+def test_streaming_rate(monkeypatch: pytest.MonkeyPatch, tokens: int, kernel: str) -> None:
     """4 MoE layers x 64 experts of ~4.3 MiB (bf16, H 2048, I 352), top-8: the whole chunk
     streams (empty cache, pool of exactly 2E). Prints the chunk time, the streaming rate it
     achieved and a plain copy of the same experts for comparison."""
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", kernel)
     layers, experts, k, H, inter, dtype = 4, 64, 8, 2048, 352, torch.bfloat16
     banks = _banks(layers, experts, H, inter, dtype, seed=2)
     ref = TorchExpertExecutor(banks)
@@ -151,9 +219,12 @@ def test_streaming_rate(tokens: int) -> None:
         streamer.finish()
         return outs
 
-    outs = run()  # warm-up (cuBLAS handles, allocator)
+    outs = run()  # warm-up (cuBLAS handles, allocator, Triton compilation)
     for li, (x, ids, w) in enumerate(chunk):
-        assert torch.equal(outs[li], ref(x, ids, w, li))
+        if kernel == "loop":
+            assert torch.equal(outs[li], ref(x, ids, w, li))
+        else:
+            _close(outs[li], ref(x, ids, w, li))
     torch.cuda.synchronize()
     reps = 3
     bytes0 = streamer.stats.bytes_streamed
@@ -189,7 +260,7 @@ def test_streaming_rate(tokens: int) -> None:
     compute_s = (time.perf_counter() - t0) / reps
     compute.finish()
     assert compute.stats.streamed == 0 and compute.stats.in_place > 0
-    print(f"\nstreamed prefill, {tokens} tokens, {layers} layers x {experts} experts of "
+    print(f"\nstreamed prefill ({kernel}), {tokens} tokens, {layers} layers x {experts} experts of "
           f"{banks.expert_bytes / 2**20:.2f} MiB: chunk {chunk_s * 1e3:.1f} ms, streamed {streamed / 2**30:.2f} GiB "
           f"-> {streamed / chunk_s / 1e9:.1f} GB/s; plain copy {layers * experts * banks.expert_bytes / copy_s / 1e9:.1f} GB/s "
           f"({copy_s * 1e3:.1f} ms); compute alone (all resident) {compute_s * 1e3:.1f} ms")
