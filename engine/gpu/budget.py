@@ -69,7 +69,22 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
     # mask of a chunk's queries over all keys and its boolean source
     context = opts.kv_tokens
     attention = 4 * context * cfg.num_heads * cfg.head_dim * item + opts.prefill_chunk * context * (item + 1)
-    return tokens * per_token + logits + attention + linear_attention_bytes(cfg, opts, item) + MARGIN
+    return (tokens * per_token + logits + attention + linear_attention_bytes(cfg, opts, item)
+            + grouped_prefill_bytes(cfg, opts, item) + MARGIN)
+
+
+def grouped_prefill_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> int:
+    """The grouped prefill kernels' buffers (engine/gpu/grouped.py, FREETOKEN_PREFILL_KERNEL=grouped):
+    silu(gate) * up over the padded entry rows (at most N*k + 63 per expert), every entry's weighted
+    output, their float32 per-token sum, and the int64 sort bookkeeping; 0 for the default loop."""
+    from engine.gpu.prefill import resolve_prefill_kernel
+
+    if resolve_prefill_kernel() != "grouped":
+        return 0
+    entries = opts.prefill_chunk * cfg.top_k
+    rows = entries + cfg.num_experts * 63
+    return (item * (rows * cfg.moe_intermediate_size + entries * cfg.hidden_size)
+            + 4 * opts.prefill_chunk * cfg.hidden_size + 8 * 4 * rows)
 
 
 def linear_attention_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> int:

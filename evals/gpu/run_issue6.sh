@@ -15,7 +15,9 @@ timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=shor
     tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py \
     tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_memory_cuda.py \
     tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
-    tests/engine/gpu_cache/test_gpu_memory_budget.py tests/engine/test_gpu.py tests/native/test_host_task.py \
+    tests/engine/gpu_cache/test_gpu_memory_budget.py tests/engine/gpu_cache/test_plan_kernel.py \
+    tests/engine/gpu_cache/test_grouped_experts.py tests/engine/gpu_cache/test_prefill_stream.py \
+    tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py \
     2>&1 | grep -v "^\[W" > "$OUT/gpu_tests.log"
 tail -15 "$OUT/gpu_tests.log"
 [ "${BENCH:-1}" = 0 ] && exit 0
@@ -32,4 +34,7 @@ FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b 
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
+# the grouped Triton MoE kernels of the streamed prefill against the per-expert loop
+FREETOKEN_PREFILL_KERNEL=grouped bench pre_q3_24L_12G_grouped 90 prefill --shape qwen3-30b-a3b --layers 24 \
+    --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
 python3 -m evals.gpu.summary "$OUT"

@@ -98,3 +98,19 @@ def test_workspace_counts_gated_deltanet_temporaries(demo: Path, tmp_path: Path)
     # a longer chunk holds more of them, and they are part of the workspace
     assert 0 < linear_attention_bytes(hybrid, small, 2) < linear_attention_bytes(hybrid, large, 2)
     assert workspace_bytes(hybrid, large, torch.bfloat16) > linear_attention_bytes(hybrid, large, 2)
+
+
+def test_workspace_counts_the_grouped_prefill_buffers_when_selected(demo: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from engine.gpu.budget import grouped_prefill_bytes, workspace_bytes
+
+    cfg = ModelConfig.from_file(demo / "config.json")
+    opts = EngineOptions(prefill_chunk=512, max_running=4)
+    monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL", raising=False)
+    loop = workspace_bytes(cfg, opts, torch.bfloat16)
+    assert grouped_prefill_bytes(cfg, opts, 2) == 0
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "grouped")
+    extra = grouped_prefill_bytes(cfg, opts, 2)
+    assert extra > 512 * cfg.top_k * cfg.hidden_size * 2  # at least every entry's output
+    assert workspace_bytes(cfg, opts, torch.bfloat16) == loop + extra
