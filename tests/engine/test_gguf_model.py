@@ -12,15 +12,13 @@ The file is the peer benchmark's own (evals/peer/write_gguf.py, tiny shape, rand
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
+from peer_gguf import write_gguf_module, write_vocab
 from safetensors.torch import save_file
 
 from engine.engine import Engine
@@ -36,38 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 L, E, K, H, INTER, HEADS, KV, HD, VOCAB = 2, 8, 2, 64, 32, 4, 2, 16, 300
 
 
-def _writer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("peer_write_gguf_model", REPO / "evals" / "peer" / "write_gguf.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _vocab(path: Path) -> Path:
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_token_types([1] * (VOCAB - 1) + [3])
-    w.add_token_merges(["t 1", "t 2"])
-    w.add_eos_token_id(VOCAB - 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("gguf_model")
     out = tmp / "tiny-qwen3moe.gguf"
-    args = ["--out", str(out), "--vocab-from", str(_vocab(tmp / "vocab.gguf")), "--layers", str(L), "--experts", str(E),
+    args = ["--out", str(out), "--vocab-from", str(write_vocab(tmp / "vocab.gguf", VOCAB)), "--layers", str(L), "--experts", str(E),
             "--top-k", str(K), "--hidden", str(H), "--inter", str(INTER), "--heads", str(HEADS), "--kv-heads", str(KV),
             "--head-dim", str(HD), "--std", "0.1", "--seed", "4", "--threads", "1"]
-    assert _writer().main(args) == 0
+    assert write_gguf_module("peer_write_gguf_model").main(args) == 0
     return out
 
 

@@ -10,14 +10,13 @@ Loading the file in llama-bench is checked by hand (evals/peer/README.md).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from peer_gguf import write_gguf_module, write_vocab
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
@@ -30,37 +29,14 @@ SHAPE = {"layers": 8, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "shar
 ARCH = "qwen35moe"
 
 
-def _load_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("peer_write_gguf_35", REPO / "evals" / "peer" / "write_gguf.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def wg() -> ModuleType:
-    return _load_module()
+    return write_gguf_module("peer_write_gguf_35")
 
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small BPE vocabulary GGUF standing in for llama.cpp's models/ggml-vocab-qwen2.gguf."""
-    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"t{i}" for i in range(N_VOCAB)])
-    w.add_token_types([1] * (N_VOCAB - 1) + [3])
-    w.add_token_merges(["t 1", "t 2"])
-    w.add_bos_token_id(N_VOCAB - 1)
-    w.add_eos_token_id(N_VOCAB - 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _args(vocab: Path, out: Path, shape: dict[str, int] = SHAPE) -> list[str]:
