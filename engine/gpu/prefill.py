@@ -36,8 +36,8 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
     except the sum of a token's k contributions (float32, rounded once, instead of a running sum
     in x's dtype): float32 results equal the reference's up to summation order, bf16 ones are
     within a few bf16 roundings. Its workspace (silu(gate) * up of N*k + E*(BLOCK_M - 1) padded
-    rows and the N*k weighted contributions, in x's dtype) is not yet in engine/gpu/budget.py's
-    estimate. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
+    rows and the N*k weighted contributions, in x's dtype) is in engine/gpu/budget.py's estimate
+    when the knob selects it. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
     on the device).
 - `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
   the streamed experts of the (at most two) layers held in the buffers become resident
