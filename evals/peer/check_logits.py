@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Check that our engine and llama.cpp compute the same function on the same GGUF.
+
+Contract:
+    python3 evals/peer/check_logits.py --llama-src SRC --llama-build BUILD [--vocab-from VOCAB.gguf]
+        [--tokens 24] [--seed 0] [--tol 0.02]
+
+- builds evals/peer/dump_logits.cpp against a llama.cpp source tree (SRC: include/, ggml/include/)
+  and a CPU build of it (BUILD: src/libllama.a, ggml/src/libggml*.a; evals/peer/fetch_source.sh's
+  verify build, or `cmake -DGGML_CUDA=OFF` + `ninja llama-bench` from .peer/llama.cpp.tar.xz);
+- writes a tiny random Qwen3-MoE GGUF with evals/peer/write_gguf.py (bf16; with --vocab-from the
+  tokenizer of that GGUF, else a 300-token stand-in);
+- runs llama.cpp (CPU, one thread) and our engine (engine/weights/gguf_reader.py, float32, torch
+  executor) over the same token ids, one prompt, every position's logits;
+- leaves out the positions whose expert choice is a near tie in some layer (the k-th and (k+1)-th
+  routing probabilities within --tie: llama.cpp's rounding may pick the other expert there; at
+  most a quarter of the positions may be left out), prints the largest difference relative to the
+  largest logit and the share of positions whose top token agrees; exits 1 when the difference
+  passes --tol or a top token differs where llama.cpp's top two logits are further apart than
+  twice the largest difference; `--control` swaps our gate and up experts first, to show the
+  check fails when a tensor is read in the wrong role.
+llama.cpp's CPU matmuls round activations to bf16 against bf16 weights, so the two agree to a few
+tenths of a percent, not bit for bit; a tensor read in the wrong role gives differences of order 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def build_dumper(src: Path, build: Path, out: Path) -> Path:
+    libs = [build / "src" / "libllama.a", build / "ggml" / "src" / "libggml.a",
+            build / "ggml" / "src" / "libggml-cpu.a", build / "ggml" / "src" / "libggml-base.a"]
+    missing = [str(p) for p in libs if not p.exists()]
+    if missing:
+        sys.exit(f"check_logits: not a CPU llama.cpp build (missing {', '.join(missing)})")
+    cmd = ["g++", "-O2", "-std=c++17", f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}",
+           str(REPO / "evals" / "peer" / "dump_logits.cpp"), "-o", str(out), *map(str, libs), "-lpthread", "-lgomp",
+           "-ldl"]
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Our logits [n, vocab], and per position the smallest gap over the layers between the k-th
+    and (k+1)-th routing probability (a near tie may route the other way under other rounding)."""
+    import engine.model.moe as moe
+    from engine.cache.pools import KVPool, StatePool
+    from engine.model.batch import ForwardBatch, SeqEntry
+    from engine.model.load import load_decoder
+
+    dec = load_decoder(gguf, "cpu", torch.float32, executor="torch")
+    if control:  # gate and up exchanged: what a reader mixing up the two roles would compute
+        w13 = dec.weights.experts.w13
+        w13.copy_(torch.cat(w13.chunk(2, dim=1)[::-1], dim=1))
+    n = len(ids)
+    kv = KVPool(dec.cfg, n, torch.float32, torch.device("cpu"))
+    states = StatePool(dec.cfg, 1, torch.float32, torch.device("cpu"))
+    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), [SeqEntry(0, n, 0, torch.arange(n))])
+    gaps = torch.full((n,), float("inf"))
+    route = moe.route
+
+    def measured_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):  # type: ignore[no-untyped-def]
+        nonlocal gaps
+        probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1).sort(dim=-1, descending=True).values
+        gaps = torch.minimum(gaps, probs[:, top_k - 1] - probs[:, top_k])
+        return route(x, router, top_k, renormalize)
+
+    moe.route = measured_route
+    try:
+        logits = dec.logits(dec.forward(batch, kv, states)).numpy()
+    finally:
+        moe.route = route
+    return logits, gaps.numpy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llama-src", type=Path, required=True)
+    p.add_argument("--llama-build", type=Path, required=True)
+    p.add_argument("--vocab-from", type=Path, default=None)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=0.02)
+    p.add_argument("--tie", type=float, default=0.002, help="routing probability gap below which a position is left out")
+    p.add_argument("--control", action="store_true", help="swap our gate and up experts: the check must fail")
+    args = p.parse_args(argv)
+    from peer_gguf import write_gguf_module, write_vocab
+
+    tmp = Path(tempfile.mkdtemp(prefix="check_logits-"))
+    dumper = build_dumper(args.llama_src, args.llama_build, tmp / "dump_logits")
+    vocab = args.vocab_from or write_vocab(tmp / "vocab.gguf", 300)
+    model = tmp / "tiny-qwen3moe.gguf"
+    assert write_gguf_module().main([
+        "--out", str(model), "--vocab-from", str(vocab), "--layers", "2", "--experts", "8", "--top-k", "2",
+        "--hidden", "64", "--inter", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--std", "0.1",
+        "--seed", str(args.seed), "--threads", "1"]) == 0
+    from engine.weights.gguf_reader import GgufReader
+
+    vocab_size = GgufReader(model).config()["vocab_size"]
+    ids = [(i * 37 + 11 + args.seed) % vocab_size for i in range(args.tokens)]
+    subprocess.run([str(dumper), str(model), str(tmp / "peer.f32"), *map(str, ids)], check=True,
+                   stdout=subprocess.DEVNULL)
+    peer = np.fromfile(tmp / "peer.f32", dtype=np.float32).reshape(len(ids), -1)
+    ours, gaps = engine_logits(model, ids, args.control)
+    routed = gaps > args.tie  # positions no rounding can route differently
+    err = np.abs(ours - peer)[routed]
+    rel = float(err.max() / np.abs(peer).max()) if routed.any() else 0.0
+    same = (ours.argmax(-1) == peer.argmax(-1))[routed]
+    top2 = np.sort(peer[routed], axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * (err.max() if routed.any() else 0)  # top tokens no rounding can flip
+    print(f"{len(ids)} positions x {peer.shape[1]} logits, {int((~routed).sum())} left out for a routing near tie "
+          f"(gap <= {args.tie}): max |ours - llama.cpp| / max |logit| = {rel:.4f}; top token agrees at "
+          f"{same.mean():.0%} of positions, {same[clear].mean() if clear.any() else 1.0:.0%} of {int(clear.sum())} "
+          f"clear-cut ones")
+    return 0 if routed.mean() >= 0.75 and rel <= args.tol and same[clear].all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
