@@ -4,11 +4,17 @@ Contract: `GgufReader(path)` opens a `.gguf` file with the `gguf` package (memor
 read up front) and answers like `CheckpointReader` (engine/weights/reader.py): `names()`, `has`,
 `shape`, `nbytes`, `file_of`, `get(name)` under the checkpoint names `load_weights` asks for, so
 the same loader fills the same layout; `config()` is the model's config as a Hugging Face
-config dict, built from the GGUF metadata. Supported: the `qwen3moe` architecture (Qwen3-MoE) in
-F32, F16 or BF16; the tensors map one to one (llama.cpp stores Qwen3's projections unpermuted,
-NEOX rotary, softmax routing with normalised top-k weights, as Hugging Face does). Anything else
-(another architecture, a quantised tensor) raises `ConfigError` / `WeightError` naming it.
-Needs the `gguf` package (`pip install gguf`).
+config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
+- `qwen3moe` (Qwen3-MoE): the tensors map one to one (llama.cpp stores Qwen3's projections
+  unpermuted, NEOX rotary, softmax routing with normalised top-k weights, as Hugging Face does);
+- `qwen35moe` (Qwen3.5 / Qwen3.6-MoE, Gated DeltaNet hybrid), where llama.cpp's conventions differ
+  from the checkpoint's in three places, undone here: its RMSNorm weights are the multipliers
+  (Hugging Face stores them zero-centred: 1 + w), `ssm_a` is -exp(A_log), and a Gated DeltaNet
+  value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
+  heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
+  evals/peer/check_logits.py runs both programs on one file and compares their logits.
+Anything else (another architecture, a quantised tensor) raises `ConfigError` / `WeightError`
+naming it. Needs the `gguf` package (`pip install gguf`).
 
 Why: the peer benchmark (evals/peer/) runs llama.cpp on a GGUF; reading the same file gives both
 systems the same weights, byte for byte.
@@ -25,8 +31,8 @@ import torch
 
 from engine.errors import ConfigError, WeightError
 
-_ARCHS = {"qwen3moe": "qwen3_moe"}
-# GGUF tensor name (with {i} for the block) -> checkpoint name
+_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text"}
+# GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,7 +50,32 @@ _NAMES = {
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
 }
-_PATTERNS = [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in _NAMES.items()]
+_LIN = "model.layers.{i}.linear_attn."
+_NAMES_35 = {
+    **_NAMES,
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_qkv.weight": _LIN + "in_proj_qkv.weight",
+    "blk.{i}.attn_gate.weight": _LIN + "in_proj_z.weight",
+    "blk.{i}.ssm_conv1d.weight": _LIN + "conv1d.weight",
+    "blk.{i}.ssm_dt.bias": _LIN + "dt_bias",
+    "blk.{i}.ssm_a": _LIN + "A_log",
+    "blk.{i}.ssm_beta.weight": _LIN + "in_proj_b.weight",
+    "blk.{i}.ssm_alpha.weight": _LIN + "in_proj_a.weight",
+    "blk.{i}.ssm_norm.weight": _LIN + "norm.weight",
+    "blk.{i}.ssm_out.weight": _LIN + "out_proj.weight",
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+    "blk.{i}.ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+}
+_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35}
+# Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
+_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+            "model.norm.weight")
+
+
+def _patterns(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    return [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in table.items()]
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -56,8 +87,8 @@ def _import_gguf() -> Any:
     return gguf
 
 
-def _checkpoint_name(gguf_name: str) -> str | None:
-    for pattern, target in _PATTERNS:
+def _checkpoint_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]) -> str | None:
+    for pattern, target in patterns:
         m = pattern.match(gguf_name)
         if m:
             return target.format(i=m.group(1)) if m.groups() else target
@@ -81,8 +112,9 @@ class GgufReader:
             raise ConfigError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
                               f"(supported: {', '.join(_ARCHS)})")
         self._tensors: dict[str, Any] = {}
+        patterns = _patterns(_TABLES[self.arch])
         for t in self._reader.tensors:
-            name = _checkpoint_name(t.name)
+            name = _checkpoint_name(t.name, patterns)
             if name is not None:
                 self._tensors[name] = t
 
@@ -98,33 +130,72 @@ class GgufReader:
 
     def config(self) -> dict[str, Any]:
         """A Hugging Face config dict for the model in the file."""
-        a = self.arch
-        heads = int(self._value(f"{a}.attention.head_count"))
-        hidden = int(self._value(f"{a}.embedding_length"))
+        a, v = self.arch, self._value
+        heads = int(v(f"{a}.attention.head_count"))
+        hidden = int(v(f"{a}.embedding_length"))
+        head_dim = int(v(f"{a}.attention.key_length", hidden // heads))
         if "model.embed_tokens.weight" not in self._tensors:
             raise WeightError(f"{self.path}: no token_embd.weight")
-        vocab = self.shape("model.embed_tokens.weight")[0]
-        dtype = self._tensor_dtype(self._tensors["model.layers.0.mlp.experts.gate_proj"]) \
-            if "model.layers.0.mlp.experts.gate_proj" in self._tensors else torch.bfloat16
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": _ARCHS[a],
-            "vocab_size": vocab, "hidden_size": hidden,
-            "num_hidden_layers": int(self._value(f"{a}.block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(self._value(f"{a}.attention.head_count_kv")),
-            "head_dim": int(self._value(f"{a}.attention.key_length", hidden // heads)),
-            "num_experts": int(self._value(f"{a}.expert_count")),
-            "num_experts_per_tok": int(self._value(f"{a}.expert_used_count")),
-            "moe_intermediate_size": int(self._value(f"{a}.expert_feed_forward_length")),
-            "intermediate_size": int(self._value(f"{a}.feed_forward_length", 1)),
-            "rope_theta": float(self._value(f"{a}.rope.freq_base", 10000.0)),
-            "rms_norm_eps": float(self._value(f"{a}.attention.layer_norm_rms_epsilon")),
-            "max_position_embeddings": int(self._value(f"{a}.context_length")),
-            "norm_topk_prob": True,  # llama.cpp's qwen3moe graph normalises the top-k weights
-            "decoder_sparse_step": 1, "mlp_only_layers": [],
+        experts = "model.layers.0.mlp.experts.gate_proj"
+        dtype = self._tensor_dtype(self._tensors[experts]) if experts in self._tensors else torch.bfloat16
+        cfg: dict[str, Any] = {
+            "model_type": _ARCHS[a], "vocab_size": self.shape("model.embed_tokens.weight")[0],
+            "hidden_size": hidden, "num_hidden_layers": int(v(f"{a}.block_count")),
+            "num_attention_heads": heads, "num_key_value_heads": int(v(f"{a}.attention.head_count_kv")),
+            "head_dim": head_dim, "num_experts": int(v(f"{a}.expert_count")),
+            "num_experts_per_tok": int(v(f"{a}.expert_used_count")),
+            "moe_intermediate_size": int(v(f"{a}.expert_feed_forward_length")),
+            "rope_theta": float(v(f"{a}.rope.freq_base", 10000.0)),
+            "rms_norm_eps": float(v(f"{a}.attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": int(v(f"{a}.context_length")),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+        if a == "qwen3moe":
+            return {**cfg, "architectures": ["Qwen3MoeForCausalLM"],
+                    "intermediate_size": int(v(f"{a}.feed_forward_length", 1)),
+                    "norm_topk_prob": True,  # llama.cpp's qwen3moe graph normalises the top-k weights
+                    "decoder_sparse_step": 1, "mlp_only_layers": []}
+        value_heads = int(v(f"{a}.ssm.time_step_rank"))
+        return {**cfg, "architectures": ["Qwen3_5MoeForCausalLM"],
+                "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", head_dim)) / head_dim,
+                "full_attention_interval": int(v(f"{a}.full_attention_interval", 4)),
+                "shared_expert_intermediate_size": int(v(f"{a}.expert_shared_feed_forward_length", 0)),
+                "linear_num_key_heads": int(v(f"{a}.ssm.group_count")), "linear_num_value_heads": value_heads,
+                "linear_key_head_dim": int(v(f"{a}.ssm.state_size")),
+                "linear_value_head_dim": int(v(f"{a}.ssm.inner_size")) // value_heads,
+                "linear_conv_kernel_dim": int(v(f"{a}.ssm.conv_kernel"))}
+
+    def _grouped_heads(self) -> torch.Tensor:
+        """For each value head in grouped order (Hugging Face's), its index in tiled order (llama.cpp's)."""
+        kh, vh = int(self._value(f"{self.arch}.ssm.group_count")), int(self._value(f"{self.arch}.ssm.time_step_rank"))
+        rep = vh // kh
+        j = torch.arange(vh)
+        return (j % rep) * kh + j // rep
+
+    def _to_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's qwen35moe conventions -> the checkpoint's (see the module docstring)."""
+        if name.endswith(_CENTRED):
+            return t - 1
+        if not name.startswith("model.layers.") or ".linear_attn." not in name:
+            return t.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else t
+        perm = self._grouped_heads()
+        kind = name.rsplit(".linear_attn.", 1)[1]
+        if kind == "A_log":
+            t = torch.log(-t.float())
+        if kind in ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight"):
+            return t[perm]
+        head = int(self._value(f"{self.arch}.ssm.inner_size")) // len(perm)
+        rows = (perm[:, None] * head + torch.arange(head)).reshape(-1)  # value channels, grouped order
+        if kind == "in_proj_z.weight":
+            return t[rows]
+        if kind in ("in_proj_qkv.weight", "conv1d.weight"):
+            key_dim = t.shape[0] - len(rows)
+            t = torch.cat([t[:key_dim], t[key_dim:][rows]])
+            return t.reshape(t.shape[0], 1, -1) if kind == "conv1d.weight" else t
+        if kind == "out_proj.weight":
+            return t[:, rows]
+        return t
 
     # ---------------------------------------------------------------- CheckpointReader's interface
     def names(self) -> list[str]:
@@ -135,7 +206,12 @@ class GgufReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         # GGUF lists dimensions fastest first; a row-major tensor's shape is the reverse
-        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+        if name.endswith("linear_attn.conv1d.weight"):
+            return (shape[0], 1, shape[1])  # the checkpoint's depthwise Conv1d layout
+        if name.endswith("shared_expert_gate.weight"):
+            return (1, shape[0])
+        return shape
 
     def file_of(self, name: str) -> Path:
         return self.path
@@ -159,6 +235,9 @@ class GgufReader:
             out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
         else:
             out = torch.from_numpy(data.copy())
+        out = out.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if self.arch == "qwen35moe":
+            out = self._to_checkpoint(name, out)
         return out.reshape(self.shape(name))
 
     def close(self) -> None:

@@ -8,9 +8,8 @@
 # (default: 16:12GiB and 12:16GiB, a third and a half of the 24-layer Qwen3-30B-A3B variant: what a
 # 24 GiB and a 32 GiB card hold of the full 48-layer model). SHAPE / LAYERS / GGUF_ARGS select the
 # model (for Qwen3.6: SHAPE=qwen3.6-35b-a3b LAYERS=20 GGUF_ARGS="--arch qwen35moe --layers 20").
-# Weights: for Qwen3-MoE our engine reads the same GGUF llama.cpp ran (byte-identical weights);
-# the engine cannot read a qwen35moe GGUF, so for Qwen3.6 it builds random weights of the same
-# shape in memory (OURS=dummy forces that for both).
+# Weights: our engine reads the same GGUF llama.cpp ran (byte-identical weights, both shapes);
+# OURS=dummy makes it build random weights of the same shape in memory instead.
 # Everything lands in $OUT; one summary is printed last.
 set -u
 OUT=${OUT:-/tmp/side-by-side}
@@ -32,7 +31,7 @@ NCMOES=$(for p in $PAIRS; do printf '%s,' "${p%%:*}"; done)
 python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOES%,}" --threads 8 --prompts "$PROMPTS" --gen 128 \
     --ubatch 2048 --reps 3 --load-mode none --timeout 150 --out-dir "$OUT" | tail -8
 echo "peer done at $(( $(date +%s) - t0 )) s"
-OURS=${OURS:-$([ "$SHAPE" = qwen3-30b-a3b ] && echo gguf || echo dummy)}
+OURS=${OURS:-gguf}
 if [ "$OURS" = gguf ]; then
     MODEL=(--model "$GGUF")
 else

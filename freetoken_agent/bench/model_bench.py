@@ -51,7 +51,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dummy", action="store_true", help="random weights of --shape, made in memory")
     source.add_argument("--model", default=None, metavar="PATH",
-                        help="a checkpoint directory (config.json + safetensors) or a Qwen3-MoE .gguf file")
+                        help="a checkpoint directory (config.json + safetensors) or a Qwen3-MoE / Qwen3.5-MoE .gguf file")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
     add_engine_arguments(p, threads_flags=("--cpu-threads", "--threads"))

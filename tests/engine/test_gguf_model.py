@@ -1,4 +1,4 @@
-"""A Qwen3-MoE GGUF (llama.cpp's format) loads as a model (engine/weights/gguf_reader.py).
+"""Qwen3-MoE and Qwen3.5-MoE GGUFs (llama.cpp's format) load as models (engine/weights/gguf_reader.py).
 
 The file is the peer benchmark's own (evals/peer/write_gguf.py, tiny shape, random weights):
 - its metadata gives the config the shape was written with;
@@ -7,7 +7,11 @@ The file is the peer benchmark's own (evals/peer/write_gguf.py, tiny shape, rand
 - an engine on the GGUF gives bit-identical logits to an engine on a Hugging Face checkpoint
   holding the same tensors under their checkpoint names (itself checked against transformers by
   tests/engine/test_lossless.py);
-- an unsupported architecture, a missing file and a quantised tensor fail with clear errors.
+- for the hybrid, each of llama.cpp's conventions is undone (norm multipliers, ssm_a, tiled value
+  heads) and the engine runs the file;
+- an unsupported architecture, a missing or unreadable file fail with clear errors.
+evals/peer/check_logits.py compares the engine with llama.cpp itself on such files (it needs a
+llama.cpp build, so it is not a CI test; its results are in evals/peer/README.md).
 """
 
 from __future__ import annotations
@@ -152,3 +156,54 @@ def test_serving_a_gguf_is_refused_with_the_reason(model: Path, capsys: pytest.C
     assert main(["generate", "--model", str(model), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "needs a Hugging Face model directory" in err and "bench --model" in err and "Traceback" not in err
+
+
+HYBRID = ["--arch", "qwen35moe", "--layers", "4", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32",
+          "--shared-inter", "24", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--linear-key-heads", "2",
+          "--linear-value-heads", "4", "--linear-head-dim", "16"]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("gguf_hybrid")
+    out = tmp / "tiny-qwen35moe.gguf"
+    args = ["--out", str(out), "--vocab-from", str(write_vocab(tmp / "vocab.gguf", VOCAB)), *HYBRID, "--std", "0.1",
+            "--seed", "2", "--threads", "1"]
+    assert write_gguf_module("peer_write_gguf_hybrid").main(args) == 0
+    return out
+
+
+def test_hybrid_gguf_undoes_llama_cpp_conventions(hybrid: Path) -> None:
+    """qwen35moe: norms stored as multipliers (checkpoint: 1 + w), ssm_a = -exp(A_log), value heads
+    in tiled order (checkpoint: grouped). Whether the result computes llama.cpp's function is
+    evals/peer/check_logits.py's job (it needs a llama.cpp build); here, each conversion."""
+    reader = GgufReader(hybrid)
+    cfg = reader.config()
+    assert cfg["model_type"] == "qwen3_5_moe_text" and cfg["linear_num_key_heads"] == 2
+    assert cfg["linear_num_value_heads"] == 4 and cfg["linear_value_head_dim"] == 16
+    assert cfg["partial_rotary_factor"] == 0.25 and cfg["shared_expert_intermediate_size"] == 24
+    lin = "model.layers.0.linear_attn."
+    assert torch.equal(reader.get("model.layers.0.input_layernorm.weight"), torch.zeros(H))  # 1.0 stored
+    assert torch.equal(reader.get(lin + "norm.weight"), torch.ones(16))  # the gated norm is a plain one
+    assert torch.equal(reader.get(lin + "A_log"), torch.zeros(4))  # ssm_a = -1
+    # value head j (grouped: key head j // 2) is GGUF head (j % 2) * 2 + j // 2 (tiled: key head h % 2)
+    z = torch.from_numpy(_raw(hybrid, "blk.0.attn_gate.weight")).view(4, 16, H)
+    assert torch.equal(reader.get(lin + "in_proj_z.weight").float().view(4, 16, H), z[[0, 2, 1, 3]])
+    a = torch.from_numpy(_raw(hybrid, "blk.0.ssm_alpha.weight"))
+    assert torch.equal(reader.get(lin + "in_proj_a.weight").float(), a[[0, 2, 1, 3]])
+    conv = reader.get(lin + "conv1d.weight")
+    raw_conv = torch.from_numpy(_raw(hybrid, "blk.0.ssm_conv1d.weight"))
+    key_dim = 2 * 2 * 16
+    assert conv.shape == (key_dim + 64, 1, 4) and torch.equal(conv[:key_dim, 0], raw_conv[:key_dim])
+    assert torch.equal(conv[key_dim:, 0].view(4, 16, 4), raw_conv[key_dim:].view(4, 16, 4)[[0, 2, 1, 3]])
+    out = torch.from_numpy(_raw(hybrid, "blk.0.ssm_out.weight")).view(H, 4, 16)
+    assert torch.equal(reader.get(lin + "out_proj.weight").float().view(H, 4, 16), out[:, [0, 2, 1, 3]])
+
+
+def test_engine_runs_the_hybrid_gguf(hybrid: Path) -> None:
+    with Engine(hybrid, EngineOptions(dtype="float32", kv_tokens=256, max_running=1, prefill_chunk=16,
+                                      executor="torch")) as eng:
+        h = eng.submit(list(range(5, 30)), SamplingParams(max_tokens=4, ignore_eos=True), capture_logits=True)
+        assert len(h.result(timeout=120)) == 4
+        logits = torch.stack([t.float() for t in h.logits])
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0
