@@ -83,7 +83,7 @@ def _import_gguf() -> Any:
     try:
         import gguf
     except ImportError:
-        raise ConfigError("reading a .gguf model needs the gguf package: pip install gguf") from None
+        raise ConfigError("reading a .gguf model needs the gguf package: pip install 'freetoken-agent[gguf]' (or gguf)") from None
     return gguf
 
 
