@@ -10,7 +10,8 @@ takeable slots), the victims and the misses to fetch chosen by K rounds of "firs
 (K = min(S, E, N*k): only the first K of either order can be taken), and the writes. The hits are
 marked in `last_use` first (a value the victim order never takes) and the program waits at a
 barrier before reading the slot keys, so the hits are protected without a scratch buffer.
-`fusable(state, ids)` says whether the sizes fit one program (slots up to 16384).
+`fusable(state, ids)` says whether the sizes fit one program (slots up to 16384);
+`preferred(state, ids)` whether to use it (up to 16 routed entries: the rounds are unrolled).
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ def _ratio_tensor(ratio: float, device: torch.device) -> torch.Tensor:
 
 
 def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
+    """Sizes the kernel serves."""
     return state.slots <= _MAX_SLOTS and ids.numel() <= 1024 and state.experts <= 4096
+
+
+def preferred(state: CacheTable, ids: torch.Tensor) -> bool:
+    """Whether the fused plan should replace the torch one: it unrolls K = min(S, E, N*k) rounds of
+    two reductions over the slots and experts, which suits batch-1 decode (K = k); past 16 entries
+    the torch plan's top-k selections are the better tool."""
+    return fusable(state, ids) and ids.numel() <= 16
 
 
 @triton.jit
