@@ -8,7 +8,7 @@ runs on the flat batch. Filled by the scheduler; read by the decoder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ class ForwardBatch:
     # decode-sized batches on CUDA: the device-side lengths of engine/model/decode_attention.py,
     # built by the first attention layer of the pass and shared by the others
     decode_meta: Any = None
+    _state_slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +45,13 @@ class ForwardBatch:
     def position_limit(self) -> int:
         """One past the largest position in the batch, known on the host (no device read)."""
         return max((s.cached_len + s.length for s in self.seqs), default=1)
+
+    def state_slots(self, device: torch.device) -> torch.Tensor:
+        """Each sequence's recurrent state slot as a long tensor on `device`, made once per batch
+        (every Gated DeltaNet layer of the pass reads it)."""
+        if self._state_slots is None or self._state_slots.device != device:
+            self._state_slots = torch.tensor([s.state_slot for s in self.seqs], dtype=torch.long).to(device)
+        return self._state_slots
 
     def last_token_index(self) -> torch.Tensor:
         return torch.tensor([s.end - 1 for s in self.seqs], dtype=torch.long, device=self.input_ids.device)

@@ -35,7 +35,7 @@ from engine.graphs import GraphCache
 from engine.model.attention import attention_core, attention_inputs, attention_output
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet_decode
-from engine.model.moe import route
+from engine.model.moe import moe_block
 from engine.model.ops import rms_norm, swiglu_mlp
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class DecodeGraphs:
         return attention_output(o, gate, lw.attention)
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        """The executor's call, or its capture-safe decode step when it has one."""
         ex = self.d.executor
         step = getattr(ex, "graph_step", None)
         if step is not None:
@@ -114,14 +115,7 @@ class DecodeGraphs:
             h = h + x
             x = rms_norm(h, lw.post_norm, eps, zc)
             if lw.moe is not None:
-                ids, weights = route(x, lw.moe.router, cfg.top_k, cfg.norm_topk_prob)
-                out = self._experts(x, ids, weights, lw.moe_index)
-                if lw.moe.shared is not None:
-                    sh = lw.moe.shared
-                    assert lw.moe.shared_gate is not None
-                    out = out + torch.sigmoid(F.linear(x, lw.moe.shared_gate)) * swiglu_mlp(
-                        x, sh.gate_proj, sh.up_proj, sh.down_proj)
-                x = out
+                x = moe_block(x, lw.moe, cfg, self._experts, lw.moe_index)
             else:
                 assert lw.mlp is not None
                 x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
@@ -153,7 +147,7 @@ class DecodeGraphs:
         self.input_ids.copy_(batch.input_ids)
         self.positions.copy_(batch.positions)
         if self.recurrent:
-            self.state_slots.copy_(torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long))
+            self.state_slots.copy_(batch.state_slots(self.state_slots.device))
         if self._meta is not None:
             self._meta.fill(batch)
         self._batch = batch

@@ -55,8 +55,7 @@ def gated_deltanet(
     ssm_state: torch.Tensor,
 ) -> torch.Tensor:
     if all(s.length == 1 for s in batch.seqs):
-        slots = torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long).to(x.device)
-        return gated_deltanet_decode(x, w, cfg, slots, conv_state, ssm_state)
+        return gated_deltanet_decode(x, w, cfg, batch.state_slots(x.device), conv_state, ssm_state)
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -115,7 +114,7 @@ def gated_deltanet_decode(x: torch.Tensor, w: LinearAttentionWeights, cfg: Model
 def _fla_rule(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor) -> torch.Tensor:
     chunk_rule = kernels
-    slots = torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long, device=q.device)
+    slots = batch.state_slots(q.device)
     lengths = [s.length for s in batch.seqs]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=q.device)
     out, final = chunk_rule(

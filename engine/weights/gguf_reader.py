@@ -125,8 +125,7 @@ class GgufReader:
             if default is None:
                 raise ConfigError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        value = field.contents()
-        return value
+        return field.contents()
 
     def config(self) -> dict[str, Any]:
         """A Hugging Face config dict for the model in the file."""
