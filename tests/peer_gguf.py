@@ -1,6 +1,7 @@
 """Helpers shared by the tests of the peer's GGUF writer (evals/peer/write_gguf.py) and the engine's
-GGUF reader: the writer loaded as a module, and a small BPE vocabulary GGUF standing in for
-llama.cpp's models/ggml-vocab-qwen2.gguf (token i is "t{i}", the last one the end token)."""
+GGUF reader: the writer loaded as a module, a small BPE vocabulary GGUF standing in for
+llama.cpp's models/ggml-vocab-qwen2.gguf (token i is "t{i}", the last one the end token), a shape's
+options for the writer, and metadata read back."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,3 +39,13 @@ def write_vocab(path: Path, n_vocab: int) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def shape_args(shape: dict[str, int]) -> list[str]:
+    """write_gguf.py's command-line options for a shape given as {option_name: value}."""
+    return [arg for k, v in shape.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def field(reader: Any, key: str) -> Any:
+    """A GGUF metadata value, read back with the gguf package's reader."""
+    return reader.fields[key].contents()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from peer_gguf import write_gguf_module, write_vocab
+from peer_gguf import field, shape_args, write_gguf_module, write_vocab
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
@@ -33,10 +33,7 @@ def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _write(wg: ModuleType, vocab: Path, out: Path, *extra: str) -> Path:
-    args = ["--out", str(out), "--vocab-from", str(vocab)]
-    for k, v in SHAPE.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    assert wg.main([*args, *extra]) == 0
+    assert wg.main(["--out", str(out), "--vocab-from", str(vocab), *shape_args(SHAPE), *extra]) == 0
     return out
 
 
@@ -45,14 +42,10 @@ def written(wg: ModuleType, vocab: Path, tmp_path_factory: pytest.TempPathFactor
     return _write(wg, vocab, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "--seed", "0", "--threads", "2")
 
 
-def _field(reader: Any, key: str) -> Any:
-    return reader.fields[key].contents()
-
-
 def test_hparams(written: Path) -> None:
     r = gguf.GGUFReader(str(written))
-    assert _field(r, "general.architecture") == "qwen3moe"
-    assert _field(r, "general.file_type") == 32  # MOSTLY_BF16
+    assert field(r, "general.architecture") == "qwen3moe"
+    assert field(r, "general.file_type") == 32  # MOSTLY_BF16
     want = {
         "block_count": SHAPE["layers"],
         "embedding_length": SHAPE["hidden"],
@@ -67,9 +60,9 @@ def test_hparams(written: Path) -> None:
         "context_length": 40960,
     }
     for key, value in want.items():
-        assert _field(r, f"qwen3moe.{key}") == value, key
-    assert _field(r, "qwen3moe.rope.freq_base") == pytest.approx(1e6)
-    assert _field(r, "qwen3moe.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+        assert field(r, f"qwen3moe.{key}") == value, key
+    assert field(r, "qwen3moe.rope.freq_base") == pytest.approx(1e6)
+    assert field(r, "qwen3moe.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
 
 
 def test_tokenizer_copied(written: Path, vocab: Path) -> None:
@@ -77,7 +70,7 @@ def test_tokenizer_copied(written: Path, vocab: Path) -> None:
     keys = {k for k in v.fields if k.startswith("tokenizer.")}
     assert keys and keys <= set(r.fields)
     for k in keys:
-        assert _field(r, k) == _field(v, k), k
+        assert field(r, k) == field(v, k), k
 
 
 def test_tensors(written: Path) -> None:

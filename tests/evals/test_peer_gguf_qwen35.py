@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import pytest
-from peer_gguf import write_gguf_module, write_vocab
+from peer_gguf import field, shape_args, write_gguf_module, write_vocab
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
@@ -40,10 +39,7 @@ def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(vocab: Path, out: Path, shape: dict[str, int] = SHAPE) -> list[str]:
-    args = ["--arch", ARCH, "--out", str(out), "--vocab-from", str(vocab)]
-    for k, v in shape.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return args
+    return ["--arch", ARCH, "--out", str(out), "--vocab-from", str(vocab), *shape_args(shape)]
 
 
 def _write(wg: ModuleType, vocab: Path, out: Path, *extra: str) -> Path:
@@ -56,15 +52,11 @@ def written(wg: ModuleType, vocab: Path, tmp_path_factory: pytest.TempPathFactor
     return _write(wg, vocab, tmp_path_factory.mktemp("gguf") / "tiny35.gguf", "--seed", "0", "--threads", "2")
 
 
-def _field(reader: Any, key: str) -> Any:
-    return reader.fields[key].contents()
-
-
 def test_hparams(written: Path) -> None:
     r = gguf.GGUFReader(str(written))
     s = SHAPE
-    assert _field(r, "general.architecture") == ARCH
-    assert _field(r, "general.file_type") == 32  # MOSTLY_BF16
+    assert field(r, "general.architecture") == ARCH
+    assert field(r, "general.file_type") == 32  # MOSTLY_BF16
     uint32 = {
         # required by load_hparams / load_arch_hparams
         "context_length": 262144,
@@ -88,15 +80,15 @@ def test_hparams(written: Path) -> None:
         "rope.dimension_count": s["head_dim"] // 4,  # partial rotary 0.25
     }
     for key, value in uint32.items():
-        field = r.fields[f"{ARCH}.{key}"]
-        assert field.types == [gguf.GGUFValueType.UINT32], key  # get_key<uint32_t> wants exactly UINT32
-        assert field.contents() == value, key
+        kv = r.fields[f"{ARCH}.{key}"]
+        assert kv.types == [gguf.GGUFValueType.UINT32], key  # get_key<uint32_t> wants exactly UINT32
+        assert kv.contents() == value, key
     sections = r.fields[f"{ARCH}.rope.dimension_sections"]  # required, 4 int32 (get_key_or_arr(..., 4, true))
     assert sections.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
     assert sections.contents() == [3, 3, 2, 0]  # 8 rotary pairs split as Qwen3.5's [11, 11, 10] splits 32
     assert r.fields[f"{ARCH}.attention.layer_norm_rms_epsilon"].types == [gguf.GGUFValueType.FLOAT32]
-    assert _field(r, f"{ARCH}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
-    assert _field(r, f"{ARCH}.rope.freq_base") == pytest.approx(1e7)
+    assert field(r, f"{ARCH}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    assert field(r, f"{ARCH}.rope.freq_base") == pytest.approx(1e7)
     # nothing the loader would read differently: no recurrent-layer array, no MTP layers
     assert f"{ARCH}.attention.recurrent_layers" not in r.fields
     assert f"{ARCH}.nextn_predict_layers" not in r.fields

@@ -196,6 +196,17 @@ def test_tiny_model_generates_the_same(spec: TinySpec, slots_frac: float, ratio:
         assert s.hits > 0 and s.fetched > 0
 
 
+def _with_streaming_cache(engine) -> CachedExpertExecutor:  # type: ignore[no-untyped-def]
+    """Gives `engine` a cached executor on the CPU with room for the two streamed layer buffers plus
+    four slots (every other expert in host banks), ratio 0.5; returns it."""
+    banks = engine.decoder.weights.experts
+    cached = create_cached_executor(banks, (2 * banks.num_experts + 4) * banks.expert_bytes, "cpu", 0.5,
+                                    TorchExpertExecutor(banks))
+    assert cached.streamer is not None
+    engine.decoder.executor = cached
+    return cached
+
+
 def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
     """A prompt chunk with dense routing goes through the streamer (started before the embedding by
     the decoder's begin_forward), decode through the per-layer plan, and the tokens and logits are
@@ -210,11 +221,10 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
 
     ref_tokens, ref_logits = run(make_engine(Path(path), executor="torch"))
     engine = make_engine(Path(path), executor="torch")
+    cached = _with_streaming_cache(engine)
     banks = engine.decoder.weights.experts
     E, rows = banks.num_experts, banks.w13.shape[0]
-    cached = create_cached_executor(banks, (2 * E + 4) * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
-    assert cached.streamer is not None and cached.prefill_entries <= 40 * 2 and rows > 2 * E + 4
-    engine.decoder.executor = cached
+    assert cached.prefill_entries <= 40 * 2 and rows > 2 * E + 4
     starts: list[int | None] = []
     start = cached.streamer.start
 
@@ -263,11 +273,7 @@ def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_eng
     ref_tokens, ref_logits = _generate(make_engine(Path(path), executor="torch"), prompt, params)
 
     engine = make_engine(Path(path), executor="torch")
-    banks = engine.decoder.weights.experts
-    E = banks.num_experts
-    cached = create_cached_executor(banks, (2 * E + 4) * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
-    assert cached.streamer is not None
-    engine.decoder.executor = cached
+    cached = _with_streaming_cache(engine)
     layer = cached.streamer.layer
     failures = []
 

@@ -17,15 +17,9 @@ On CUDA (the GPU machine) directly; on a CPU through Triton's interpreter, when 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[3]
+from triton_interpreter import run_in_interpreter
 
 
 def _routing(n: int, k: int, experts: int, g: torch.Generator) -> torch.Tensor:
@@ -177,10 +171,7 @@ def test_kernels_compile_for_hopper(dtype: str) -> None:
 
 
 def test_grouped_experts_match_float64_reference_in_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]])}
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+    run_in_interpreter(__file__)
 
 
 if __name__ == "__main__":  # the interpreter test's child: small cases keep it quick

@@ -7,19 +7,14 @@ up. On CUDA directly; on a CPU through Triton's interpreter, when triton is inst
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_in_interpreter
 
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.plan import plan_layer
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _state_equal(a: CacheTable, b: CacheTable) -> bool:
@@ -67,10 +62,7 @@ def test_fused_plan_equals_torch_plan_cuda() -> None:
 
 
 def test_fused_plan_equals_torch_plan_in_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]])}
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    run_in_interpreter(__file__)
 
 
 if __name__ == "__main__":  # the interpreter test's child

@@ -19,13 +19,10 @@ standing in for the GPU (no copy stream: everything runs in order, same results)
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_in_interpreter
 
 from engine.errors import ConfigError
 from engine.gpu.cache_table import RESERVED_USE, CacheTable
@@ -326,12 +323,7 @@ def compare_kernels(state: str, n_slots: int, dtype: torch.dtype, n: int = N, ex
 
 
 def test_grouped_streamer_in_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), *sys.path[1:]])}
-    env.pop("FREETOKEN_PREFILL_KERNEL", None)
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+    run_in_interpreter(__file__)
 
 
 if __name__ == "__main__":  # the interpreter test's child
