@@ -83,6 +83,20 @@ def check(device: str, dtype: torch.dtype, cases: list[list[tuple[int, int]]], u
 CASES = [[(0, 1)], [(40, 1)], [(40, 1), (5, 3), (0, 2), (17, 1)], [(4999, 1)], [(1200, 1), (3000, 1)]]
 
 
+def test_metadata_refuses_a_batch_it_cannot_hold() -> None:
+    pytest.importorskip("triton")  # the module defines the kernels
+    from engine.model.decode_attention import DecodeMeta
+
+    meta = DecodeMeta.empty(2, 16, torch.device("cpu"))
+    meta.fill(_batch([(3, 1), (9, 1)], "cpu"))
+    assert meta.lengths.tolist() == [4, 10] and meta.table[1, :10].tolist() == _batch([(3, 1), (9, 1)], "cpu").seqs[
+        1].kv_slots.tolist()
+    with pytest.raises(ValueError, match="for 2 tokens, the batch has 3"):
+        meta.fill(_batch([(3, 1), (9, 2)], "cpu"))
+    with pytest.raises(ValueError, match="a sequence of 21 tokens exceeds the table's 16"):
+        meta.fill(_batch([(3, 1), (20, 1)], "cpu"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_float64_reference_cuda(dtype: torch.dtype) -> None:
