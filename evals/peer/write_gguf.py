@@ -132,14 +132,29 @@ class TensorSpec:
         return self.numel * (2 if self.kind == "mat" else 4)
 
 
-def tensor_specs(s: Shape) -> list[TensorSpec]:
-    """Every tensor llama.cpp's qwen3moe loader asks for (untied output matrix, separate q/k/v)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    specs = [
+def _head_specs(s: Shape) -> list[TensorSpec]:
+    """The embedding, final norm and untied output matrix (both architectures, in this order)."""
+    return [
         TensorSpec("token_embd.weight", (s.vocab, s.hidden), "mat"),
         TensorSpec("output_norm.weight", (s.hidden,), "norm"),
         TensorSpec("output.weight", (s.vocab, s.hidden), "mat"),
     ]
+
+
+def _routed_specs(b: str, s: Shape) -> list[TensorSpec]:
+    """A block's router and routed expert banks (separate gate and up), in this order."""
+    return [
+        TensorSpec(b + "ffn_gate_inp.weight", (s.experts, s.hidden), "router"),
+        TensorSpec(b + "ffn_gate_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
+        TensorSpec(b + "ffn_up_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
+        TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat"),
+    ]
+
+
+def tensor_specs(s: Shape) -> list[TensorSpec]:
+    """Every tensor llama.cpp's qwen3moe loader asks for (untied output matrix, separate q/k/v)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    specs = _head_specs(s)
     for i in range(s.layers):
         b = f"blk.{i}."
         specs += [
@@ -151,10 +166,7 @@ def tensor_specs(s: Shape) -> list[TensorSpec]:
             TensorSpec(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
             TensorSpec(b + "attn_k_norm.weight", (s.head_dim,), "norm"),
             TensorSpec(b + "ffn_norm.weight", (s.hidden,), "norm"),
-            TensorSpec(b + "ffn_gate_inp.weight", (s.experts, s.hidden), "router"),
-            TensorSpec(b + "ffn_gate_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
-            TensorSpec(b + "ffn_up_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
-            TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat"),
+            *_routed_specs(b, s),
         ]
     return specs
 
@@ -168,11 +180,7 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
     key_dim = s.linear_key_heads * s.linear_head_dim
     value_dim = s.linear_value_heads * s.linear_head_dim
     conv_dim = 2 * key_dim + value_dim
-    specs = [
-        TensorSpec("token_embd.weight", (s.vocab, s.hidden), "mat"),
-        TensorSpec("output_norm.weight", (s.hidden,), "norm"),
-        TensorSpec("output.weight", (s.vocab, s.hidden), "mat"),
-    ]
+    specs = _head_specs(s)
     for i in range(s.layers):
         b = f"blk.{i}."
         specs += [
@@ -201,10 +209,7 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat"),
             ]
         specs += [
-            TensorSpec(b + "ffn_gate_inp.weight", (s.experts, s.hidden), "router"),
-            TensorSpec(b + "ffn_gate_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
-            TensorSpec(b + "ffn_up_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
-            TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat"),
+            *_routed_specs(b, s),
             TensorSpec(b + "ffn_gate_inp_shexp.weight", (s.hidden,), "vec"),
             TensorSpec(b + "ffn_gate_shexp.weight", (s.shared_inter, s.hidden), "mat"),
             TensorSpec(b + "ffn_up_shexp.weight", (s.shared_inter, s.hidden), "mat"),
