@@ -156,18 +156,21 @@ class DeviceStep:
 
     def enqueue(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
         """The step queued as it is, capture-safe: for a caller that captures a larger graph."""
-        self.x.copy_(x)
-        self.ids.copy_(ids)
-        self.w.copy_(weights)
+        self._stage(x, ids, weights)
         self._enqueue(layer)
         return self.out
 
     def step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+        """The step through this layer's own CUDA graph (eager, captured, replayed)."""
+        self._stage(x, ids, weights)
+        self._graphs.run(layer, lambda: self._enqueue(layer))
+        return self.out
+
+    def _stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """The inputs into the fixed buffers the queued (or captured) step reads."""
         self.x.copy_(x)
         self.ids.copy_(ids)
         self.w.copy_(weights)
-        self._graphs.run(layer, lambda: self._enqueue(layer))
-        return self.out
 
     def check(self) -> None:
         """Raises the first failure of a host task (they cannot raise inside a host node)."""
