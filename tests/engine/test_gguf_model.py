@@ -137,6 +137,10 @@ def test_unsupported_and_missing_files_fail_clearly(model: Path, tmp_path: Path)
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(WeightError, match="not a readable GGUF file"):
         load_decoder(junk)
+    cut = tmp_path / "cut.gguf"  # a copy interrupted halfway
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    with pytest.raises(WeightError, match="not a readable GGUF file"):
+        load_decoder(cut)
 
 
 def test_bench_runs_on_the_gguf(model: Path, capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
