@@ -58,7 +58,7 @@ def servers(demo_cache: Path, demo_dirs: dict[str, Path],
     log_dir = tmp_path_factory.mktemp("server-logs")
     endless_dir = build_endless_model(demo_dirs["qwen3_5_moe"], demo_cache)
     specs = {
-        "q35": (["--model", "demo", "--ping-interval", "0.5"], None),
+        "q35": (["--model", "demo", "--ping-interval", "0.25"], None),
         "q3": (["--model", "demo:qwen3_moe"], None),
         "locked": (["--model", "demo", "--context-window", str(SMALL_CONTEXT)], API_KEY),
         "endless": (["--model", str(endless_dir), "--served-model-name", MODEL_NAME], None),
