@@ -4,8 +4,8 @@
 # of both shapes at a 12 GiB and a 16 GiB cap, the fused plan, the grouped prefill and a second
 # fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
-# the tests (default 300 s); BENCH=0 skips the benchmarks. The side-by-side run with llama.cpp is
-# evals/gpu/run_side_by_side.sh.
+# the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
+# side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
 set -u
 OUT=${OUT:-/tmp/issue6}
 mkdir -p "$OUT"
@@ -31,6 +31,7 @@ tail -15 "$OUT/gpu_tests.log"
 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 bench() {  # FREETOKEN_PLAN=fused bench ... passes the knob through the environment
     local name=$1 limit=$2; shift 2
+    [[ "$name" =~ ${ONLY:-.} ]] || return 0
     timeout "$limit" $F bench "$@" --dummy --cpu-threads 8 --json > "$OUT/$name.json" 2> "$OUT/$name.err"
     echo "$name: exit $?"
 }
