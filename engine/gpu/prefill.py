@@ -10,7 +10,7 @@ layer is on the GPU when the layer runs: the resident ones in place, the others 
 Contract: `PrefillStreamer(banks, slots, table, copy_stream, kernel=None)` (copy_stream: a CUDA
 stream other than the compute stream, or None: copies on the current stream, which is what a CPU
 device uses; the results are the same; kernel: how `layer` computes the experts, "loop" or
-"grouped", default the FREETOKEN_PREFILL_KERNEL environment variable, read once here, else "loop";
+"grouped", default the FREETOKEN_PREFILL_KERNEL environment variable, read once here, else "grouped";
 any other value is a ConfigError). `PrefillStreamer.fits(slots, experts)`: whether the pool has
 the 2E slots the two buffers need (E = experts per layer); when it does not, use the decode path.
 - `start(first_moe_index=0)` (optional; `layer` calls it on first use): takes 2E slots from the
@@ -25,11 +25,11 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
   copies of `next_moe_index` (when given, and of the other parity) are issued on the copy stream,
   so PCIe streams the next layer while this one's experts (and the next layer's attention) run.
   The experts are computed by one of two kernels:
-  - "loop" (the default): TorchExpertExecutor's arithmetic (engine/moe/executor.py), operation
+  - "loop": TorchExpertExecutor's arithmetic (engine/moe/executor.py), operation
     for operation: distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear,
     times the weight, index_add_: the result is bit-identical to it. A Python loop over the
     routed experts (about 8 kernel launches each) after a host read of the routing.
-  - "grouped" (on CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the
+  - "grouped" (the default; 1.7x the loop's rate on an 8192-token chunk, docs/benchmarks.md; on CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the
     loop runs): engine/gpu/grouped.py, two Triton GEMM kernels over the entries sorted by expert,
     each expert read from its slot through a [L, E] device tensor of slots made in `start`: no
     host read, no loop over experts. Every intermediate is rounded where the reference rounds it
@@ -37,7 +37,7 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
     in x's dtype): float32 results equal the reference's up to summation order, bf16 ones are
     within a few bf16 roundings. Its workspace (silu(gate) * up of N*k + E*(BLOCK_M - 1) padded
     rows and the N*k weighted contributions, in x's dtype) is in engine/gpu/budget.py's estimate
-    when the knob selects it. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
+    when it is selected. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
     on the device).
 - `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
   the streamed experts of the (at most two) layers held in the buffers become resident
@@ -102,8 +102,8 @@ PREFILL_KERNELS = ("loop", "grouped")
 
 
 def resolve_prefill_kernel(name: str | None = None) -> str:
-    """`name`, else FREETOKEN_PREFILL_KERNEL, else "loop"; ConfigError for an unknown one."""
-    kernel = name or os.environ.get("FREETOKEN_PREFILL_KERNEL", "loop")
+    """`name`, else FREETOKEN_PREFILL_KERNEL, else "grouped"; ConfigError for an unknown one."""
+    kernel = name or os.environ.get("FREETOKEN_PREFILL_KERNEL", "grouped")
     if kernel not in PREFILL_KERNELS:
         raise ConfigError(f"unknown prefill kernel FREETOKEN_PREFILL_KERNEL={kernel!r} "
                           f"(valid: {', '.join(PREFILL_KERNELS)})")
@@ -143,7 +143,7 @@ class PrefillStreamer:
             try:
                 from engine.gpu import grouped  # Triton: imported only where the grouped path runs
             except ImportError as e:
-                raise ConfigError(f"FREETOKEN_PREFILL_KERNEL=grouped needs triton: {e}") from e
+                raise ConfigError(f"the grouped prefill kernel needs triton (FREETOKEN_PREFILL_KERNEL=loop runs without it): {e}") from e
             self._kernels = grouped
             self._counts = torch.zeros(2, dtype=torch.int64, device=slots.device)
         self.banks, self.slots, self.table = banks, slots, table

@@ -107,10 +107,10 @@ def test_workspace_counts_the_grouped_prefill_buffers_when_selected(demo: Path, 
 
     cfg = ModelConfig.from_file(demo / "config.json")
     opts = EngineOptions(prefill_chunk=512, max_running=4)
-    monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL", raising=False)
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "loop")
     loop = workspace_bytes(cfg, opts, torch.bfloat16)
     assert grouped_prefill_bytes(cfg, opts, 2) == 0
-    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "grouped")
+    monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL")  # the default: grouped
     extra = grouped_prefill_bytes(cfg, opts, 2)
     assert extra > 512 * cfg.top_k * cfg.hidden_size * 2  # at least every entry's output
     assert workspace_bytes(cfg, opts, torch.bfloat16) == loop + extra

@@ -267,7 +267,7 @@ def test_bad_prefill_kernel_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -
         PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="Grouped")
     assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "loop"
     monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL")
-    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "loop"
+    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "grouped"
 
 
 def test_grouped_knob_on_a_cpu_pool_keeps_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
