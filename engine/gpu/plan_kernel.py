@@ -10,6 +10,10 @@ takeable slots), the victims and the misses to fetch chosen by K rounds of "firs
 (K = min(S, E, N*k): only the first K of either order can be taken), and the writes. The hits are
 marked in `last_use` first (a value the victim order never takes) and the program waits at a
 barrier before reading the slot keys, so the hits are protected without a scratch buffer.
+Otherwise no value the program writes is read back from memory: the program's warps run apart
+between barriers, so a read after another warp's write of the same address is a race (the step
+counter and the running counters are read at the start and written after a final barrier; a
+victim's old owner comes from the owners read before the rounds).
 `fusable(state, ids)` says whether the sizes fit one program (slots up to 16384);
 `preferred(state, ids)` whether to use it (up to 16 routed entries: the rounds are unrolled).
 """
@@ -69,7 +73,8 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
     m = tl.sum(miss.to(tl.int64), axis=0)
     now = tl.load(step_ptr) + 1
-    tl.store(step_ptr, now)
+    c = tl.arange(0, 4)
+    old_counts = tl.load(counters_ptr + c, mask=c < 3, other=0)
     slot_of = tl.where(hit, row, -1)
     src = tl.full([E_P], -1, tl.int64)
     dst = tl.full([E_P], -1, tl.int64)
@@ -104,7 +109,7 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
             key = tl.where(s == v, BIG, key)
             mkey = tl.where(e == f, BIG, mkey)
             take = q > i
-            old = tl.load(owner_ptr + v)
+            old = tl.sum(tl.where(s == v, owner, 0), axis=0)  # v's owner before this call
             tl.store(table_ptr + old, -1, mask=take & (old >= 0))  # the victim's owner leaves
             tl.store(table_ptr + base + f, v.to(tl.int32), mask=take)
             tl.store(owner_ptr + v, base + f, mask=take)
@@ -117,10 +122,10 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
     tl.store(dst_ptr + e, dst, mask=e_ok)
     sid = tl.sum(tl.where(idv[None, :] == e[:, None], slot_of[:, None], 0), axis=0)
     tl.store(slot_ids_ptr + ent, tl.where(idv >= 0, sid, -1), mask=ent_ok)
-    c = tl.arange(0, 4)
     add = tl.where(c == 0, n_hit, tl.where(c == 1, m, q))
     tl.store(call_ptr + c, add, mask=c < 3)
-    old_counts = tl.load(counters_ptr + c, mask=c < 3)
+    tl.debug_barrier()  # every warp has read the step and the counters before any writes them
+    tl.store(step_ptr, now)
     tl.store(counters_ptr + c, old_counts + add, mask=c < 3)
 
 

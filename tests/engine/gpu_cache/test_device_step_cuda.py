@@ -106,7 +106,7 @@ def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list
 
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("slots", [0, 3, 20])
+@pytest.mark.parametrize("slots", [0, 3, 20, L * E])
 def test_fused_plan_step_equals_torch_plan_step(slots: int, ratio: float, graphs: bool) -> None:
     """The device step with the one-program plan (engine/gpu/plan_kernel.py) gives the torch plan's
     outputs bit for bit and leaves the same cache state."""
