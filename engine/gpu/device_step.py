@@ -8,7 +8,8 @@ in a buffer the next call of this step overwrites (consume it before that, in st
 decoder's residual add does). Per call, on the current stream:
 
     plan (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py, or the same in one
-          Triton program, engine/gpu/plan_kernel.py: plan="fused", the default, up to 16 routed entries)
+          Triton program, engine/gpu/plan_kernel.py: plan="fused", up to 16 routed entries; not the
+          default: its CUDA test fails, docs/gpu-tier.md)
       |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
       '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
                        on the host (engine/gpu/host_fn.py) -> H2D its output
@@ -48,8 +49,8 @@ PLANS = ("torch", "fused")
 
 
 def resolve_plan(name: str | None) -> str:
-    """`name`, else FREETOKEN_PLAN, else "fused"; ConfigError for an unknown one."""
-    plan = name or os.environ.get("FREETOKEN_PLAN", "fused")
+    """`name`, else FREETOKEN_PLAN, else "torch"; ConfigError for an unknown one."""
+    plan = name or os.environ.get("FREETOKEN_PLAN", "torch")
     if plan not in PLANS:
         raise ConfigError(f"unknown cache plan {plan!r} (known: {', '.join(PLANS)})")
     return plan

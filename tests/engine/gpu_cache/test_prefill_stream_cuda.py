@@ -1,12 +1,12 @@
 """Streamed prefill (engine/gpu/prefill.py) on a real CUDA device (skipped without one; run on the
 GPU machine): a real copy stream, page-locked host banks, bfloat16 and float32.
-- a whole chunk gives TorchExpertExecutor's outputs bit for bit, for an empty cache, a few experts
+- with the loop kernel, a whole chunk gives TorchExpertExecutor's outputs bit for bit, for an empty cache, a few experts
   resident and a full pool, with pools of exactly 2E slots and more; after finish() the table's
   invariants hold, the untouched working set keeps its slots and weights, every resident slot holds
   its bank rows;
 - chunks interleaved with decode steps on the same table and pool (the decode kernels that read a
   slot the next chunk reserves are ordered before that chunk's copies): still exact;
-- FREETOKEN_PREFILL_KERNEL=grouped (the Triton kernels of engine/gpu/grouped.py): the chunk's
+- the grouped kernels (the default, engine/gpu/grouped.py): the chunk's
   outputs equal the reference's within float32 summation order / bf16 rounding tolerance, and the
   table (slots, owners, LRU state) and stats equal those of the loop path on an identical pool,
   for empty, partly resident and full caches, dense and sparse routing, two chunks in a row;
@@ -95,7 +95,7 @@ def test_streamed_chunk_on_cuda_matches_reference(state: str, n_slots: int, dtyp
         placed = {f: s for s, f in enumerate(flats)}
     _place(table, slots, banks, placed)
     before = (slots.w13.clone(), slots.w2.clone())
-    streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream())
+    streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream(), kernel="loop")
     streamer.start(0)
     reserved = set(table.reserved())
     kept = {f: s for f, s in placed.items() if s not in reserved}
@@ -120,7 +120,7 @@ def test_chunks_interleaved_with_decode() -> None:
     ref = TorchExpertExecutor(banks)
     slots, table = _pool(banks, 2 * E + 3)
     decode = CachedExpertExecutor(banks, slots, table, TorchExpertExecutor(banks), 1.0)
-    streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream())
+    streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream(), kernel="loop")
     try:
         for round_ in range(4):
             for layer, (x, ids, w) in enumerate(_chunk(L, E, K, 200, H, dtype, seed=round_)):
