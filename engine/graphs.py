@@ -6,12 +6,14 @@ lazy state settles), captures it into a CUDA graph the second time and replays t
 replays it afterwards. A capture that fails is logged once, with `name` and the key, and that key
 runs eagerly from then on: correct, only slower. `enabled=False` always runs `fn` eagerly (off
 CUDA, or with graphs turned off). All graphs share one memory pool; they must replay in stream
-order, never concurrently (`pool` shares one pool with other caches). `clear()` drops every graph (when something they captured by reference
+order, never concurrently (`pool` shares one pool with other caches). Python's garbage collector
+is off during a capture. `clear()` drops every graph (when something they captured by reference
 is replaced); `captured` counts the graphs.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Hashable
 
@@ -36,6 +38,12 @@ class GraphCache:
             return
         if self.enabled and key in self._seen and key not in self._failed:
             graph = torch.cuda.CUDAGraph()
+            # No garbage collection while capturing: a collection can run a finalizer that
+            # synchronises the device (engine/gpu/setup.py unregisters page-locked banks that
+            # way), which is illegal inside a capture: the capture is lost, and so is the
+            # finalizer's work. torch.cuda.graph collects once before it starts.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     fn()
@@ -48,6 +56,9 @@ class GraphCache:
                 self._graphs[key] = graph
                 graph.replay()
                 return
+            finally:
+                if collecting:
+                    gc.enable()
         self._seen.add(key)
         fn()
 

@@ -1,10 +1,14 @@
 """engine/graphs.py's GraphCache: eager on a key's first call, captured on its second, replayed
 after; a capture that fails (here: a host read inside the captured function) is logged once and
-that key runs eagerly from then on, with correct results. Off CUDA (enabled=False) always eager."""
+that key runs eagerly from then on, with correct results. Off CUDA (enabled=False) always eager.
+No garbage collection runs inside a capture (a finalizer that synchronises the device would lose
+it)."""
 
 from __future__ import annotations
 
+import gc
 import logging
+from typing import ClassVar
 
 import pytest
 import torch
@@ -49,3 +53,41 @@ def test_capture_replay_and_logged_eager_fallback(caplog: pytest.LogCaptureFixtu
             assert torch.equal(out, torch.full((4,), step + 4.0 * step, device="cuda"))
     assert cache.captured == 1 and calls["bad"] == 5  # the failed capture attempt, then eager each call
     assert sum("CUDA graph capture failed" in r.getMessage() for r in caplog.records) == 1
+
+
+class _SyncingCycle:
+    """Garbage only the cyclic collector frees, whose finalizer synchronises the device (as the
+    unregistration of page-locked banks in engine/gpu/setup.py does)."""
+
+    during_capture: ClassVar[list[bool]] = []
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        _SyncingCycle.during_capture.append(torch.cuda.is_current_stream_capturing())
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_no_garbage_collection_inside_a_capture() -> None:
+    cache = GraphCache("test graphs")
+    x = torch.zeros(4, device="cuda")
+
+    def fn() -> None:
+        for _ in range(500):
+            _SyncingCycle()
+        x.add_(1)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10)  # a collection every few allocations
+    try:
+        cache.run("k", fn)  # eager
+        cache.run("k", fn)  # captured, replayed
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert cache.captured == 1
+    assert _SyncingCycle.during_capture and not any(_SyncingCycle.during_capture)
+    assert torch.equal(x, torch.full((4,), 2.0, device="cuda"))
