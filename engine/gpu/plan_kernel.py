@@ -45,9 +45,10 @@ def _ratio_tensor(ratio: float, device: torch.device) -> torch.Tensor:
 def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
     """Sizes the kernel serves: it unrolls K = min(S, E, N*k) rounds of two reductions over the
     slots and experts, which suits batch-1 decode (K = k); past 16 entries the torch plan's top-k
-    selections are the better tool. Known defect (why FREETOKEN_PLAN=torch is the default): on the
-    H200, over 1100 slots, the program fetched 1 of 5 misses where the torch plan fetched 2 (8
-    entries, a ratio the interpreter rounds correctly); not reproduced in Triton's interpreter."""
+    selections are the better tool. Why FREETOKEN_PLAN=torch is still the default: on the H200 the
+    program fetched 1 of 5 misses where the torch plan fetched 2 (m * ratio = 1.5, rounded down:
+    the compiler had fused the rounding's subtraction with the product); the rounding below no
+    longer subtracts, which passes in Triton's interpreter but has not yet run on a GPU."""
     return state.slots <= _MAX_SLOTS and ids.numel() <= _MAX_ENTRIES and state.experts <= 4096
 
 
@@ -96,10 +97,13 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
         # 2. q* = min(max(1, round(m * ratio)), m), 0 for ratio 0; at most the takeable slots
         # round half to even, as torch.round (m * ratio >= 0, so truncation is the floor)
         ratio = tl.load(ratio_ptr)  # float64, as the torch plan multiplies (a float argument would be float32)
+        # x is compared with q + 0.5, never subtracted from: the GPU compiler contracts x - q into
+        # one fused multiply-add of the exact product (5 * 0.3 - 1 = 0.4999..., not the 0.5 the
+        # rounded product gives), which rounded 1.5 down on the H200
         x = m.to(tl.float64) * ratio
         q = x.to(tl.int64)
-        frac = x - q.to(tl.float64)
-        q = q + tl.where(frac > 0.5, 1, 0) + tl.where((frac == 0.5) & (q % 2 == 1), 1, 0)
+        half = q.to(tl.float64) + 0.5
+        q = q + tl.where(x > half, 1, 0) + tl.where((x == half) & (q % 2 == 1), 1, 0)
         q = tl.minimum(tl.maximum(q, 1), m)
         q = tl.where(ratio == 0.0, 0, q)
         q = tl.minimum(q, takeable)
