@@ -9,7 +9,7 @@ decoder's residual add does). Per call, on the current stream:
 
     plan (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py, or the same in one
           Triton program, engine/gpu/plan_kernel.py: plan="fused", up to 16 routed entries; not the
-          default: its CUDA test fails, docs/gpu-tier.md)
+          default until its CUDA test passes, docs/gpu-tier.md)
       |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
       '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
                        on the host (engine/gpu/host_fn.py) -> H2D its output
