@@ -105,6 +105,10 @@ class CacheTable:
         owner = self.slot_owner.tolist()
         return {flat: slot for slot, flat in enumerate(owner) if 0 <= flat < self.reserved_owner}
 
+    def empty_slots(self) -> int:
+        """How many slots hold nothing and are not reserved (host-side: reads slot_owner, a sync)."""
+        return int((self.slot_owner < 0).sum())
+
     def reserved(self) -> list[int]:
         """The reserved slots, ascending (host-side bookkeeping: no device read)."""
         return sorted(self._reserved)

@@ -14,9 +14,12 @@ device uses; the results are the same; kernel: how `layer` computes the experts,
 any other value is a ConfigError). `PrefillStreamer.fits(slots, experts)`: whether the pool has
 the 2E slots the two buffers need (E = experts per layer); when it does not, use the decode path.
 - `start(first_moe_index=0)` (optional; `layer` calls it on first use): takes 2E slots from the
-  pool with `table.reserve(2 * E)` (the least recently used, empty first; their experts leave the
-  cache), snapshots which experts are resident (one device->host read of the whole table), and
-  issues the copies of the first MoE layer. Buffer b (0, 1) is reserved slots [b*E, (b+1)*E) in
+  pool with `table.reserve` (the least recently used, empty first; their experts leave the
+  cache), and with them every other empty slot (the spare slots), snapshots which experts are
+  resident (one device->host read of the whole table), and issues the copies of the first MoE
+  layer. Streamed experts, layer by layer from the first, are copied into the spare slots while
+  they last (the rest into the buffers), so they stay cached: the next chunk and the decode that
+  follows find them; the working set in the other slots is never touched. Buffer b (0, 1) is reserved slots [b*E, (b+1)*E) in
   ascending order; expert e of a layer held in buffer b lives in its e-th slot.
 - `layer(x, ids, weights, moe_index, next_moe_index)` -> [N, H] in x's dtype and device: the
   routed experts of MoE layer `moe_index` (ids/weights [N, k]). Experts resident in the cache are
@@ -40,11 +43,11 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
     when it is selected. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
     on the device).
 - `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
-  the streamed experts of the (at most two) layers held in the buffers become resident
-  (`table.register`, last_use = a fresh step: the freshest entries), the buffers' other slots are
-  released empty. The cache outside the 2E reserved slots is untouched, so the decode that follows
-  finds its working set plus the last two layers. Always call it (try/finally): until then the 2E
-  slots stay reserved. The streamer can be started again for the next chunk.
+  the streamed experts in spare slots and those of the (at most two) layers held in the buffers
+  become resident (`table.register`, last_use = a fresh step: the freshest entries), the other
+  reserved slots are released empty. The cache outside the reserved slots is untouched, so the
+  decode that follows finds its working set plus the kept experts. Always call it (try/finally):
+  until then the reserved slots stay reserved. The streamer can be started again for the next chunk.
 - `stats` (`PrefillStats`): chunks, layers, experts used in place, streamed, streamed but not
   routed, registered by finish(), bytes streamed (with "grouped", reading it syncs: the in-place
   and unused counts are device counters).
@@ -152,6 +155,9 @@ class PrefillStreamer:
         self._stats = PrefillStats()
         self._active = False
         self._buffers: list[list[int]] = []  # [2][E]: slot of expert e in buffer b
+        self._spare: list[int] = []  # reserved empty slots beyond the buffers (kept experts)
+        self._kept: list[list[tuple[int, int]]] = []  # [L]: (expert, spare slot) streamed to stay
+        self._issued: set[int] = set()  # layers whose copies were issued
         self._buffer_layer: list[int | None] = [None, None]  # layer whose experts buffer b holds
         self._slot_of: list[list[int]] = []  # [L][E]: host, the slot each expert runs from
         self._missing: list[list[int]] = []  # [L]: experts not resident (streamed), ascending
@@ -190,14 +196,27 @@ class PrefillStreamer:
             E, table = self.experts, self.table
             if not self.fits(self.slots, E):
                 raise ValueError(f"streamed prefill needs {2 * E} slots, the pool has {self.slots.slots}")
-            reserved = table.reserve(2 * E)
-            self._buffers = [reserved[:E], reserved[E:]]
+            # empty slots beyond the buffers' 2E keep streamed experts (earliest layers first)
+            spare = max(0, table.empty_slots() - 2 * E)
+            reserved = table.reserve(2 * E + spare)  # all empty when spare > 0: empty slots go first
+            self._buffers = [reserved[:E], reserved[E:2 * E]]
+            self._spare = reserved[2 * E:]
+            free = iter(self._spare)
             snap = table.table.cpu()  # [L, E] int32, after the reservation's evictions
-            self._slot_of, self._missing = [], []
+            self._slot_of, self._missing, self._kept, self._issued = [], [], [], set()
             for layer, row in enumerate(snap.tolist()):
                 buf = self._buffers[layer % 2]
-                self._slot_of.append([s if s >= 0 else buf[e] for e, s in enumerate(row)])
+                slot_of = [s if s >= 0 else buf[e] for e, s in enumerate(row)]
+                kept = []
+                for e in (e for e, s in enumerate(row) if s < 0):
+                    slot = next(free, None)
+                    if slot is None:
+                        break
+                    slot_of[e] = slot
+                    kept.append((e, slot))
+                self._slot_of.append(slot_of)
                 self._missing.append([e for e, s in enumerate(row) if s < 0])
+                self._kept.append(kept)
             rows = torch.where(snap >= 0, snap, table.trash_slot).to(torch.int64)
             self._resident_row = self._to_device(rows)
             if self.grouped:
@@ -319,19 +338,25 @@ class PrefillStreamer:
         E = self.experts
         keep_slots: list[int] = []
         keep_flat: list[int] = []
+        for layer in sorted(self._issued):  # streamed into spare slots: they stay
+            for e, slot in self._kept[layer]:
+                keep_slots.append(slot)
+                keep_flat.append(layer * E + e)
         for b, layer in enumerate(self._buffer_layer):
             if layer is None:
                 continue
             for e in self._missing[layer]:
-                keep_slots.append(self._buffers[b][e])
-                keep_flat.append(layer * E + e)
+                if self._slot_of[layer][e] == self._buffers[b][e]:
+                    keep_slots.append(self._buffers[b][e])
+                    keep_flat.append(layer * E + e)
         kept = set(keep_slots)
         self.table.step.add_(1)  # registered experts are strictly the freshest
         self.table.register(keep_slots, keep_flat)
-        self.table.release([s for buf in self._buffers for s in buf if s not in kept])
+        self.table.release([s for s in (*self._buffers[0], *self._buffers[1], *self._spare) if s not in kept])
         self._stats.registered += len(keep_slots)
         self._active = False
         self._buffers, self._slot_of, self._missing = [], [], []
+        self._spare, self._kept, self._issued = [], [], set()
         self._buffer_layer = [None, None]
         self._resident_row = None
         self._slot_dev = self._missing_dev = None
@@ -340,26 +365,28 @@ class PrefillStreamer:
 
     # ---------------------------------------------------------------- internals
     def _load(self, layer: int) -> None:
-        """Issues the copies of `layer`'s non-resident experts into buffer layer % 2."""
+        """Issues the copies of `layer`'s non-resident experts into buffer layer % 2 (or, for the
+        experts given spare slots, into those)."""
         b = layer % 2
-        buf = self._buffers[b]
+        slot_of = self._slot_of[layer]
         missing = self._missing[layer]
         base = layer * self.experts
         banks, slots = self.banks, self.slots
         if self.copy_stream is None:
             for e in missing:
-                slots.w13[buf[e]].copy_(banks.w13[base + e], non_blocking=True)
-                slots.w2[buf[e]].copy_(banks.w2[base + e], non_blocking=True)
+                slots.w13[slot_of[e]].copy_(banks.w13[base + e], non_blocking=True)
+                slots.w2[slot_of[e]].copy_(banks.w2[base + e], non_blocking=True)
         else:
             freed = self._freed[b]
             assert freed is not None
             self.copy_stream.wait_event(freed)
             with torch.cuda.stream(self.copy_stream):
                 for e in missing:
-                    slots.w13[buf[e]].copy_(banks.w13[base + e], non_blocking=True)
-                    slots.w2[buf[e]].copy_(banks.w2[base + e], non_blocking=True)
+                    slots.w13[slot_of[e]].copy_(banks.w13[base + e], non_blocking=True)
+                    slots.w2[slot_of[e]].copy_(banks.w2[base + e], non_blocking=True)
             self._loaded[b] = self.copy_stream.record_event()
         self._buffer_layer[b] = layer
+        self._issued.add(layer)
         self._stats.streamed += len(missing)
         self._stats.bytes_streamed += len(missing) * banks.expert_bytes
 

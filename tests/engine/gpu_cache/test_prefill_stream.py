@@ -5,8 +5,10 @@ standing in for the GPU (no copy stream: everything runs in order, same results)
   every expert resident, with pools of exactly 2E slots and more, with and without prefetching;
 - after finish(): the table's invariants hold, no slot is reserved any more, every expert that was
   resident outside the 2E reserved slots is still resident in the same slot with the same weights,
-  the last two layers are resident (streamed ones registered, the freshest), every resident slot
-  holds its bank rows, and the decode path that follows gives the reference's outputs;
+  the last two layers are resident (streamed ones registered, the freshest), the empty slots
+  beyond the 2E buffers keep the first streamed experts, every resident slot holds its bank rows,
+  and the decode path that follows gives the reference's outputs; a second chunk reads the kept
+  experts in place and streams only the rest;
 - the buffers are the 2E least recently used slots (empty first); plan_layer never hits a reserved
   slot nor takes one as a victim while it has unreserved slots to spare; `fits` is false below 2E;
 - FREETOKEN_PREFILL_KERNEL: an unknown value is a ConfigError naming the valid ones; `grouped` on a
@@ -80,9 +82,14 @@ def _state(name: str, n_slots: int) -> dict[int, tuple[int, int]]:
     raise AssertionError(name)
 
 
+def _spare(placed: dict[int, tuple[int, int]], n_slots: int) -> int:
+    """Empty slots beyond the buffers' 2E: the streamer keeps streamed experts there."""
+    return max(0, n_slots - len(placed) - 2 * E)
+
+
 def _expected_reserved(placed: dict[int, tuple[int, int]], n_slots: int) -> list[int]:
     age = {s: u for s, u in placed.values()}
-    return sorted(sorted(range(n_slots), key=lambda s: (age.get(s, -1), s))[:2 * E])
+    return sorted(sorted(range(n_slots), key=lambda s: (age.get(s, -1), s))[:2 * E + _spare(placed, n_slots)])
 
 
 def _check_pool(table: CacheTable, slots: ExpertSlots, banks: ExpertBanks) -> None:
@@ -136,6 +143,11 @@ def test_streamed_chunk_matches_reference(state: str, n_slots: int, prefetch: bo
         assert torch.equal(slots.w13[slot], before_w13[slot]) and torch.equal(slots.w2[slot], before_w2[slot])
     for layer in (L - 2, L - 1):  # the last two layers are resident
         assert all(layer * E + e in after for e in range(E))
+    # the empty slots beyond the buffers hold the first streamed experts (layer by layer)
+    spare = reserved[2 * E:]
+    streamed_order = [f for f in range(L * E) if f not in resident_in_place]
+    assert len(spare) == _spare(placed, n_slots)
+    assert all(after[f] == slot for f, slot in zip(streamed_order, spare, strict=False))
     _check_pool(table, slots, banks)
     registered = [f for f in after if f not in resident_in_place]
     last = table.last_use.tolist()
@@ -332,3 +344,33 @@ if __name__ == "__main__":  # the interpreter test's child
     compare_kernels("some", 2 * E + 5, torch.float32, n=3, experts=5)  # experts 5..7 never routed
     compare_kernels("some", 2 * E + 5, torch.bfloat16)
     print("ok")
+
+
+def test_spare_empty_slots_keep_streamed_experts_for_the_next_chunk() -> None:
+    """A pool larger than the buffers, empty at first: the first chunk keeps every expert it
+    streams (the first layers in the spare slots, the last two in the buffers), so the second
+    chunk reads most of them in place; outputs stay the reference's bit for bit."""
+    banks = _banks(seed=6)
+    ref = TorchExpertExecutor(banks)
+    n_slots = 4 * E + 4  # 2E buffers + 2E + 4 spare: more than the L * E = 3E experts
+    slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, n_slots)
+    table = CacheTable(L, E, n_slots)
+    streamer = PrefillStreamer(banks, slots, table)
+    counts = []
+    for seed in (1, 2):
+        before = streamer.stats
+        for layer, (x, ids, w) in enumerate(_chunk(seed)):
+            nxt = layer + 1 if layer + 1 < L else None
+            assert torch.equal(streamer.layer(x, ids, w, layer, nxt), ref(x, ids, w, layer))
+        streamer.finish()
+        assert table.invariant_errors() == [] and table.reserved() == []
+        _check_pool(table, slots, banks)
+        after = streamer.stats
+        counts.append((after.streamed - before.streamed, after.in_place - before.in_place))
+        if seed == 1:  # every expert stayed: 2E + 4 in spare slots, the rest in the buffers
+            assert sorted(table.resident()) == list(range(L * E))
+    # chunk 1 streams all 3E; chunk 2 reserves its buffers from the 2E + 4 - E = E + 4 empty slots
+    # and the E - 4 oldest resident (all equally fresh: lowest slots first), so only those E - 4
+    # experts are streamed again (without the spare slots only the last two layers would have
+    # stayed: E streamed again, 2E in place)
+    assert counts == [(L * E, 0), (E - 4, L * E - (E - 4))]
