@@ -91,14 +91,17 @@ def linear_attention_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> 
     """Gated DeltaNet temporaries of the worst layer (engine/model/linear_attention.py): per token the
     conv input and output, z and the core output in the model's dtype plus float32 copies of q, k
     (expanded to the value heads), v, g and beta; per chunk of 64 tokens a float32 state in fla's
-    chunked kernel; per decode sequence its state gathered, decayed, updated and written back."""
+    chunked kernel; per decode sequence eight float32 states (see below)."""
     if not cfg.linear_attention_layer_ids:
         return 0
     conv = 2 * cfg.linear_key_dim + cfg.linear_value_dim
     heads, state = cfg.linear_num_value_heads, cfg.linear_key_head_dim * cfg.linear_value_head_dim
     per_token = item * (2 * conv + 2 * cfg.linear_value_dim) + 4 * (3 * heads * cfg.linear_key_head_dim + 3 * heads)
     chunk_states = 2 * -(-opts.prefill_chunk // 64) * heads * state * 4
-    decode_states = 4 * opts.max_running * heads * state * 4
+    # per decode sequence: the gathered, decayed, outer-product and updated states of recurrent_step
+    # (4 float32 copies), doubled: with 4 the Qwen3.6 shape's captured decode peaked 7.7 MiB over a
+    # 12 GiB cap on the H200 (one sequence; the captured pass keeps more of them alive at once)
+    decode_states = 8 * opts.max_running * heads * state * 4
     return (opts.prefill_chunk + opts.max_running) * per_token + chunk_states + decode_states
 
 
