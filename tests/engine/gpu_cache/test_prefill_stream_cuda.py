@@ -1,9 +1,10 @@
 """Streamed prefill (engine/gpu/prefill.py) on a real CUDA device (skipped without one; run on the
 GPU machine): a real copy stream, page-locked host banks, bfloat16 and float32.
-- with the loop kernel, a whole chunk gives TorchExpertExecutor's outputs bit for bit, for an empty cache, a few experts
-  resident and a full pool, with pools of exactly 2E slots and more; after finish() the table's
-  invariants hold, the untouched working set keeps its slots and weights, every resident slot holds
-  its bank rows;
+- with the loop kernel, a whole chunk gives TorchExpertExecutor's outputs bit for bit, for an
+  empty cache, a few experts resident and a full pool, with pools of exactly 2E slots and more;
+  after finish() the table's
+  invariants hold, the untouched working set keeps its slots and weights, empty slots beyond the
+  buffers keep the first streamed experts, every resident slot holds its bank rows;
 - chunks interleaved with decode steps on the same table and pool (the decode kernels that read a
   slot the next chunk reserves are ordered before that chunk's copies): still exact;
 - the grouped kernels (the default, engine/gpu/grouped.py): the chunk's
@@ -77,8 +78,8 @@ def _check_pool(table: CacheTable, slots: ExpertSlots, banks: ExpertBanks) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("state", "n_slots"), [("empty", 2 * E), ("some", 2 * E), ("some", 2 * E + 5),
-                                                ("full", 2 * E + 5), ("full", L * E + 2 * E)])
+@pytest.mark.parametrize(("state", "n_slots"), [("empty", 2 * E), ("empty", 3 * E + 5), ("some", 2 * E),
+                                                ("some", 2 * E + 5), ("full", 2 * E + 5), ("full", L * E + 2 * E)])
 def test_streamed_chunk_on_cuda_matches_reference(state: str, n_slots: int, dtype: torch.dtype) -> None:
     H, inter = 64, 32
     banks = _banks(L, E, H, inter, dtype)
@@ -110,6 +111,8 @@ def test_streamed_chunk_on_cuda_matches_reference(state: str, n_slots: int, dtyp
         assert after[flat] == slot
         assert torch.equal(slots.w13[slot], before[0][slot]) and torch.equal(slots.w2[slot], before[1][slot])
     assert all(f in after for f in range((L - 2) * E, L * E))
+    if state == "empty" and n_slots > 2 * E:  # the spare slots kept the first streamed experts
+        assert all(f in after for f in range(n_slots - 2 * E))
     _check_pool(table, slots, banks)
     assert streamer.stats.bytes_streamed == sum(1 for f in range(L * E) if f not in kept) * banks.expert_bytes
 
