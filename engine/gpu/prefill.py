@@ -19,12 +19,13 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
   resident (one device->host read of the whole table), and issues the copies of the first MoE
   layer. Streamed experts, layer by layer from the first, are copied into the spare slots while
   they last (the rest into the buffers), so they stay cached: the next chunk and the decode that
-  follows find them; the working set in the other slots is never touched. Buffer b (0, 1) is reserved slots [b*E, (b+1)*E) in
-  ascending order; expert e of a layer held in buffer b lives in its e-th slot.
+  follows find them; the working set in the other slots is never touched. Buffer b (0, 1) is
+  reserved slots [b*E, (b+1)*E) in ascending order; expert e of a layer held in buffer b lives in
+  its e-th slot.
 - `layer(x, ids, weights, moe_index, next_moe_index)` -> [N, H] in x's dtype and device: the
   routed experts of MoE layer `moe_index` (ids/weights [N, k]). Experts resident in the cache are
   read in place from their slot; every other expert of the layer (all of them, routed or not: no
-  waiting for routing) is copied into buffer `moe_index % 2`. Before this layer computes, the
+  waiting for routing) is copied into buffer `moe_index % 2` (or its spare slot). Before this layer computes, the
   copies of `next_moe_index` (when given, and of the other parity) are issued on the copy stream,
   so PCIe streams the next layer while this one's experts (and the next layer's attention) run.
   The experts are computed by one of two kernels:
@@ -32,16 +33,17 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
     for operation: distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear,
     times the weight, index_add_: the result is bit-identical to it. A Python loop over the
     routed experts (about 8 kernel launches each) after a host read of the routing.
-  - "grouped" (the default; 1.7x the loop's rate on an 8192-token chunk, docs/benchmarks.md; on CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the
-    loop runs): engine/gpu/grouped.py, two Triton GEMM kernels over the entries sorted by expert,
+  - "grouped" (the default: 1.7x the loop's rate on an 8192-token chunk, docs/benchmarks.md; on
+    CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the loop runs):
+    engine/gpu/grouped.py, two Triton GEMM kernels over the entries sorted by expert,
     each expert read from its slot through a [L, E] device tensor of slots made in `start`: no
     host read, no loop over experts. Every intermediate is rounded where the reference rounds it
     except the sum of a token's k contributions (float32, rounded once, instead of a running sum
     in x's dtype): float32 results equal the reference's up to summation order, bf16 ones are
     within a few bf16 roundings. Its workspace (silu(gate) * up of N*k + E*(BLOCK_M - 1) padded
     rows and the N*k weighted contributions, in x's dtype) is in engine/gpu/budget.py's estimate
-    when it is selected. The LRU updates and stats are the loop's (the stats' per-layer counts accumulate
-    on the device).
+    when it is selected. The LRU updates and stats are the loop's (the stats' per-layer counts
+    accumulate on the device).
 - `finish()`: after the chunk's last MoE layer. The compute stream waits for every copy issued;
   the streamed experts in spare slots and those of the (at most two) layers held in the buffers
   become resident (`table.register`, last_use = a fresh step: the freshest entries), the other
@@ -146,7 +148,8 @@ class PrefillStreamer:
             try:
                 from engine.gpu import grouped  # Triton: imported only where the grouped path runs
             except ImportError as e:
-                raise ConfigError(f"the grouped prefill kernel needs triton (FREETOKEN_PREFILL_KERNEL=loop runs without it): {e}") from e
+                raise ConfigError("the grouped prefill kernel needs triton (FREETOKEN_PREFILL_KERNEL=loop runs "
+                                  f"without it): {e}") from e
             self._kernels = grouped
             self._counts = torch.zeros(2, dtype=torch.int64, device=slots.device)
         self.banks, self.slots, self.table = banks, slots, table
