@@ -53,6 +53,10 @@ FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b 
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
+# the expert cache as the previous request left it (what a serving engine has; llama.cpp's resident
+# layers are always there): the kept experts are read in place
+bench pre_q3_24L_12G_warm 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 \
+    --chunk 8192 --expert-cache warm
 bench pre_q36_20L_12G 100 prefill --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 \
     --chunk 8192
 python3 -m evals.gpu.summary "$OUT"

@@ -154,10 +154,11 @@ class ModelBench:
     def stats(self) -> Any:
         return getattr(self.executor, "stats", None)
 
-    def cold(self) -> None:
+    def cold(self, experts: bool = True) -> None:
+        """Empties the prefix cache and, with `experts`, the expert cache."""
         self.engine.reset_cache()  # returns once the engine is idle: nothing runs while the table resets
         table = getattr(self.executor, "table", None)
-        if table is not None:
+        if experts and table is not None:
             table.reset()
 
     def random_prompt(self, n: int, index: int) -> list[int]:

@@ -7,7 +7,8 @@ Method:
 - one untimed warm-up request of each length (kernels compile and autotune per chunk shape: on the
   GPU machine a hybrid model's first 8192-token chunk took 10.7 s, 1.1 s once warm), then for each length in
   `--prompt-tokens`, `--reps` times: cold caches (prefix cache emptied, and the expert cache when
-  the executor has one), submit, wait for the first token. TTFT = submit -> first token (taken on
+  the executor has one; with `--expert-cache warm` the expert cache is left as the previous
+  request left it, as in a serving engine), submit, wait for the first token. TTFT = submit -> first token (taken on
   the engine thread as it is emitted); prefill tok/s = prompt tokens / TTFT; medians over reps;
 - prompts go through in chunks of `--chunk` tokens (EngineOptions.prefill_chunk);
 - bound: each chunk is one pass over the model that must stream every layer's routed experts
@@ -19,7 +20,7 @@ Method:
   a cache).
 
 JSON keys (one object): the facts of `ModelBench.facts()` (see decode.py) plus bench="prefill",
-chunk, reps, bandwidth_gbps, bound_note, and runs: a list with one object per prompt length:
+chunk, reps, expert_cache ("cold" / "warm"), bandwidth_gbps, bound_note, and runs: a list with one object per prompt length:
 prompt_tokens, ttft_s, ttft_s_reps, prefill_tok_s, passes, bound_s, measured_over_bound, hit_rate.
 """
 
@@ -41,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma list of prompt lengths (default 1024,4096,16384)")
     p.add_argument("--chunk", type=positive_int, default=8192, help="prefill chunk, tokens per forward pass")
     p.add_argument("--reps", type=positive_int, default=1, help="runs per length; the median is reported")
+    p.add_argument("--expert-cache", choices=("cold", "warm"), default="cold",
+                   help="cold (default): the expert cache emptied before each timed request; warm: left as "
+                        "the previous request left it (the prefix cache is emptied either way)")
 
 
 def _hit_rate(deltas: list[dict[str, int] | None]) -> float | None:
@@ -64,7 +68,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     for n in lengths:
         ttfts, deltas = [], []
         for _ in range(args.reps):
-            bench.cold()
+            bench.cold(experts=args.expert_cache == "cold")
             t = bench.timed_request(bench.random_prompt(n, index), 1)
             index += 1
             ttfts.append(t.first - t.submitted)
@@ -76,7 +80,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
                      "passes": passes, "bound_s": bound_s, "measured_over_bound": ttft / bound_s if bound_s else None,
                      "hit_rate": _hit_rate(deltas)})
         bench.note(f"{n} tokens: TTFT {ttft:.3f} s, {n / ttft:.0f} tok/s")
-    return {"bench": "prefill", **bench.facts(), "chunk": args.chunk, "reps": args.reps,
+    return {"bench": "prefill", **bench.facts(), "chunk": args.chunk, "reps": args.reps, "expert_cache": args.expert_cache,
             "bandwidth_gbps": bandwidth, "bound_note": note, "runs": runs}
 
 
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print_table(f"prefill, cold, chunk {args.chunk}: {title}",
+    print_table(f"prefill, {args.expert_cache} expert cache, chunk {args.chunk}: {title}",
                 ["prompt tokens", "TTFT s", "prefill tok/s", "hit rate", "passes", "bound s", "measured/bound"],
                 [[r["prompt_tokens"], r["ttft_s"], r["prefill_tok_s"], r["hit_rate"], r["passes"], r["bound_s"],
                   r["measured_over_bound"]] for r in result["runs"]])

@@ -40,7 +40,7 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
                            "cpu_misses_per_token", "dense_ms", "bound_ms", "measured_over_bound"}
-PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "runs"}
+PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
             "hit_rate"}
 
@@ -184,6 +184,29 @@ def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
     assert 0 <= r["hit_rate"] <= 1 and r["fetched_per_token"] <= r["misses_per_token"]
     assert r["cpu_misses_per_token"] == pytest.approx(r["misses_per_token"] - r["fetched_per_token"])
     assert r["executor"].startswith("cached") and r["tok_s"] > 0 and r["dense_ms"] > 0
+
+
+def test_prefill_expert_cache_cold_or_warm() -> None:
+    """cold: the timed request starts with an empty expert cache, so a one-pass prompt hits nothing;
+    warm: the previous request's experts are still there."""
+    from engine.gpu.executor import create_cached_executor
+    from freetoken_agent.bench import prefill
+    from freetoken_agent.bench.model_bench import ModelBench
+
+    rates = {}
+    for mode in ("cold", "warm"):
+        args = bench_args(prompt_tokens=[12], chunk=16, reps=2, expert_cache=mode)
+        bench = ModelBench(args, kv_tokens=64, prefill_chunk=16)
+        try:
+            banks = bench.engine.decoder.weights.experts
+            # 16 slots: room for what a 12-token request fetches in its 3 layers
+            bench.engine.decoder.executor = create_cached_executor(banks, 16 * banks.expert_bytes, "cpu", 0.5)
+            r = prefill.measure(bench, args)
+        finally:
+            bench.close()
+        assert r["expert_cache"] == mode and r["runs"][0]["ttft_s"] > 0
+        rates[mode] = r["runs"][0]["hit_rate"]
+    assert rates["cold"] == 0.0 and rates["warm"] > 0.0
 
 
 def _write_calibration(cache: Path, hidden: int, inter: int) -> None:
