@@ -70,6 +70,19 @@ def num_threads() -> int:
     return _ext.num_threads()
 
 
+def set_worker_spin_us(us: int) -> None:
+    """How long idle pool workers spin before they sleep (process-wide; default 100 us). Longer
+    saves the wake-up of sleeping workers when calls come every few hundred microseconds, at the
+    price of busy cores between calls."""
+    if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= 1_000_000:
+        _fail(f"worker spin must be an int of microseconds in [0, 1000000], got {us!r}")
+    _ext.set_worker_spin_us(us)
+
+
+def worker_spin_us() -> int:
+    return _ext.worker_spin_us()
+
+
 def num_pinned() -> int:
     return _ext.num_pinned()
 

@@ -18,7 +18,9 @@ decoder's residual add does). Per call, on the current stream:
 so the CPU experts run while the GPU fetches and computes. The CPU branch is handed to the host
 by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream
 wait for its answer) or "hostfunc" (a cuLaunchHostFunc host node); FREETOKEN_CPU_BRANCH overrides
-the default. docs/benchmarks.md has the measurement behind the default.
+the default. docs/benchmarks.md has the measurement behind the default. While steps run, the
+native pool's idle workers spin for CPU_BRANCH_SPIN_US between calls rather than sleeping after
+100 us (a sleeping worker's wake-up costs tens of microseconds, every layer).
 
 With `graphs`, the first call of a layer runs eagerly (it compiles the kernels), the second
 captures the same sequence into a CUDA graph and replays it, and later calls only copy the inputs
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
+CPU_BRANCH_SPIN_US = 2000  # native pool workers' idle spin while a GPU step drives them
 PLANS = ("torch", "fused")
 
 
@@ -68,7 +71,11 @@ class DeviceStep:
     def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
                  pool: tuple[int, int] | None = None, cpu_branch: str | None = None, plan: str | None = None) -> None:
         from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
-        from native.ftnative import HostTask  # noqa: F401  (fails early when the extension is missing)
+        from native.ftnative import set_worker_spin_us, worker_spin_us
+
+        # the CPU branch is called every few hundred microseconds (one MoE layer's GPU work apart):
+        # keep the native workers spinning across that gap instead of waking them from sleep
+        set_worker_spin_us(max(worker_spin_us(), CPU_BRANCH_SPIN_US))
 
         self._kernels = kernels
 

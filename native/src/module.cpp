@@ -147,6 +147,9 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("num_threads", [] { return pool()->size(); }, py::call_guard<py::gil_scoped_release>());
     m.def("num_pinned", [] { return pool()->pinned(); }, py::call_guard<py::gil_scoped_release>());
     m.def("physical_cores", &physical_cores);
+    m.def("set_worker_spin_us", &set_worker_spin_us, py::arg("us"),
+          "How long idle pool workers spin before sleeping, in microseconds (process-wide).");
+    m.def("worker_spin_us", &worker_spin_us);
     m.def("prefetch_bytes", [] { return g_prefetch_bytes; });
     m.def("shutdown", &shutdown_pool, py::call_guard<py::gil_scoped_release>(),
           "Join the worker threads (restarted lazily by the next call).");

@@ -60,6 +60,13 @@ int physical_cores() {
 
 int default_threads() { return physical_cores(); }
 
+namespace {
+std::atomic<int> g_spin_us{100};
+}
+
+void set_worker_spin_us(int us) { g_spin_us.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+int worker_spin_us() { return g_spin_us.load(std::memory_order_relaxed); }
+
 std::shared_ptr<Pool> pool() {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
     if (g_pool && g_pool->pid() != getpid()) {

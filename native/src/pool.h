@@ -1,8 +1,12 @@
 // Persistent worker pool of the native executor. The calling thread is worker 0; workers 1..n-1
 // are pinned (best effort) one per CPU of the process's affinity mask. `run(job)` runs job(i) on
 // every worker and returns when all are done; `barrier()` synchronises the workers inside a job.
-// Calls are serialized by `call_mutex`. Workers spin briefly between jobs (back-to-back MoE layers
-// wake them in well under a microsecond), then sleep on a condition variable.
+// Calls are serialized by `call_mutex`. Workers spin for `worker_spin_us()` between jobs (back-to-
+// back MoE layers wake them in well under a microsecond), then sleep on a condition variable (a
+// wake-up from there takes a futex call and the scheduler: tens of microseconds for the slowest of
+// them). The default, 100 us, keeps the cores free for torch ops between the layers of a CPU
+// engine; the GPU tier's CPU branch, whose calls come every few hundred microseconds while the
+// GPU runs the rest of the layer, raises it (set_worker_spin_us).
 #pragma once
 
 #if defined(__x86_64__)
@@ -13,6 +17,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -26,6 +31,10 @@ namespace ft {
 
 // CPUs of the affinity mask ordered one per physical core first (by /sys topology), SMT siblings last.
 std::vector<int> cpus_by_core();
+
+// How long idle workers spin before sleeping (process-wide, read by each worker as it goes idle).
+void set_worker_spin_us(int us);
+int worker_spin_us();
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -106,14 +115,16 @@ class Pool {
     void worker(int i) {
         uint64_t seen = 0;
         for (;;) {
-            // spin briefly for low wake-up latency between back-to-back layer calls, then sleep
+            // spin for low wake-up latency between back-to-back layer calls, then sleep
             bool got = false;
-            for (int s = 0; s < 2000; ++s) {  // ~50-100 us of pause: then sleep, so torch ops between layers get the cores
+            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(worker_spin_us());
+            for (int s = 0;; ++s) {
                 if (gen_.load(std::memory_order_acquire) != seen) {
                     got = true;
                     break;
                 }
                 cpu_relax();
+                if ((s & 63) == 63 && std::chrono::steady_clock::now() >= until) break;
             }
             if (!got) {
                 std::unique_lock<std::mutex> lk(m_);

@@ -266,3 +266,30 @@ def test_cli_generate_reports_and_uses_the_native_executor(ft, tmp_path):
         assert f"expert executor: {name} (" in res.stderr
         outs[name] = res.stdout.strip().splitlines()[-1]
     assert outs["native"] == outs["torch"]
+
+
+def test_worker_spin_is_settable_and_keeps_workers_busy(ft):
+    """Idle workers spin for worker_spin_us() before they sleep: with a long spin the process keeps
+    burning CPU after a call, with none it does not. Bad values are refused."""
+    import time
+
+    spin_before, n_before = ft.worker_spin_us(), ft.num_threads()
+    t = torch.ones(1 << 16, dtype=torch.uint8)
+    busy = {}
+    try:
+        ft.set_num_threads(2)
+        for spin in (0, 200_000):
+            ft.set_worker_spin_us(spin)
+            assert ft.worker_spin_us() == spin
+            ft.read_tensor(t)  # wakes the worker; it goes idle again at once
+            ft.read_tensor(t)  # the second call finds it in its idle spin (or asleep, with 0)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            time.sleep(0.08)
+            busy[spin] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        for bad in (-1, 1_000_001, 1.5, True):
+            with pytest.raises(ValueError, match="worker spin"):
+                ft.set_worker_spin_us(bad)
+    finally:
+        ft.set_worker_spin_us(spin_before)
+        ft.set_num_threads(n_before)
+    assert busy[0] < 0.15 and busy[200_000] > 0.3, busy
