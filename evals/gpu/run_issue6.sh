@@ -19,7 +19,7 @@ QUICK=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py te
        tests/engine/gpu_cache/test_grouped_experts.py tests/engine/test_gguf_model.py
        "tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_capped_engine_equals_uncapped[0.5-qwen3_moe]"
        "tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_capped_engine_equals_uncapped[0.5-qwen3_5_moe]"
-       tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py)
+       tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
      tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)
 if [ "${TESTS:-quick}" = all ]; then SEL=("${ALL[@]}"); else SEL=("${QUICK[@]}"); fi
@@ -59,4 +59,12 @@ bench pre_q3_24L_12G_warm 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-mem
     --chunk 8192 --expert-cache warm
 bench pre_q36_20L_12G 100 prefill --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 \
     --chunk 8192
+# kernel by kernel: where a decode token's time goes (the routed experts run, and skipped)
+for z in "" "--zero-experts"; do
+    name=kprof_q3_24L_12G${z:+_dense}
+    [[ "$name" =~ ${ONLY:-.} ]] || continue
+    timeout 120 python3 -m evals.gpu.kernel_profile --shape qwen3-30b-a3b --layers 24 --dummy --gpu-memory 12GiB \
+        --cpu-threads 8 --tokens 32 --top 25 $z --out "$OUT/$name.kprof" > "$OUT/$name.txt" 2>&1
+    echo "$name: exit $?"; tail -28 "$OUT/$name.txt"
+done
 python3 -m evals.gpu.summary "$OUT"
