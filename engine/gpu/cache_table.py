@@ -105,26 +105,25 @@ class CacheTable:
         owner = self.slot_owner.tolist()
         return {flat: slot for slot, flat in enumerate(owner) if 0 <= flat < self.reserved_owner}
 
-    def empty_slots(self) -> int:
-        """How many slots hold nothing and are not reserved (host-side: reads slot_owner, a sync)."""
-        return int((self.slot_owner < 0).sum())
-
     def reserved(self) -> list[int]:
         """The reserved slots, ascending (host-side bookkeeping: no device read)."""
         return sorted(self._reserved)
 
-    def reserve(self, n: int) -> list[int]:
+    def reserve(self, n: int, every_empty: bool = False) -> list[int]:
         """Reserves the n least recently used unreserved slots (empty first) and returns them
-        ascending; their experts leave the table. Host-side: reads slot_owner and last_use (a sync).
+        ascending; their experts leave the table. With `every_empty`, also every further empty
+        slot (so max(n, empty slots) in all). Host-side: reads slot_owner and last_use (a sync).
         Raises ValueError when fewer than n unreserved slots exist."""
         free = self.slots - len(self._reserved)
         if not 0 <= n <= free:
             raise ValueError(f"cannot reserve {n} slots: {free} of {self.slots} are not reserved")
+        owner = self.slot_owner.tolist()
+        candidates = [s for s in range(self.slots) if s not in self._reserved]
+        if every_empty:
+            n = max(n, sum(1 for s in candidates if owner[s] < 0))
         if n == 0:
             return []
-        owner = self.slot_owner.tolist()
         last = self.last_use.tolist()
-        candidates = [s for s in range(self.slots) if s not in self._reserved]
         candidates.sort(key=lambda s: (last[s] if owner[s] >= 0 else -1, s))
         chosen = sorted(candidates[:n])
         evicted = [owner[s] for s in chosen if owner[s] >= 0]

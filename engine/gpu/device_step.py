@@ -106,7 +106,7 @@ class DeviceStep:
         if self.plan == "fused":
             from engine.gpu import plan_kernel
 
-            self._fused = plan_kernel if plan_kernel.preferred(executor.table, self.ids) else None
+            self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
         else:
             self._fused = None
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)

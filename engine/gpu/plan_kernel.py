@@ -15,7 +15,7 @@ between barriers, so a read after another warp's write of the same address is a 
 counter and the running counters are read at the start and written after a final barrier; a
 victim's old owner comes from the owners read before the rounds).
 `fusable(state, ids)` says whether the sizes fit one program (slots up to 16384, up to 16 routed
-entries: the rounds are unrolled); `preferred(state, ids)` whether to use it (the same).
+entries: the rounds are unrolled), and so whether the device step uses it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,6 @@ def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
     the compiler had fused the rounding's subtraction with the product); the rounding below no
     longer subtracts, which passes in Triton's interpreter but has not yet run on a GPU."""
     return state.slots <= _MAX_SLOTS and ids.numel() <= _MAX_ENTRIES and state.experts <= 4096
-
-
-def preferred(state: CacheTable, ids: torch.Tensor) -> bool:
-    """Whether the fused plan should replace the torch one: whenever it serves the sizes."""
-    return fusable(state, ids)
 
 
 @triton.jit

@@ -159,7 +159,6 @@ class PrefillStreamer:
         self._active = False
         self._buffers: list[list[int]] = []  # [2][E]: slot of expert e in buffer b
         self._spare: list[int] = []  # reserved empty slots beyond the buffers (kept experts)
-        self._kept: list[list[tuple[int, int]]] = []  # [L]: (expert, spare slot) streamed to stay
         self._issued: set[int] = set()  # layers whose copies were issued
         self._buffer_layer: list[int | None] = [None, None]  # layer whose experts buffer b holds
         self._slot_of: list[list[int]] = []  # [L][E]: host, the slot each expert runs from
@@ -199,27 +198,22 @@ class PrefillStreamer:
             E, table = self.experts, self.table
             if not self.fits(self.slots, E):
                 raise ValueError(f"streamed prefill needs {2 * E} slots, the pool has {self.slots.slots}")
-            # empty slots beyond the buffers' 2E keep streamed experts (earliest layers first)
-            spare = max(0, table.empty_slots() - 2 * E)
-            reserved = table.reserve(2 * E + spare)  # all empty when spare > 0: empty slots go first
+            # the empty slots beyond the buffers' 2E keep streamed experts (earliest layers first);
+            # when there are more empty slots than 2E, all of the reserved ones are empty
+            reserved = table.reserve(2 * E, every_empty=True)
             self._buffers = [reserved[:E], reserved[E:2 * E]]
             self._spare = reserved[2 * E:]
             free = iter(self._spare)
             snap = table.table.cpu()  # [L, E] int32, after the reservation's evictions
-            self._slot_of, self._missing, self._kept, self._issued = [], [], [], set()
+            self._slot_of, self._missing, self._issued = [], [], set()
             for layer, row in enumerate(snap.tolist()):
                 buf = self._buffers[layer % 2]
+                missing = [e for e, s in enumerate(row) if s < 0]
                 slot_of = [s if s >= 0 else buf[e] for e, s in enumerate(row)]
-                kept = []
-                for e in (e for e, s in enumerate(row) if s < 0):
-                    slot = next(free, None)
-                    if slot is None:
-                        break
+                for e, slot in zip(missing, free, strict=False):  # until the spare slots run out
                     slot_of[e] = slot
-                    kept.append((e, slot))
                 self._slot_of.append(slot_of)
-                self._missing.append([e for e, s in enumerate(row) if s < 0])
-                self._kept.append(kept)
+                self._missing.append(missing)
             rows = torch.where(snap >= 0, snap, table.trash_slot).to(torch.int64)
             self._resident_row = self._to_device(rows)
             if self.grouped:
@@ -341,16 +335,13 @@ class PrefillStreamer:
         E = self.experts
         keep_slots: list[int] = []
         keep_flat: list[int] = []
-        for layer in sorted(self._issued):  # streamed into spare slots: they stay
-            for e, slot in self._kept[layer]:
-                keep_slots.append(slot)
-                keep_flat.append(layer * E + e)
-        for b, layer in enumerate(self._buffer_layer):
-            if layer is None:
-                continue
+        for layer in sorted(self._issued):
+            b = layer % 2
             for e in self._missing[layer]:
-                if self._slot_of[layer][e] == self._buffers[b][e]:
-                    keep_slots.append(self._buffers[b][e])
+                slot = self._slot_of[layer][e]
+                # spare slots always stay; a buffer's slots only for the layer it holds now
+                if slot != self._buffers[b][e] or self._buffer_layer[b] == layer:
+                    keep_slots.append(slot)
                     keep_flat.append(layer * E + e)
         kept = set(keep_slots)
         self.table.step.add_(1)  # registered experts are strictly the freshest
@@ -359,7 +350,7 @@ class PrefillStreamer:
         self._stats.registered += len(keep_slots)
         self._active = False
         self._buffers, self._slot_of, self._missing = [], [], []
-        self._spare, self._kept, self._issued = [], [], set()
+        self._spare, self._issued = [], set()
         self._buffer_layer = [None, None]
         self._resident_row = None
         self._slot_dev = self._missing_dev = None
