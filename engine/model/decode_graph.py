@@ -35,8 +35,8 @@ from engine.graphs import GraphCache
 from engine.model.attention import attention_core, attention_inputs, attention_output
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet_decode
-from engine.model.moe import moe_block
-from engine.model.ops import rms_norm, swiglu_mlp
+from engine.model.moe import feed_forward
+from engine.model.ops import rms_norm
 
 if TYPE_CHECKING:
     from engine.model.decode_attention import DecodeMeta
@@ -112,14 +112,7 @@ class DecodeGraphs:
                 si = d._state_index[li]
                 x = gated_deltanet_decode(x, lw.linear_attention, cfg, self.state_slots, self._states.conv[si],
                                           self._states.ssm[si])
-            h = h + x
-            x = rms_norm(h, lw.post_norm, eps, zc)
-            if lw.moe is not None:
-                x = moe_block(x, lw.moe, cfg, self._experts, lw.moe_index)
-            else:
-                assert lw.mlp is not None
-                x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
-            h = h + x
+            h = feed_forward(h, x, lw, cfg, self._experts)
         self.final.copy_(rms_norm(h, w.final_norm, eps, zc))
 
     # ------------------------------------------------------------------ one step

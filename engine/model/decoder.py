@@ -20,8 +20,8 @@ from engine.model import decode_graph
 from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
-from engine.model.moe import moe_block
-from engine.model.ops import Rotary, rms_norm, swiglu_mlp
+from engine.model.moe import feed_forward
+from engine.model.ops import Rotary, rms_norm
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
@@ -76,14 +76,7 @@ class Decoder:
                 assert lw.linear_attention is not None
                 si = self._state_index[li]
                 x = gated_deltanet(x, lw.linear_attention, cfg, batch, states.conv[si], states.ssm[si])
-            h = h + x
-            x = rms_norm(h, lw.post_norm, eps, zc)
-            if lw.moe is not None:
-                x = moe_block(x, lw.moe, cfg, self.executor, lw.moe_index)
-            else:
-                assert lw.mlp is not None
-                x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
-            h = h + x
+            h = feed_forward(h, x, lw, cfg, self.executor)
         return rms_norm(h, w.final_norm, eps, zc)
 
     @torch.inference_mode()

@@ -2,6 +2,8 @@
 
 Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the reference's
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype).
+`feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
+`mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import swiglu_mlp
+from engine.model.ops import rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
-from engine.weights.layout import MoeWeights
+from engine.weights.layout import LayerWeights, MoeWeights
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,3 +34,15 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
         assert w.shared_gate is not None
         out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
     return out
+
+
+def feed_forward(h: torch.Tensor, mixed: torch.Tensor, lw: LayerWeights, cfg: ModelConfig,
+                 executor: ExpertExecutor) -> torch.Tensor:
+    h = h + mixed
+    x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
+    if lw.moe is not None:
+        x = moe_block(x, lw.moe, cfg, executor, lw.moe_index)
+    else:
+        assert lw.mlp is not None
+        x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)
+    return h + x
