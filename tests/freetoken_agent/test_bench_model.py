@@ -166,19 +166,26 @@ def bench_args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
+def _measure_with_cache(measure, args: argparse.Namespace, slots: int):  # type: ignore[no-untyped-def]
+    """A bench's measure() on a CPU engine whose experts run through an expert cache of `slots`
+    (fetch ratio 0.5); returns the result and the (closed) bench."""
     from engine.gpu.executor import create_cached_executor
-    from freetoken_agent.bench import decode
     from freetoken_agent.bench.model_bench import ModelBench
 
-    args = bench_args()
     bench = ModelBench(args, kv_tokens=64, prefill_chunk=16)
     try:
         banks = bench.engine.decoder.weights.experts
-        bench.engine.decoder.executor = create_cached_executor(banks, 6 * banks.expert_bytes, "cpu", 0.5)
-        r = decode.measure(bench, args)
+        bench.engine.decoder.executor = create_cached_executor(banks, slots * banks.expert_bytes, "cpu", 0.5)
+        return measure(bench, args), bench
     finally:
         bench.close()
+
+
+def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
+    from freetoken_agent.bench import decode
+
+    args = bench_args()
+    r, bench = _measure_with_cache(decode.measure, args, slots=6)
     routed = bench.cfg.top_k * bench.cfg.num_moe_layers
     assert r["hits_per_token"] + r["misses_per_token"] == pytest.approx(routed)
     assert 0 <= r["hit_rate"] <= 1 and r["fetched_per_token"] <= r["misses_per_token"]
@@ -189,21 +196,13 @@ def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
 def test_prefill_expert_cache_cold_or_warm() -> None:
     """cold: the timed request starts with an empty expert cache, so a one-pass prompt hits nothing;
     warm: the previous request's experts are still there."""
-    from engine.gpu.executor import create_cached_executor
     from freetoken_agent.bench import prefill
-    from freetoken_agent.bench.model_bench import ModelBench
 
     rates = {}
     for mode in ("cold", "warm"):
         args = bench_args(prompt_tokens=[12], chunk=16, reps=2, expert_cache=mode)
-        bench = ModelBench(args, kv_tokens=64, prefill_chunk=16)
-        try:
-            banks = bench.engine.decoder.weights.experts
-            # 16 slots: room for what a 12-token request fetches in its 3 layers
-            bench.engine.decoder.executor = create_cached_executor(banks, 16 * banks.expert_bytes, "cpu", 0.5)
-            r = prefill.measure(bench, args)
-        finally:
-            bench.close()
+        # 16 slots: room for what a 12-token request fetches in its 3 layers
+        r, _ = _measure_with_cache(prefill.measure, args, slots=16)
         assert r["expert_cache"] == mode and r["runs"][0]["ttft_s"] > 0
         rates[mode] = r["runs"][0]["hit_rate"]
     assert rates["cold"] == 0.0 and rates["warm"] > 0.0

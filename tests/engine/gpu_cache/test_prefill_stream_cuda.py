@@ -77,6 +77,18 @@ def _check_pool(table: CacheTable, slots: ExpertSlots, banks: ExpertBanks) -> No
         assert torch.equal(slots.w13[slot].cpu(), banks.w13[flat]) and torch.equal(slots.w2[slot].cpu(), banks.w2[flat])
 
 
+def _placed(state: str, n_slots: int) -> dict[int, int]:
+    """{flat expert: slot} resident before the chunk: none, a few of every layer, or a full pool."""
+    g = torch.Generator().manual_seed(n_slots)
+    if state == "empty":
+        return {}
+    if state == "some":
+        flats = [1, E + 2, E + 6, 2 * E + 0, 2 * E + 5]
+        return dict(zip(flats, torch.randperm(n_slots, generator=g)[:len(flats)].tolist(), strict=True))
+    flats = torch.randperm(L * E, generator=g)[:min(n_slots, L * E)].tolist()
+    return {f: s for s, f in enumerate(flats)}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("state", "n_slots"), [("empty", 2 * E), ("empty", 3 * E + 5), ("some", 2 * E),
                                                 ("some", 2 * E + 5), ("full", 2 * E + 5), ("full", L * E + 2 * E)])
@@ -85,15 +97,7 @@ def test_streamed_chunk_on_cuda_matches_reference(state: str, n_slots: int, dtyp
     banks = _banks(L, E, H, inter, dtype)
     ref = TorchExpertExecutor(banks)
     slots, table = _pool(banks, n_slots)
-    g = torch.Generator().manual_seed(n_slots)
-    if state == "empty":
-        placed: dict[int, int] = {}
-    elif state == "some":
-        flats = [1, E + 2, E + 6, 2 * E + 0, 2 * E + 5]
-        placed = dict(zip(flats, torch.randperm(n_slots, generator=g)[:len(flats)].tolist(), strict=True))
-    else:
-        flats = torch.randperm(L * E, generator=g)[:min(n_slots, L * E)].tolist()
-        placed = {f: s for s, f in enumerate(flats)}
+    placed = _placed(state, n_slots)
     _place(table, slots, banks, placed)
     before = (slots.w13.clone(), slots.w2.clone())
     streamer = PrefillStreamer(banks, slots, table, torch.cuda.Stream(), kernel="loop")
@@ -159,15 +163,7 @@ def test_grouped_kernel_knob_on_cuda(monkeypatch: pytest.MonkeyPatch, state: str
     H, inter = 64, 32
     banks = _banks(L, E, H, inter, dtype)
     ref = TorchExpertExecutor(banks)
-    g = torch.Generator().manual_seed(n_slots)
-    if state == "empty":
-        placed: dict[int, int] = {}
-    elif state == "some":
-        flats = [1, E + 2, E + 6, 2 * E + 0, 2 * E + 5]
-        placed = dict(zip(flats, torch.randperm(n_slots, generator=g)[:len(flats)].tolist(), strict=True))
-    else:
-        flats = torch.randperm(L * E, generator=g)[:min(n_slots, L * E)].tolist()
-        placed = {f: s for s, f in enumerate(flats)}
+    placed = _placed(state, n_slots)
     chunks = [_chunk(L, E, K, tokens, H, dtype, seed=n_slots + r) for r in range(2)]
     if experts < E:  # sparse routing: two neighbours among the first `experts` experts
         chunks = [[(x, torch.stack([ids[:, 0] % experts, (ids[:, 0] + 1) % experts], dim=1), w)
