@@ -227,6 +227,11 @@ def poll_served() -> int:
     return _ext.poll_served()
 
 
+def host_task_busy_ns() -> int:
+    """Nanoseconds spent inside HostTask runs so far (every task, both hand-offs)."""
+    return int(_ext.host_task_busy_ns())
+
+
 def read_ranges(ranges: list[tuple[int, int]]) -> int:
     """Reads every (address, bytes) range with the pool's threads; returns an XOR checksum.
     Addresses must come from live CPU tensors (e.g. `ExpertWeights.expert_ranges`)."""

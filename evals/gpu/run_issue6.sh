@@ -13,7 +13,8 @@ F="python3 -m freetoken_agent"
 python3 native/build.py -j 16 >/dev/null 2>&1 || echo "native build failed"
 # explicit paths: collecting the whole tests/ tree imports client SDKs the GPU machine lacks.
 # TESTS=quick (default): what changed since the last GPU run, the engine-level equalities and one
-# capped engine per family (~3 min); TESTS=all: every GPU test of the engine (> 6 min).
+# capped engine per family (~3 min); TESTS=all: every GPU test of the engine (> 6 min); TESTS=none;
+# or TESTS="path path ...".
 QUICK=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/gpu_cache/test_plan_kernel.py
        tests/engine/gpu_cache/test_device_step_cuda.py
        tests/engine/gpu_cache/test_grouped_experts.py tests/engine/test_gguf_model.py
@@ -22,12 +23,17 @@ QUICK=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py te
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
      tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)
-if [ "${TESTS:-quick}" = all ]; then SEL=("${ALL[@]}"); else SEL=("${QUICK[@]}"); fi
+case "${TESTS:-quick}" in
+    all) SEL=("${ALL[@]}") ;;
+    quick) SEL=("${QUICK[@]}") ;;
+    none) SEL=() ;;
+    *) read -r -a SEL <<< "$TESTS" ;;  # a list of test paths
+esac
 # one pytest per path: a crash (an illegal address aborts the process) loses one file's report,
 # not the run's; the Triton-interpreter tests are left to the CPU machine (slow here)
 : > "$OUT/gpu_tests.log"
 end=$(( $(date +%s) + ${TEST_S:-300} ))
-for t in "${SEL[@]}"; do
+for t in "${SEL[@]+"${SEL[@]}"}"; do
     left=$(( end - $(date +%s) ))
     [ "$left" -gt 5 ] || { echo "$t: not run (TEST_S)" | tee -a "$OUT/gpu_tests.log"; continue; }
     timeout "$left" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -k "not interpreter" "$t" 2>&1 \

@@ -25,13 +25,17 @@ Method:
   (`freetoken-agent calibrate`); a CPU engine has no PCIe path and uses B_C alone. Nothing stored:
   bound_ms is null and bound_note says "unknown: ..." (never a guessed bandwidth).
   measured_over_bound = measured ms/token / bound_ms (>= 1; near 1 is at the bound).
+- cpu_branch_ms_per_token: the wall time the native CPU branch spent inside its host tasks per
+  timed token (GPU decode steps hand their CPU misses over as host tasks), measured in situ, while
+  the PCIe fetches run beside it: set against ms_per_token it says how much of a token the CPU
+  side holds the critical path; 0 where no step hands work to the host.
 
 JSON keys (one object): the facts of `ModelBench.facts()` (weights, seed, routing, shape, family,
 layers, experts, top_k, hidden, expert_inter, dtype, device, gpu, cpu, cpu_threads, torch_threads,
 executor, gpu_memory, gpu_budget, peak_gpu_bytes, expert_bytes, expert_bank_bytes, dense_bytes,
 load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, tok_s, tok_s_reps,
 ms_per_token, distinct_tokens, hit_rate, hits_per_token, misses_per_token, fetched_per_token,
-cpu_misses_per_token, dense_ms, bound_ms, bandwidth_gbps, measured_over_bound, bound_note.
+cpu_misses_per_token, cpu_branch_ms_per_token, dense_ms, bound_ms, bandwidth_gbps, measured_over_bound, bound_note.
 """
 
 from __future__ import annotations
@@ -82,16 +86,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
     steps = sum(t.tokens - 1 for t in timings)
     deltas = [delta(t.stats_first, t.stats_end) for t in timings]
+    cpu_branch_ms = sum(t.host_ns_end - t.host_ns_first for t in timings) / steps / 1e6
     if any(d is None for d in deltas):
         routed = bench.cfg.top_k * bench.cfg.num_moe_layers
         fetched = routed if bench.device.type == "cuda" else 0
         return {"hit_rate": None, "hits_per_token": 0.0, "misses_per_token": float(routed),
-                "fetched_per_token": float(fetched), "cpu_misses_per_token": float(routed - fetched)}
+                "fetched_per_token": float(fetched), "cpu_misses_per_token": float(routed - fetched),
+                "cpu_branch_ms_per_token": cpu_branch_ms}
     total = {k: sum(d[k] for d in deltas if d is not None) for k in ("hits", "misses", "fetched")}
     seen = total["hits"] + total["misses"]
     return {"hit_rate": total["hits"] / seen if seen else None, "hits_per_token": total["hits"] / steps,
             "misses_per_token": total["misses"] / steps, "fetched_per_token": total["fetched"] / steps,
-            "cpu_misses_per_token": (total["misses"] - total["fetched"]) / steps}
+            "cpu_misses_per_token": (total["misses"] - total["fetched"]) / steps,
+            "cpu_branch_ms_per_token": cpu_branch_ms}
 
 
 def _decode_s(t: Timing) -> float:

@@ -68,6 +68,18 @@ class Timing:
     stats_first: Any
     stats_end: Any
     output: list[int]
+    host_ns_first: int = 0  # native host-task time (the CPU branch of decode steps) at the first token
+    host_ns_end: int = 0
+
+
+def host_task_ns() -> int:
+    """The native CPU branch's time inside host tasks so far (0 where the extension is not built)."""
+    try:
+        from native.ftnative import host_task_busy_ns
+
+        return host_task_busy_ns()
+    except (ImportError, AttributeError, RuntimeError):
+        return 0
 
 
 def delta(a: Any, b: Any) -> dict[str, int] | None:
@@ -175,6 +187,7 @@ class ModelBench:
             now = time.perf_counter()
             if token is None:
                 marks["end"] = self.stats()
+                marks["host_end"] = host_task_ns()
                 done.set()
                 return
             marks["count"] += 1
@@ -182,6 +195,7 @@ class ModelBench:
             if marks["count"] == 1:
                 marks["first"] = now
                 marks["first_stats"] = self.stats()
+                marks["host_first"] = host_task_ns()
 
         before = self.stats()
         submitted = time.perf_counter()
@@ -189,7 +203,7 @@ class ModelBench:
         handle.result()
         done.wait()
         return Timing(submitted, marks["first"], marks["last"], marks["count"], before, marks["first_stats"],
-                      marks["end"], list(handle.output_ids))
+                      marks["end"], list(handle.output_ids), marks["host_first"], marks["host_end"])
 
     def close(self) -> None:
         self.engine.close()

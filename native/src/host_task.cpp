@@ -1,11 +1,20 @@
 // See host_task.h.
 #include "host_task.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 
+namespace {
+std::atomic<int64_t> g_busy_ns{0};  // wall time inside tasks, all tasks together
+}
+
+int64_t ft_host_task_busy_ns() { return g_busy_ns.load(std::memory_order_relaxed); }
+
 extern "C" void ft_host_task_run(void* task) noexcept {
     auto* t = static_cast<ft::HostTask*>(task);
+    const auto t0 = std::chrono::steady_clock::now();
     try {
         ft::moe_layer(t->args);
     } catch (const std::exception& e) {
@@ -16,4 +25,7 @@ extern "C" void ft_host_task_run(void* task) noexcept {
         if (t->failures.fetch_add(1) == 0) t->error = e.what();
     }
     t->runs.fetch_add(1);
+    g_busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                            .count(),
+                        std::memory_order_relaxed);
 }

@@ -23,3 +23,7 @@ struct HostTask {
 }  // namespace ft
 
 extern "C" void ft_host_task_run(void* task) noexcept;
+// Nanoseconds spent inside ft_host_task_run since the process started, every task together: the
+// CPU branch's in-situ time (under the PCIe traffic it overlaps), which benchmarks set against
+// the step's wall time.
+int64_t ft_host_task_busy_ns();

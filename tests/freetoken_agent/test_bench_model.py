@@ -39,7 +39,8 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
              "bandwidth_gbps", "bound_note"}
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
-                           "cpu_misses_per_token", "dense_ms", "bound_ms", "measured_over_bound"}
+                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "dense_ms", "bound_ms",
+                           "measured_over_bound"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
             "hit_rate"}
