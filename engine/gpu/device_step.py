@@ -7,9 +7,9 @@ routed to `k` experts each; `step(x, ids, weights, layer)` returns the layer's r
 in a buffer the next call of this step overwrites (consume it before that, in stream order: the
 decoder's residual add does). Per call, on the current stream:
 
-    plan (table, LRU, q*, victims, slot ids, copy list: engine/gpu/plan.py, or the same in one
-          Triton program, engine/gpu/plan_kernel.py: plan="fused", up to 16 routed entries; not the
-          default until its CUDA test passes, docs/gpu-tier.md)
+    plan (table, LRU, q*, victims, slot ids, copy list: in one Triton program,
+          engine/gpu/plan_kernel.py, plan="fused", the default, for up to 16 routed entries; else
+          engine/gpu/plan.py's ~25 torch kernels, plan="torch")
       |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
       '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
                        on the host (engine/gpu/host_fn.py) -> H2D its output
@@ -52,8 +52,8 @@ PLANS = ("torch", "fused")
 
 
 def resolve_plan(name: str | None) -> str:
-    """`name`, else FREETOKEN_PLAN, else "torch"; ConfigError for an unknown one."""
-    plan = name or os.environ.get("FREETOKEN_PLAN", "torch")
+    """`name`, else FREETOKEN_PLAN, else "fused"; ConfigError for an unknown one."""
+    plan = name or os.environ.get("FREETOKEN_PLAN", "fused")
     if plan not in PLANS:
         raise ConfigError(f"unknown cache plan {plan!r} (known: {', '.join(PLANS)})")
     return plan
@@ -100,8 +100,8 @@ class DeviceStep:
         self._tasks: dict[int, object] = {}
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         self.cpu_branch = resolve_cpu_branch(cpu_branch)
-        # the per-layer plan: plan_layer's ~25 torch kernels, or the same decisions in one Triton
-        # program (engine/gpu/plan_kernel.py) when the sizes fit it
+        # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
+        # when the sizes fit it, else plan_layer's ~25 torch kernels
         self.plan = resolve_plan(plan)
         if self.plan == "fused":
             from engine.gpu import plan_kernel

@@ -45,10 +45,9 @@ def _ratio_tensor(ratio: float, device: torch.device) -> torch.Tensor:
 def fusable(state: CacheTable, ids: torch.Tensor) -> bool:
     """Sizes the kernel serves: it unrolls K = min(S, E, N*k) rounds of two reductions over the
     slots and experts, which suits batch-1 decode (K = k); past 16 entries the torch plan's top-k
-    selections are the better tool. Why FREETOKEN_PLAN=torch is still the default: on the H200 the
-    program fetched 1 of 5 misses where the torch plan fetched 2 (m * ratio = 1.5, rounded down:
-    the compiler had fused the rounding's subtraction with the product); the rounding below no
-    longer subtracts, which passes in Triton's interpreter but has not yet run on a GPU."""
+    selections are the better tool. (The rounding of q* compares with q + 0.5 rather than
+    subtracting: on the H200 the compiler once fused a subtraction with the product into an FMA
+    and rounded 1.5 down.)"""
     return state.slots <= _MAX_SLOTS and ids.numel() <= _MAX_ENTRIES and state.experts <= 4096
 
 

@@ -1,17 +1,33 @@
 """Small stateless tensor ops shared by the decoder layers.
 
 Contract: pure functions on tensors, no parameters owned, numerics chosen to match the
-`transformers` reference (norms in float32, cast back to the input dtype).
+`transformers` reference (norms in float32, cast back to the input dtype). On CUDA, `rms_norm`
+and `Rotary.apply` run as one Triton kernel each (engine/model/fused_ops.py: the same rounding
+points; the rotary bit-identical, the norm's sum of squares in another order) instead of ~7 torch
+kernels: a decode step runs ~100 of them per token, at a few microseconds each.
+FREETOKEN_FUSED_OPS=0 keeps the torch kernels (read once).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def fused_ops_enabled() -> bool:
+    return os.environ.get("FREETOKEN_FUSED_OPS", "1") != "0"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
+    if x.is_cuda and fused_ops_enabled():
+        from engine.model import fused_ops  # triton: imported where CUDA runs
+
+        return fused_ops.rms_norm(x, weight, eps, zero_centered)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -79,6 +95,10 @@ class Rotary:
         if self.rotary_dim == 0:
             return x
         cos_t, sin_t = self._tables(limit if limit is not None else int(positions.max()) + 1, x.device, x.dtype)
+        if x.is_cuda and fused_ops_enabled():
+            from engine.model import fused_ops
+
+            return fused_ops.apply_rotary(x, cos_t, sin_t, positions, self.rotary_dim)
         cos = cos_t[positions][:, None, :]
         sin = sin_t[positions][:, None, :]
         rd = self.rotary_dim

@@ -1,0 +1,116 @@
+"""RMSNorm and rotary embedding as one Triton kernel launch each (for the decode pass's CUDA graphs).
+
+Contract: `rms_norm(x, weight, eps, zero_centered)` and `apply_rotary(x, cos_table, sin_table,
+positions, rotary_dim)` compute the same functions as `engine.model.ops.rms_norm` and
+`engine.model.ops.Rotary.apply`, with the same rounding points, in one launch instead of ~7 and ~8
+torch kernels:
+
+- rms_norm: float32 math, r = rsqrt(mean(x^2) + eps), y = x * r; zero-centered: (y * (1 + w)) rounded
+  once to x's dtype; plain: w * y with y first rounded to x's dtype and the product computed in
+  float32 of the two rounded operands and rounded once (as torch's bf16 / fp16 multiply does). Only
+  the sum of squares is accumulated in another order than torch's, so a bf16 output can differ from
+  torch's by one rounding on a small fraction of elements; float32 agrees to a few ulps.
+- apply_rotary: each product (x * cos, rotated * sin) rounded to x's dtype, then their sum rounded
+  (torch's three elementwise kernels), so the result is bit-identical to `Rotary.apply`; float32 too,
+  because the kernel is compiled without multiply-add contraction. Dims past rotary_dim are copied.
+
+Both read every length from shapes and every position on the device (no host sync, no allocation
+that depends on data), so they can be captured in a CUDA graph. The module imports triton: import it
+only where CUDA or Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_NORM_DIM = 8192  # one program holds a whole row in registers
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, row_stride, dim, eps,
+                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    y = x * r
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # plain: the product of the two operands rounded to x's dtype, rounded once (torch's bf16 multiply)
+    out = y * (1.0 + w) if ZERO_CENTERED else w * y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, token_stride, head_stride, table_stride,
+                   HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    in_head = d < HEAD_DIM
+    rot = d < ROT
+    first_half = d < ROT // 2
+    src = x_ptr + t * token_stride + h * head_stride
+    x = tl.load(src + d, mask=in_head, other=0.0)
+    # rotated = cat(-x2, x1): dim d < half takes -x[d + half], dim d >= half takes x[d - half]
+    partner = tl.load(src + tl.where(first_half, d + ROT // 2, d - ROT // 2), mask=rot, other=0.0).to(tl.float32)
+    rotated = tl.where(first_half, -partner, partner)
+    row = tl.load(pos_ptr + t).to(tl.int64) * table_stride
+    cos = tl.load(cos_ptr + row + d, mask=rot, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row + d, mask=rot, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (rotated * sin).to(dtype).to(tl.float32)
+    out = tl.where(rot, (a + b).to(dtype), x)
+    tl.store(out_ptr + (t * HEADS + h) * HEAD_DIM + d, out, mask=in_head)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D] (D <= MAX_NORM_DIM) with weight [D]; a new tensor of
+    x's shape and dtype (for the plain norm, torch's promotion of x's and weight's dtypes, as
+    `weight * y` gives; the same when weight is in x's dtype, as the engine stores it)."""
+    dim = x.shape[-1]
+    if dim > MAX_NORM_DIM or weight.shape != (dim,):
+        raise ValueError(f"rms_norm takes a last dim up to {MAX_NORM_DIM} and a weight of that size, "
+                         f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    out_dtype = x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = x.reshape(-1, dim)  # a view where the strides allow it
+    if rows.shape[0] == 0:
+        return out
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight.contiguous(), out, rows.stride(0), dim, eps, ZERO_CENTERED=zero_centered, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)))
+    return out
+
+
+def apply_rotary(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                 rotary_dim: int) -> torch.Tensor:
+    """x [T, heads, head_dim] (any strides but a unit last one), tables [P, rotary_dim] in x's dtype
+    (cat(freqs, freqs) per row, as `Rotary` builds them), positions [T] integers below P on x's
+    device -> rotated x as a new contiguous [T, heads, head_dim]. Positions are not checked (that
+    would read them on the host): the caller sizes the tables (`Rotary.prepare`)."""
+    tokens, heads, head_dim = x.shape
+    tables_fit = (cos_table.dim() == 2 and cos_table.shape[1] == rotary_dim and sin_table.shape == cos_table.shape
+                  and cos_table.dtype == sin_table.dtype == x.dtype)
+    if rotary_dim % 2 or rotary_dim > head_dim or not tables_fit:
+        raise ValueError(f"rotary over {rotary_dim} of {head_dim} dims needs even rotary_dim <= head_dim and "
+                         f"cos / sin tables [P, {rotary_dim}] in {x.dtype}, got {tuple(cos_table.shape)} "
+                         f"{cos_table.dtype} and {tuple(sin_table.shape)} {sin_table.dtype}")
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
+    block = triton.next_power_of_2(head_dim)
+    _rotary_kernel[(tokens, heads)](
+        x, cos_table, sin_table, positions, out, x.stride(0), x.stride(1), rotary_dim, HEADS=heads,
+        HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK=block, num_warps=max(1, min(4, block // 128)),
+        enable_fp_fusion=False)  # a float32 x*cos + rotated*sin must not become a fused multiply-add
+    return out
