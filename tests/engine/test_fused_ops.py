@@ -154,7 +154,17 @@ def _check_graph_replay(dtype: torch.dtype) -> None:
 
 
 def check(device: str, norm_dims: list[int] = NORM_DIMS) -> None:
-    """On "cpu" the kernels run under Triton's interpreter, which truncates to bf16 (a whole ulp)."""
+    """On "cpu" the kernels run under Triton's interpreter, which truncates to bf16 (a whole ulp).
+    The torch side is ops' torch kernels: on CUDA ops would dispatch to the fused kernels themselves."""
+    enabled = ops.fused_ops_enabled
+    ops.fused_ops_enabled = lambda: False  # type: ignore[assignment]
+    try:
+        _check(device, norm_dims)
+    finally:
+        ops.fused_ops_enabled = enabled  # type: ignore[assignment]
+
+
+def _check(device: str, norm_dims: list[int]) -> None:
     interpreted = device == "cpu"
     rnd: Round = _trunc if interpreted else _nearest
     ulp = 1.0 if interpreted else 0.5
