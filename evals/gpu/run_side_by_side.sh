@@ -33,16 +33,21 @@ python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOES%,}" --threads 
 echo "peer done at $(( $(date +%s) - t0 )) s"
 OURS=${OURS:-gguf}
 if [ "$OURS" = gguf ]; then
+    # random weights repeat a few tokens under greedy decoding (the same experts every step: a 98 %
+    # hit rate on the H200, fourth session); sampled near-uniform tokens route like llama-bench's
+    # random generation tokens
     MODEL=(--model "$GGUF")
+    DECODE_ARGS=(--temperature "${TEMPERATURE:-1000}")
 else
     rm -f "$GGUF"  # the disk holds one ~30 GiB model at a time; ours is made in memory
     MODEL=(--shape "$SHAPE" --layers "$LAYERS" --dummy)
+    DECODE_ARGS=()
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 for p in $PAIRS; do
     cap=${p#*:}
-    timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" --gpu-memory "$cap" \
+    timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
         --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
     timeout "${PRE_S:-100}" $F bench prefill "${MODEL[@]}" --gpu-memory "$cap" \

@@ -43,8 +43,12 @@ def rows(out: Path, pairs: list[str]) -> list[str]:
         peer_tg = next(iter(peer.get("decode", {}).values()), {}).get("tok_s")
         if dec:
             ours_tg = dec["tok_s"]
+            # a generation of few distinct tokens routes to the same experts every step
+            degenerate = " **degenerate generation: distinct tokens " \
+                f"{dec['distinct_tokens']:.0%}, hit rate not representative**" if dec["distinct_tokens"] < 0.5 else ""
             lines.append(f"| {head} | decode tok/s, batch 1 | {ours_tg:.1f} (hit {dec['hit_rate']:.1%}, "
-                         f"{dec['fetched_per_token']:.1f} fetched + {dec['cpu_misses_per_token']:.1f} CPU / token) | "
+                         f"{dec['fetched_per_token']:.1f} fetched + {dec['cpu_misses_per_token']:.1f} CPU / token)"
+                         f"{degenerate} | "
                          f"{_fmt(peer_tg)} | {_ratio(ours_tg, peer_tg)} | {_fmt(dec.get('bound_ms'))} ms, "
                          f"{_fmt(1 / dec['measured_over_bound'] if dec.get('measured_over_bound') else None, '.0%')} |")
         else:

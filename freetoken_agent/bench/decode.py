@@ -33,7 +33,7 @@ Method:
 JSON keys (one object): the facts of `ModelBench.facts()` (weights, seed, routing, shape, family,
 layers, experts, top_k, hidden, expert_inter, dtype, device, gpu, cpu, cpu_threads, torch_threads,
 executor, gpu_memory, gpu_budget, peak_gpu_bytes, expert_bytes, expert_bank_bytes, dense_bytes,
-load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, tok_s, tok_s_reps,
+load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, temperature, tok_s, tok_s_reps,
 ms_per_token, distinct_tokens, hit_rate, hits_per_token, misses_per_token, fetched_per_token,
 cpu_misses_per_token, cpu_branch_ms_per_token, dense_ms, bound_ms, bandwidth_gbps, measured_over_bound, bound_note.
 """
@@ -81,6 +81,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive_int, default=256, help="generated tokens per rep (>= 2)")
     p.add_argument("--reps", type=positive_int, default=3, help="generations; the median is reported")
     p.add_argument("--prompt-tokens", type=positive_int, default=64, help="random prompt length")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the generations (default 0: greedy). A checkpoint of random "
+                        "weights tends to repeat a few tokens under greedy decoding, which routes every step "
+                        "to the same experts (a hit rate no real model has; see distinct_tokens); a high "
+                        "temperature samples near-uniform tokens, as llama-bench's generation feeds random ones")
 
 
 def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
@@ -107,18 +112,20 @@ def _decode_s(t: Timing) -> float:
 
 def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     bench.cold()
-    bench.timed_request(bench.random_prompt(args.prompt_tokens, -1), WARMUP_TOKENS)
+    bench.timed_request(bench.random_prompt(args.prompt_tokens, -1), WARMUP_TOKENS, args.temperature, 0)
     timings = []
     for rep in range(args.reps):
         bench.cold()
-        timings.append(bench.timed_request(bench.random_prompt(args.prompt_tokens, rep), args.tokens))
+        timings.append(bench.timed_request(bench.random_prompt(args.prompt_tokens, rep), args.tokens,
+                                           args.temperature, rep))
         bench.note(f"rep {rep + 1}/{args.reps}: {1 / _decode_s(timings[-1]):.2f} tok/s")
     per_token = _per_token(timings, bench)
     real = bench.engine.decoder.executor
     bench.cold()
     bench.engine.decoder.executor = ZeroExperts()
     try:
-        dense = bench.timed_request(bench.random_prompt(args.prompt_tokens, args.reps), args.tokens)
+        dense = bench.timed_request(bench.random_prompt(args.prompt_tokens, args.reps), args.tokens,
+                                    args.temperature, args.reps)
     finally:
         bench.engine.decoder.executor = real
     dense_ms = _decode_s(dense) * 1e3
@@ -131,7 +138,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         bound_ms = dense_ms + per_token["misses_per_token"] * expert_bytes / (bandwidth * 1e9) * 1e3
     return {
         "bench": "decode", **bench.facts(), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
-        "reps": args.reps, "tok_s": median(rates), "tok_s_reps": rates,
+        "reps": args.reps, "temperature": args.temperature, "tok_s": median(rates), "tok_s_reps": rates,
         "ms_per_token": ms, "distinct_tokens": median([len(set(t.output)) / len(t.output) for t in timings]),
         **per_token, "dense_ms": dense_ms, "bound_ms": bound_ms, "bandwidth_gbps": bandwidth,
         "measured_over_bound": ms / bound_ms if bound_ms else None, "bound_note": note,

@@ -12,7 +12,7 @@ Contract:
   options: one running request, no recurrent-state checkpoints, `kv_tokens` KV slots. `close()`
   stops the engine.
 - `ModelBench.cold()`: empties the prefix cache and, when the executor has an expert cache table,
-  the expert cache. `timed_request(prompt, max_tokens) -> Timing`: one greedy request, timed on
+  the expert cache. `timed_request(prompt, max_tokens[, temperature, seed]) -> Timing`: one request (greedy by default), timed on
   the engine thread (a listener): submit, first token, last token, with the executor's
   `CacheStats` (None without an expert cache) before submit, at the first token and at the end,
   and the generated ids.
@@ -177,7 +177,8 @@ class ModelBench:
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
         return torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
 
-    def timed_request(self, prompt: list[int], max_tokens: int) -> Timing:
+    def timed_request(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+                      seed: int | None = None) -> Timing:
         from engine.sampling import SamplingParams
 
         marks: dict[str, Any] = {"count": 0}
@@ -199,7 +200,8 @@ class ModelBench:
 
         before = self.stats()
         submitted = time.perf_counter()
-        handle = self.engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), listener=listener)
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=seed)
+        handle = self.engine.submit(prompt, sampling, listener=listener)
         handle.result()
         done.wait()
         return Timing(submitted, marks["first"], marks["last"], marks["count"], before, marks["first_stats"],

@@ -37,7 +37,7 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
              "dtype", "device", "gpu", "cpu", "cpu_threads", "executor", "gpu_memory", "gpu_budget",
              "peak_gpu_bytes", "expert_bytes", "expert_bank_bytes", "dense_bytes", "load_s", "calibration",
              "bandwidth_gbps", "bound_note"}
-DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
+DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
                            "cpu_misses_per_token", "cpu_branch_ms_per_token", "dense_ms", "bound_ms",
                            "measured_over_bound"}
@@ -163,7 +163,7 @@ def test_from_decoder_checks_the_device() -> None:
 def bench_args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = dict(shape="tiny-qwen3", layers=None, dummy=True, seed=0, device="cpu", threads=1,
                                    executor="torch", dtype=None, gpu_memory=0, fetch_ratio=-1.0, cuda_graphs=True, json=True,
-                                   tokens=6, reps=2, prompt_tokens=12)
+                                   tokens=6, reps=2, prompt_tokens=12, temperature=0.0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -192,6 +192,21 @@ def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
     assert 0 <= r["hit_rate"] <= 1 and r["fetched_per_token"] <= r["misses_per_token"]
     assert r["cpu_misses_per_token"] == pytest.approx(r["misses_per_token"] - r["fetched_per_token"])
     assert r["executor"].startswith("cached") and r["tok_s"] > 0 and r["dense_ms"] > 0
+
+
+def test_timed_request_samples_at_a_temperature_reproducibly() -> None:
+    """bench decode --temperature: the generations are sampled (seeded per rep), not greedy."""
+    from freetoken_agent.bench.model_bench import ModelBench
+
+    bench = ModelBench(bench_args(), kv_tokens=128, prefill_chunk=16)
+    try:
+        prompt = bench.random_prompt(8, 0)
+        greedy = bench.timed_request(prompt, 16).output
+        hot = bench.timed_request(prompt, 16, 1e4, 0).output
+        assert hot == bench.timed_request(prompt, 16, 1e4, 0).output  # the seed fixes the samples
+        assert hot != greedy and len(set(hot)) >= 12  # near-uniform over the vocabulary
+    finally:
+        bench.close()
 
 
 def test_prefill_expert_cache_cold_or_warm() -> None:
