@@ -1,9 +1,9 @@
 """RMSNorm and rotary embedding as one Triton kernel launch each (for the decode pass's CUDA graphs).
 
-Contract: `rms_norm(x, weight, eps, zero_centered)` and `apply_rotary(x, cos_table, sin_table,
-positions, rotary_dim)` compute the same functions as `engine.model.ops.rms_norm` and
-`engine.model.ops.Rotary.apply`, with the same rounding points, in one launch instead of ~7 and ~8
-torch kernels:
+Contract: `rms_norm(x, weight, eps, zero_centered)`, `gated_rms_norm(x, gate, weight, eps)` and
+`apply_rotary(x, cos_table, sin_table, positions, rotary_dim)` compute the same functions as
+`engine.model.ops.rms_norm`, `engine.model.ops.gated_rms_norm` and `engine.model.ops.Rotary.apply`,
+with the same rounding points, in one launch instead of ~7, ~10 and ~8 torch kernels:
 
 - rms_norm: float32 math, r = rsqrt(mean(x^2) + eps), y = x * r; zero-centered: (y * (1 + w)) rounded
   once to x's dtype; plain: w * y with y first rounded to x's dtype and the product computed in
@@ -29,8 +29,8 @@ MAX_NORM_DIM = 8192  # one program holds a whole row in registers
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, row_stride, dim, eps,
-                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, row_stride, gate_stride, dim, eps,
+                     ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr, ROUND_NORM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -40,6 +40,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, row_stride, dim, eps,
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # plain: the product of the two operands rounded to x's dtype, rounded once (torch's bf16 multiply)
     out = y * (1.0 + w) if ZERO_CENTERED else w * y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if GATED:  # times silu(gate) in float32
+        z = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_NORM:  # the norm's product is in x's dtype when the weight is (torch's promotion)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = out * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,8 +89,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
         rows = rows.contiguous()
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight.contiguous(), out, rows.stride(0), dim, eps, ZERO_CENTERED=zero_centered, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)))
+        rows, weight.contiguous(), rows, out, rows.stride(0), 0, dim, eps, ZERO_CENTERED=zero_centered, GATED=False,
+        ROUND_NORM=False, BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`engine.model.ops.gated_rms_norm` in one launch: rows of x and gate [R, D] (D <= MAX_NORM_DIM,
+    unit stride in the last dim), weight [D] -> [R, D] in x's dtype: the plain norm as `rms_norm`
+    rounds it (in the promoted dtype of x and weight), times silu(gate) in float32, rounded once."""
+    dim = x.shape[-1]
+    if x.dim() != 2 or gate.shape != x.shape or dim > MAX_NORM_DIM or weight.shape != (dim,):
+        raise ValueError(f"gated_rms_norm takes x and gate [rows, D <= {MAX_NORM_DIM}] and a weight [D], "
+                         f"got x {tuple(x.shape)}, gate {tuple(gate.shape)}, weight {tuple(weight.shape)}")
+    round_norm = torch.promote_types(x.dtype, weight.dtype) == x.dtype
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _rms_norm_kernel[(x.shape[0],)](
+            x, weight.contiguous(), gate, out, x.stride(0), gate.stride(0), dim, eps, ZERO_CENTERED=False, GATED=True,
+            ROUND_NORM=round_norm, BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return out
 
 

@@ -5,7 +5,9 @@ tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, d
 updates that slot in place, and returns out_proj output [N, H]. Batches where every sequence has
 exactly one new token (decode) take `gated_deltanet_decode`: all sequences at once, state slots
 named by a device tensor, torch ops only and no host read, so decode graphs
-(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. Longer
+(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. With
+FREETOKEN_FUSED_GDN=1 on CUDA the same step runs as three Triton kernels (engine/model/fused_gdn.py;
+opt-in until measured on a GPU). Longer
 chunks: for bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's
 chunked Triton kernel as one varlen call; float32 models (whose promise is the reference's logits
 to 1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.model import gdn_ops
 from engine.model.batch import ForwardBatch
-from engine.model.ops import gated_rms_norm
+from engine.model.ops import fused_gdn_enabled, gated_rms_norm
 from engine.weights.layout import LinearAttentionWeights
 
 
@@ -95,6 +97,11 @@ def _projections(x: torch.Tensor, w: LinearAttentionWeights
 def gated_deltanet_decode(x: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, slots: torch.Tensor,
                           conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: x [N, H], token i's state in slot slots[i] (a device tensor)."""
+    if x.is_cuda and fused_gdn_enabled():
+        from engine.model import fused_gdn  # triton: imported where CUDA runs
+
+        if fused_gdn.fits(cfg):
+            return gated_deltanet_decode_fused(x, w, cfg, slots, conv_state, ssm_state)
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -109,6 +116,20 @@ def gated_deltanet_decode(x: torch.Tensor, w: LinearAttentionWeights, cfg: Model
     ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
     core = gated_rms_norm(core.to(x.dtype).reshape(n * hv, dv), z.reshape(n * hv, dv), w.norm, cfg.rms_norm_eps)
     return F.linear(core.reshape(n, hv * dv), w.out_proj)
+
+
+def gated_deltanet_decode_fused(x: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, slots: torch.Tensor,
+                                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """`gated_deltanet_decode` with the conv, the delta rule and the gated norm as three Triton
+    kernels (engine/model/fused_gdn.py, engine/model/fused_ops.py) around the same projections."""
+    from engine.model import fused_gdn, fused_ops
+
+    n, hv, dv = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    core = fused_gdn.decode_core(F.linear(x, w.in_proj_qkv), F.linear(x, w.in_proj_b), F.linear(x, w.in_proj_a),
+                                 w, cfg, slots, conv_state, ssm_state)
+    z = F.linear(x, w.in_proj_z)
+    core = fused_ops.gated_rms_norm(core.view(n * hv, dv), z.view(n * hv, dv), w.norm, cfg.rms_norm_eps)
+    return F.linear(core.view(n, hv * dv), w.out_proj)
 
 
 def _fla_rule(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -22,6 +22,13 @@ def fused_ops_enabled() -> bool:
     return os.environ.get("FREETOKEN_FUSED_OPS", "1") != "0"
 
 
+@functools.cache
+def fused_gdn_enabled() -> bool:
+    """FREETOKEN_FUSED_GDN=1: the Gated DeltaNet decode step and its gated norm as Triton kernels
+    (engine/model/fused_gdn.py); opt-in until measured on a GPU."""
+    return os.environ.get("FREETOKEN_FUSED_GDN", "0") == "1"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
     if x.is_cuda and fused_ops_enabled():
@@ -38,6 +45,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x, then times silu(gate): the output norm of Gated DeltaNet."""
+    if x.is_cuda and fused_gdn_enabled():
+        from engine.model import fused_ops
+
+        return fused_ops.gated_rms_norm(x, gate, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

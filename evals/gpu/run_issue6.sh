@@ -15,7 +15,8 @@ python3 native/build.py -j 16 >/dev/null 2>&1 || echo "native build failed"
 # TESTS=quick (default): what changed since the last GPU run, the engine-level equalities and one
 # capped engine per family (~3 min); TESTS=all: every GPU test of the engine (> 6 min); TESTS=none;
 # or TESTS="path path ...".
-QUICK=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/gpu_cache/test_plan_kernel.py
+QUICK=(tests/engine/test_fused_gdn.py tests/engine/test_fused_ops.py
+       tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/gpu_cache/test_plan_kernel.py
        tests/engine/gpu_cache/test_device_step_cuda.py
        tests/engine/gpu_cache/test_grouped_experts.py tests/engine/test_gguf_model.py
        "tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_capped_engine_equals_uncapped[0.5-qwen3_moe]"
@@ -57,6 +58,9 @@ bench dec_q3_24L_12G_r055 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memo
 FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
+# the Gated DeltaNet decode step as Triton kernels (engine/model/fused_gdn.py; opt-in until measured)
+FREETOKEN_FUSED_GDN=1 bench dec_q36_20L_12G_fgdn 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
 # the expert cache as the previous request left it (what a serving engine has; llama.cpp's resident
