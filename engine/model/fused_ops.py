@@ -3,7 +3,8 @@
 Contract: `rms_norm(x, weight, eps, zero_centered)`, `gated_rms_norm(x, gate, weight, eps)` and
 `apply_rotary(x, cos_table, sin_table, positions, rotary_dim)` compute the same functions as
 `engine.model.ops.rms_norm`, `engine.model.ops.gated_rms_norm` and `engine.model.ops.Rotary.apply`,
-with the same rounding points, in one launch instead of ~7, ~10 and ~8 torch kernels:
+with the same rounding points, in one launch instead of ~7, ~10 and ~8 torch kernels (and
+`route_topk(logits, top_k, renormalize)` the router's softmax, top-k and renormalisation, ~6):
 
 - rms_norm: float32 math, r = rsqrt(mean(x^2) + eps), y = x * r; zero-centered: (y * (1 + w)) rounded
   once to x's dtype; plain: w * y with y first rounded to x's dtype and the product computed in
@@ -141,3 +142,47 @@ def apply_rotary(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tens
         HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK=block, num_warps=max(1, min(4, block // 128)),
         enable_fp_fusion=False)  # a float32 x*cos + rotated*sin must not become a fused multiply-add
     return out
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, ids_ptr, w_ptr, experts, row_stride,
+                 K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < experts
+    logits = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    e = tl.exp(logits - tl.max(logits, axis=0))
+    probs = tl.where(mask, e / tl.sum(e, axis=0), -1.0)
+    ks = tl.arange(0, K)
+    top_w = tl.zeros([K], dtype=tl.float32)
+    top_i = tl.zeros([K], dtype=tl.int64)
+    for j in tl.static_range(K):  # the largest left, the lowest index among equals
+        best = tl.max(probs, axis=0)
+        idx = tl.min(tl.where(probs == best, cols, BLOCK), axis=0)
+        top_w = tl.where(ks == j, best, top_w)
+        top_i = tl.where(ks == j, idx.to(tl.int64), top_i)
+        probs = tl.where(cols == idx, -1.0, probs)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(ids_ptr + row * K + ks, top_i)
+    tl.store(w_ptr + row * K + ks, top_w.to(w_ptr.dtype.element_ty))
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.model.moe.route` after its router matmul, in one launch: logits [T, E] (E <= 4096,
+    top_k a power of two <= E) -> (ids int64 [T, top_k], weights [T, top_k] in logits' dtype): the
+    float32 softmax's top_k in descending order (the lowest index first among equal ones; torch.topk
+    leaves that order open), renormalised to sum to one if asked. Only the softmax's and the
+    renormalisation's float32 sums run in another order than torch's."""
+    tokens, experts = logits.shape
+    if experts > 4096 or top_k > experts or top_k & (top_k - 1):
+        raise ValueError(f"route_topk serves up to 4096 experts and a power-of-two top_k, got {experts} and {top_k}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    if tokens:
+        block = triton.next_power_of_2(experts)
+        _topk_kernel[(tokens,)](logits, ids, weights, experts, logits.stride(0), K=top_k, RENORMALIZE=renormalize,
+                                BLOCK=block, num_warps=max(1, min(8, block // 128)))
+    return ids, weights

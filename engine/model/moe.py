@@ -1,7 +1,9 @@
 """Sparse MoE block: softmax top-k router, routed experts through an executor, optional shared expert.
 
 Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the reference's
-(router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype).
+(router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
+CUDA with FREETOKEN_FUSED_ROUTER=1 all but the router matmul in one Triton kernel,
+engine/model/fused_ops.py `route_topk`, opt-in until measured on a GPU).
 `feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
 `mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
@@ -12,13 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import rms_norm, swiglu_mlp
+from engine.model.ops import fused_router_enabled, rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(x, router)
+    if logits.is_cuda and fused_router_enabled() and not top_k & (top_k - 1) and logits.shape[-1] <= 4096:
+        from engine.model import fused_ops  # triton: imported where CUDA runs
+
+        return fused_ops.route_topk(logits, top_k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -29,6 +29,13 @@ def fused_gdn_enabled() -> bool:
     return os.environ.get("FREETOKEN_FUSED_GDN", "0") == "1"
 
 
+@functools.cache
+def fused_router_enabled() -> bool:
+    """FREETOKEN_FUSED_ROUTER=1: the router's softmax, top-k and renormalisation as one Triton
+    kernel (engine/model/fused_ops.py `route_topk`); opt-in until measured on a GPU."""
+    return os.environ.get("FREETOKEN_FUSED_ROUTER", "0") == "1"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
     if x.is_cuda and fused_ops_enabled():

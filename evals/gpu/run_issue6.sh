@@ -58,9 +58,14 @@ bench dec_q3_24L_12G_r055 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memo
 FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
-# the Gated DeltaNet decode step as Triton kernels (engine/model/fused_gdn.py; opt-in until measured)
+# opt-in kernels until measured: the router's softmax / top-k in one kernel (engine/model/fused_ops.py),
+# the Gated DeltaNet decode step in three (engine/model/fused_gdn.py)
+FREETOKEN_FUSED_ROUTER=1 bench dec_q3_24L_12G_frouter 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 FREETOKEN_FUSED_GDN=1 bench dec_q36_20L_12G_fgdn 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
+FREETOKEN_FUSED_GDN=1 FREETOKEN_FUSED_ROUTER=1 bench dec_q36_20L_12G_fgdn_frouter 120 decode --shape qwen3.6-35b-a3b \
+    --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
 # the expert cache as the previous request left it (what a serving engine has; llama.cpp's resident

@@ -15,6 +15,10 @@ the torch ops they replace (engine/model/ops.py: `rms_norm`, `Rotary.apply`).
 - norm shapes with a last dim of 128, 2048, 96 (not a power of two) and 8192 (CUDA), rows of a
   non-contiguous view; rotary partial (64 of 256) and full (128 of 128), on contiguous x and a
   slice of a wider projection, for 1 and 5 tokens at unsorted positions up to 3000.
+- the router's softmax / top-k / renormalisation (`route_topk`) against `moe.route`'s torch ops on
+  distinct logits: the same experts in the same order, weights within one bf16 rounding (float32
+  1e-6), and against a float64 softmax's top-k, for 128 / 96 / 256 experts, top-2 and top-8, with
+  and without renormalisation; on ties, the lowest index first and the same weights;
 - on CUDA, both captured once in a CUDA graph and replayed with new inputs and positions: the eager
   results, bit for bit.
 
@@ -127,6 +131,51 @@ def _check_rotary(x: torch.Tensor, positions: torch.Tensor, rd: int, rnd: Round,
     assert ((got[..., :rd] - (a + b)).abs() <= u * scale).all(), case
 
 
+def _route_torch(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.model.moe.route after its matmul (the ops it runs on any device)."""
+    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    if renormalize:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_i, top_w.to(logits.dtype)
+
+
+def _weights_agree(w: torch.Tensor, ref: torch.Tensor) -> bool:
+    """float32: to 1e-6 relative (the sums' order differs); bf16: within one rounding."""
+    if w.dtype == torch.float32:
+        return torch.allclose(w, ref, rtol=1e-6, atol=0)
+    return bool(_ulps(w, ref).max() <= 1)
+
+
+def _check_route(device: str, dtype: torch.dtype, experts: int, top_k: int, renormalize: bool,
+                 g: torch.Generator) -> None:
+    """route_topk against the torch ops of moe.route (the same ids in the same order; weights within
+    one bf16 rounding, float32 to 1e-6) and a float64 softmax's top-k. The logits are distinct
+    (multiples of 1/16, a permutation per token): equal ones leave torch.topk's order open; then the
+    kernel takes the lowest index first, and the weights still agree (checked on a tie)."""
+    from engine.model.fused_ops import route_topk
+
+    for tokens in (1, 5):
+        logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]).sub(experts // 2).div(16)
+        logits = logits.to(device, dtype)
+        ids, w = route_topk(logits, top_k, renormalize)
+        ref_ids, ref_w = _route_torch(logits, top_k, renormalize)
+        case = (dtype, experts, top_k, renormalize, tokens)
+        assert ids.dtype == torch.int64 and w.dtype == dtype and torch.equal(ids, ref_ids), case
+        assert _weights_agree(w, ref_w), case
+        top64, ids64 = logits.double().cpu().softmax(-1).topk(top_k, dim=-1)
+        if renormalize:
+            top64 = top64 / top64.sum(-1, keepdim=True)
+        assert torch.equal(ids.cpu(), ids64), case
+        tol = 1e-6 if dtype == torch.float32 else 2**-7  # one bf16 ulp (the interpreter truncates)
+        assert ((w.double().cpu() - top64).abs() <= tol * top64).all(), case
+    tied = torch.zeros(1, experts, dtype=dtype, device=device)
+    tied[0, 3] = tied[0, experts - 1] = 1.0  # two equal winners, the rest equal too
+    ids, w = route_topk(tied, top_k, renormalize)
+    rest = [i for i in range(experts) if i not in (3, experts - 1)][:top_k - 2]
+    assert ids[0].tolist() == [3, experts - 1, *rest], (dtype, experts, top_k)
+    assert _weights_agree(w, _route_torch(tied, top_k, renormalize)[1]), (dtype, experts, top_k, renormalize)
+
+
 def _check_graph_replay(dtype: torch.dtype) -> None:
     """Captured once in a CUDA graph, both kernels serve new inputs and positions as eager calls do."""
     from engine.model.fused_ops import apply_rotary, rms_norm
@@ -191,6 +240,9 @@ def _check(device: str, norm_dims: list[int]) -> None:
                 view = wide.view(tokens, heads, 2 * head_dim).chunk(2, -1)[0]
                 assert not view.is_contiguous()
                 _check_rotary(view, positions, rd, rnd, ulp)
+        for experts, top_k in ((128, 8), (96, 2), (256, 8)):
+            for renormalize in (True, False):
+                _check_route(device, dtype, experts, top_k, renormalize, g)
         if device == "cuda":
             _check_graph_replay(dtype)
 
