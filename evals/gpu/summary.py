@@ -23,7 +23,9 @@ def main(out: Path) -> None:
         elif r.get("bench") == "prefill":
             for run in r["runs"]:
                 print(f"{path.stem} {run['prompt_tokens']}: TTFT {run['ttft_s']:.2f} s, {run['prefill_tok_s']:.0f} tok/s, "
-                      f"bound {run['bound_s']:.2f} s, measured/bound {run['measured_over_bound']:.2f}")
+                      f"bound {run['bound_s']:.2f} s, measured/bound {run['measured_over_bound']:.2f}, "
+                      f"streamed {run.get('streamed_experts', 0):.0f} experts, "
+                      f"unused share {run.get('streamed_unused_share')}")
             print(f"{path.stem}: peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}")
         elif "b_cpu" in r:
             print(f"{path.stem}: B_C {r['b_cpu']} B_P {r['b_pcie']} contended {r['b_cpu_contended']} + "

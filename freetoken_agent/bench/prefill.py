@@ -17,11 +17,17 @@ Method:
   CPU reads them: B_C. Nothing stored: bound_s is null and bound_note says "unknown: ...".
   measured_over_bound = TTFT / bound_s. The bound counts expert bytes only (no dense time).
 - hit_rate per length: the expert cache's hits / (hits + misses) over the prefill (null without
-  a cache).
+  a cache);
+- streamed_experts per length: experts the streamed prefill copied into its layer buffers per
+  request (0 when no chunk streamed), and streamed_unused_share: the share of them that no token of
+  their chunk was routed to (the streamer copies a layer's experts before its routing is known).
+  Near-uniform routers leave none unused at a few thousand tokens; a model that routes unevenly
+  wastes that share of the streamed bytes (null when nothing was streamed).
 
 JSON keys (one object): the facts of `ModelBench.facts()` (see decode.py) plus bench="prefill",
 chunk, reps, expert_cache ("cold" / "warm"), bandwidth_gbps, bound_note, and runs: a list with one object per prompt length:
-prompt_tokens, ttft_s, ttft_s_reps, prefill_tok_s, passes, bound_s, measured_over_bound, hit_rate.
+prompt_tokens, ttft_s, ttft_s_reps, prefill_tok_s, passes, bound_s, measured_over_bound, hit_rate,
+streamed_experts, streamed_unused_share.
 """
 
 from __future__ import annotations
@@ -65,11 +71,18 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     bank_bytes = bank.expert_bytes * bank.w13.shape[0]
     runs = []
     index = 0
+    streamer = getattr(bench.executor, "streamer", None)
     for n in lengths:
         ttfts, deltas = [], []
+        streamed = unused = 0
         for _ in range(args.reps):
             bench.cold(experts=args.expert_cache == "cold")
+            before = streamer.stats if streamer is not None else None
             t = bench.timed_request(bench.random_prompt(n, index), 1)
+            if streamer is not None and before is not None:
+                after = streamer.stats  # read once the request is done: a host sync outside the timing
+                streamed += after.streamed - before.streamed
+                unused += after.streamed_unused - before.streamed_unused
             index += 1
             ttfts.append(t.first - t.submitted)
             deltas.append(delta(t.stats_before, t.stats_first))
@@ -78,7 +91,8 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         bound_s = passes * bank_bytes / (bandwidth * 1e9) if bandwidth else None
         runs.append({"prompt_tokens": n, "ttft_s": ttft, "ttft_s_reps": ttfts, "prefill_tok_s": n / ttft,
                      "passes": passes, "bound_s": bound_s, "measured_over_bound": ttft / bound_s if bound_s else None,
-                     "hit_rate": _hit_rate(deltas)})
+                     "hit_rate": _hit_rate(deltas), "streamed_experts": streamed / args.reps,
+                     "streamed_unused_share": unused / streamed if streamed else None})
         bench.note(f"{n} tokens: TTFT {ttft:.3f} s, {n / ttft:.0f} tok/s")
     return {"bench": "prefill", **bench.facts(), "chunk": args.chunk, "reps": args.reps, "expert_cache": args.expert_cache,
             "bandwidth_gbps": bandwidth, "bound_note": note, "runs": runs}

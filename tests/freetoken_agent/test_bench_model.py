@@ -43,7 +43,7 @@ DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "to
                            "measured_over_bound"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
-            "hit_rate"}
+            "hit_rate", "streamed_experts", "streamed_unused_share"}
 
 
 def native_built() -> bool:
@@ -207,6 +207,27 @@ def test_timed_request_samples_at_a_temperature_reproducibly() -> None:
         assert hot != greedy and len(set(hot)) >= 12  # near-uniform over the vocabulary
     finally:
         bench.close()
+
+
+def test_prefill_reports_streamed_experts_no_token_used() -> None:
+    """A 32-token chunk (64 routed entries over 8 experts: streamed) uses every streamed expert under
+    near-uniform routers; routers that send every token to the same two experts leave 6 of 8 unused."""
+    from freetoken_agent.bench import prefill
+
+    args = bench_args(prompt_tokens=[32], chunk=32, reps=1, expert_cache="cold")
+    r, _ = _measure_with_cache(prefill.measure, args, slots=16)  # two layers' buffers, not the model
+    run = r["runs"][0]
+    assert run["streamed_experts"] > 0 and run["streamed_unused_share"] < 0.2
+
+    def uneven(bench, a):  # type: ignore[no-untyped-def]
+        for lw in bench.engine.decoder.weights.layers:
+            if lw.moe is not None:
+                lw.moe.router.zero_()
+                lw.moe.router[:2] = 1.0  # logits x.sum() for experts 0 and 1, 0 for the rest
+        return prefill.measure(bench, a)
+
+    r, _ = _measure_with_cache(uneven, args, slots=16)
+    assert r["runs"][0]["streamed_unused_share"] >= 0.5
 
 
 def test_prefill_expert_cache_cold_or_warm() -> None:
