@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_NORM_DIM = 8192  # one program holds a whole row in registers
+MAX_NORM_DIM = 8192  # one program holds a whole row in registers (ops.FUSED_NORM_MAX_DIM repeats it)
 
 
 @triton.jit

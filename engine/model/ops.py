@@ -16,6 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+FUSED_NORM_MAX_DIM = 8192  # fused_ops.MAX_NORM_DIM (a row in one program), without importing triton here
+
 
 @functools.cache
 def fused_ops_enabled() -> bool:
@@ -38,7 +40,7 @@ def fused_router_enabled() -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
-    if x.is_cuda and fused_ops_enabled():
+    if x.is_cuda and fused_ops_enabled() and x.shape[-1] <= FUSED_NORM_MAX_DIM:
         from engine.model import fused_ops  # triton: imported where CUDA runs
 
         return fused_ops.rms_norm(x, weight, eps, zero_centered)
@@ -52,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x, then times silu(gate): the output norm of Gated DeltaNet."""
-    if x.is_cuda and fused_gdn_enabled():
+    if x.is_cuda and fused_gdn_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM:
         from engine.model import fused_ops
 
         return fused_ops.gated_rms_norm(x, gate, weight, eps)

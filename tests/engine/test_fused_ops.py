@@ -214,6 +214,9 @@ def check(device: str, norm_dims: list[int] = NORM_DIMS) -> None:
 
 
 def _check(device: str, norm_dims: list[int]) -> None:
+    from engine.model import fused_ops
+
+    assert ops.FUSED_NORM_MAX_DIM == fused_ops.MAX_NORM_DIM  # ops dispatches only the rows the kernel takes
     interpreted = device == "cpu"
     rnd: Round = _trunc if interpreted else _nearest
     ulp = 1.0 if interpreted else 0.5
