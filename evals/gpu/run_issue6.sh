@@ -44,7 +44,7 @@ for t in "${SEL[@]+"${SEL[@]}"}"; do
 done
 [ "${BENCH:-1}" = 0 ] && exit 0
 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-bench() {  # FREETOKEN_PLAN=fused bench ... passes the knob through the environment
+bench() {  # FREETOKEN_PLAN=torch bench ... passes the knob through the environment
     local name=$1 limit=$2; shift 2
     [[ "$name" =~ ${ONLY:-.} ]] || return 0
     timeout "$limit" $F bench "$@" --dummy --cpu-threads 8 --json > "$OUT/$name.json" 2> "$OUT/$name.err"
@@ -54,8 +54,8 @@ bench dec_q3_24L_12G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12
 # a larger share of the misses over PCIe than the calibrated ratio: the CPU branch starts later
 bench dec_q3_24L_12G_r055 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3 \
     --fetch-ratio 0.55
-# the one-program cache plan (engine/gpu/plan_kernel.py) against the torch plan, same shape and cap
-FREETOKEN_PLAN=fused bench dec_q3_24L_12G_fused 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+# the torch cache plan (engine/gpu/plan.py) against the default one-program plan, same shape and cap
+FREETOKEN_PLAN=torch bench dec_q3_24L_12G_torchplan 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 # opt-in kernels until measured: the router's softmax / top-k in one kernel (engine/model/fused_ops.py),
