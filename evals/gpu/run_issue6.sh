@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
-# of both shapes at a 12 GiB and a 16 GiB cap, the fused plan and a second fetch ratio against the
+# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the opt-in kernels and a second fetch ratio against the
 # defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
