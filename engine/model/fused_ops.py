@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_NORM_DIM = 8192  # one program holds a whole row in registers (ops.FUSED_NORM_MAX_DIM repeats it)
+from engine.model.ops import FUSED_NORM_MAX_DIM as MAX_NORM_DIM
+from engine.model.ops import FUSED_ROUTER_MAX_EXPERTS, fused_router_serves
 
 
 @triton.jit
@@ -86,12 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     rows = x.reshape(-1, dim)  # a view where the strides allow it
     if rows.shape[0] == 0:
         return out
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight.contiguous(), rows, out, rows.stride(0), 0, dim, eps, ZERO_CENTERED=zero_centered, GATED=False,
-        ROUND_NORM=False, BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    _norm_rows(rows, weight, None, out, eps, zero_centered, round_norm=False)
     return out
 
 
@@ -103,18 +99,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if x.dim() != 2 or gate.shape != x.shape or dim > MAX_NORM_DIM or weight.shape != (dim,):
         raise ValueError(f"gated_rms_norm takes x and gate [rows, D <= {MAX_NORM_DIM}] and a weight [D], "
                          f"got x {tuple(x.shape)}, gate {tuple(gate.shape)}, weight {tuple(weight.shape)}")
-    round_norm = torch.promote_types(x.dtype, weight.dtype) == x.dtype
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if gate.stride(-1) != 1:
-        gate = gate.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        block = triton.next_power_of_2(dim)
-        _rms_norm_kernel[(x.shape[0],)](
-            x, weight.contiguous(), gate, out, x.stride(0), gate.stride(0), dim, eps, ZERO_CENTERED=False, GATED=True,
-            ROUND_NORM=round_norm, BLOCK=block, num_warps=max(1, min(16, block // 256)))
+        _norm_rows(x, weight, gate, out, eps, False, round_norm=torch.promote_types(x.dtype, weight.dtype) == x.dtype)
     return out
+
+
+def _norm_rows(rows: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, out: torch.Tensor, eps: float,
+               zero_centered: bool, round_norm: bool) -> None:
+    """One program per row of rows [R, D] (and gate [R, D] when gated) into out [R, D] contiguous."""
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    dim = rows.shape[-1]
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight.contiguous(), rows if gate is None else gate, out, rows.stride(0),
+        0 if gate is None else gate.stride(0), dim, eps, ZERO_CENTERED=zero_centered, GATED=gate is not None,
+        ROUND_NORM=round_norm, BLOCK=block, num_warps=max(1, min(16, block // 256)))
 
 
 def apply_rotary(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
@@ -169,14 +172,15 @@ def _topk_kernel(logits_ptr, ids_ptr, w_ptr, experts, row_stride,
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.model.moe.route` after its router matmul, in one launch: logits [T, E] (E <= 4096,
-    top_k a power of two <= E) -> (ids int64 [T, top_k], weights [T, top_k] in logits' dtype): the
+    """`engine.model.moe.route` after its router matmul, in one launch: logits [T, E] (the sizes
+    `ops.fused_router_serves` accepts: E <= 4096, top_k a power of two <= E) -> (ids int64 [T, top_k], weights [T, top_k] in logits' dtype): the
     float32 softmax's top_k in descending order (the lowest index first among equal ones; torch.topk
     leaves that order open), renormalised to sum to one if asked. Only the softmax's and the
     renormalisation's float32 sums run in another order than torch's."""
     tokens, experts = logits.shape
-    if experts > 4096 or top_k > experts or top_k & (top_k - 1):
-        raise ValueError(f"route_topk serves up to 4096 experts and a power-of-two top_k, got {experts} and {top_k}")
+    if not fused_router_serves(experts, top_k):
+        raise ValueError(f"route_topk serves up to {FUSED_ROUTER_MAX_EXPERTS} experts and a power-of-two top_k, "
+                         f"got {experts} and {top_k}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import fused_router_enabled, rms_norm, swiglu_mlp
+from engine.model.ops import fused_router_enabled, fused_router_serves, rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(x, router)
-    if logits.is_cuda and fused_router_enabled() and not top_k & (top_k - 1) and logits.shape[-1] <= 4096:
+    if logits.is_cuda and fused_router_enabled() and fused_router_serves(logits.shape[-1], top_k):
         from engine.model import fused_ops  # triton: imported where CUDA runs
 
         return fused_ops.route_topk(logits, top_k, renormalize)
