@@ -21,7 +21,7 @@ from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
 from engine.model.moe import feed_forward
-from engine.model.ops import Rotary, rms_norm
+from engine.model.ops import Rotary, check_switches, rms_norm
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
@@ -30,6 +30,7 @@ GRAPH_TOKENS = DECODE_ATTENTION_TOKENS  # batches of up to this many tokens may 
 
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, executor: ExpertExecutor) -> None:
+        check_switches()  # a bad FREETOKEN_FUSED_* value fails here, not in a forward pass
         self.cfg = cfg
         self.weights = weights
         self._graphs: dict[int, decode_graph.DecodeGraphs] = {}

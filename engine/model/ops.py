@@ -5,7 +5,8 @@ Contract: pure functions on tensors, no parameters owned, numerics chosen to mat
 and `Rotary.apply` run as one Triton kernel each (engine/model/fused_ops.py: the same rounding
 points; the rotary bit-identical, the norm's sum of squares in another order) instead of ~7 torch
 kernels: a decode step runs ~100 of them per token, at a few microseconds each.
-FREETOKEN_FUSED_OPS=0 keeps the torch kernels (read once).
+FREETOKEN_FUSED_OPS=0 keeps the torch kernels (read once; `check_switches` reads every switch at
+engine start, so a value that is not on/off fails there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from engine.errors import ConfigError
 
 # the fused kernels' limits (engine/model/fused_ops.py takes them from here: this module imports no triton)
 FUSED_NORM_MAX_DIM = 8192  # a norm row is held by one program
@@ -27,23 +30,47 @@ def fused_router_serves(experts: int, top_k: int) -> bool:
     return experts <= FUSED_ROUTER_MAX_EXPERTS and 0 < top_k <= experts and not top_k & (top_k - 1)
 
 
+_SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False,
+                  "no": False}
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment variable; ConfigError for a value that is neither."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = _SWITCH_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, on/off, yes/no")
+    return value
+
+
 @functools.cache
 def fused_ops_enabled() -> bool:
-    return os.environ.get("FREETOKEN_FUSED_OPS", "1") != "0"
+    """FREETOKEN_FUSED_OPS (default on): RMSNorm and rotary as Triton kernels on CUDA."""
+    return _switch("FREETOKEN_FUSED_OPS", True)
 
 
 @functools.cache
 def fused_gdn_enabled() -> bool:
     """FREETOKEN_FUSED_GDN=1: the Gated DeltaNet decode step and its gated norm as Triton kernels
     (engine/model/fused_gdn.py); opt-in until measured on a GPU."""
-    return os.environ.get("FREETOKEN_FUSED_GDN", "0") == "1"
+    return _switch("FREETOKEN_FUSED_GDN", False)
 
 
 @functools.cache
 def fused_router_enabled() -> bool:
     """FREETOKEN_FUSED_ROUTER=1: the router's softmax, top-k and renormalisation as one Triton
     kernel (engine/model/fused_ops.py `route_topk`); opt-in until measured on a GPU."""
-    return os.environ.get("FREETOKEN_FUSED_ROUTER", "0") == "1"
+    return _switch("FREETOKEN_FUSED_ROUTER", False)
+
+
+def check_switches() -> None:
+    """Reads every FREETOKEN_FUSED_* switch: a bad value fails where this is called (engine start),
+    not inside a forward pass."""
+    fused_ops_enabled()
+    fused_gdn_enabled()
+    fused_router_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from freetoken_agent.argtypes import positive_int
+from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.bench.model_bench import (
     ModelBench,
     Timing,
@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive_int, default=256, help="generated tokens per rep (>= 2)")
     p.add_argument("--reps", type=positive_int, default=3, help="generations; the median is reported")
     p.add_argument("--prompt-tokens", type=positive_int, default=64, help="random prompt length")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature of the generations (default 0: greedy). A checkpoint of random "
                         "weights tends to repeat a few tokens under greedy decoding, which routes every step "
                         "to the same experts (a hit rate no real model has; see distinct_tokens); a high "

@@ -263,3 +263,28 @@ def test_fused_ops_match_torch_and_float64_in_triton_interpreter() -> None:
 if __name__ == "__main__":  # the interpreter test's child
     check("cpu")
     print("ok")
+
+
+def test_fused_switches_take_on_off_and_refuse_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FREETOKEN_FUSED_* are on/off switches; another value stops the decoder's construction (the
+    engine's start) with an error that names the variable, instead of failing each forward pass."""
+    from engine.errors import ConfigError
+    from engine.weights.dummy import dummy_config, dummy_decoder
+
+    switches = {"FREETOKEN_FUSED_OPS": ops.fused_ops_enabled, "FREETOKEN_FUSED_GDN": ops.fused_gdn_enabled,
+                "FREETOKEN_FUSED_ROUTER": ops.fused_router_enabled}
+    try:
+        for name, read in switches.items():
+            for raw, value in (("Yes", True), ("off", False), ("1", True), (" 0 ", False)):
+                monkeypatch.setenv(name, raw)
+                read.cache_clear()
+                assert read() is value, (name, raw)
+            monkeypatch.setenv(name, "maybe")
+            read.cache_clear()
+            with pytest.raises(ConfigError, match=name):
+                dummy_decoder(dummy_config("tiny-qwen3"))
+            monkeypatch.delenv(name)
+            read.cache_clear()
+    finally:
+        for read in switches.values():
+            read.cache_clear()

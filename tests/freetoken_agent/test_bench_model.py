@@ -292,6 +292,8 @@ def test_bench_decode_and_prefill_json(tmp_path: Path) -> None:
     (["--gpu-memory", "lots", "--device", "cpu"], "not a size"),
     (["--tokens", "1", "--device", "cpu"], "--tokens"),
     (["--cpu-threads", "-1", "--device", "cpu"], "--cpu-threads"),
+    (["--temperature", "-1", "--device", "cpu"], "--temperature"),
+    (["--temperature", "nan", "--device", "cpu"], "--temperature"),
 ])
 def test_bad_arguments_are_one_error_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from freetoken_agent.cli import main
