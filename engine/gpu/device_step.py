@@ -10,24 +10,29 @@ decoder's residual add does). Per call, on the current stream:
     plan (table, LRU, q*, victims, slot ids, copy list: in one Triton program,
           engine/gpu/plan_kernel.py, plan="fused", the default, for up to 16 routed entries; else
           engine/gpu/plan.py's ~25 torch kernels, plan="torch")
-      |-- main stream: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
-      '-- side stream: D2H x, CPU ids (-1 = on the GPU), weights -> CPU branch: the native layer
-                       on the host (engine/gpu/host_fn.py) -> H2D its output
-    join; out = GPU part + CPU part
+    hand-off kernel: x, CPU ids (-1 = on the GPU) and weights written into page-locked host
+          buffers through their device mapping; the doorbell rung
+      |-- GPU: fetch kernel (copy list -> slots, over PCIe) -> slot experts (Triton GEMVs)
+      '-- host: the native poller runs the CPU experts (engine/gpu/host_fn.py) into a
+                page-locked output buffer and answers
+    wait for the answer; combine kernel: the GPU rows in ascending expert id + the CPU part (read
+          from host memory) -> out
 
-so the CPU experts run while the GPU fetches and computes. The CPU branch is handed to the host
-by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream
-wait for its answer) or "hostfunc" (a cuLaunchHostFunc host node); FREETOKEN_CPU_BRANCH overrides
-the default. docs/benchmarks.md has the measurement behind the default. While steps run, the
+so the CPU experts run while the GPU fetches and computes: six kernels and three stream memory
+operations per layer, on one stream. The CPU branch is handed to the host by `cpu_branch`:
+"doorbell" (default: a stream write the native poller thread answers, a stream wait for its
+answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
+its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md has the measurement behind the default. While steps run, the
 native pool's idle workers spin for CPU_BRANCH_SPIN_US between calls rather than sleeping after
 100 us (a sleeping worker's wake-up costs tens of microseconds, every layer).
 
 With `graphs`, the first call of a layer runs eagerly (it compiles the kernels), the second
 captures the same sequence into a CUDA graph and replays it, and later calls only copy the inputs
-in and replay: no per-layer Python beyond that. A capture that fails is logged once and that layer
+in and replay: no per-layer Python beyond that. `enqueue` (for a caller capturing a whole decode
+step) reads its inputs in place instead. A capture that fails is logged once and that layer
 stays eager (correct, slower). The page-locked staging buffers are shared by the layers of one
-batch size, which is safe because each layer's step joins its side stream before the next layer's
-can start. The ratio is baked into the captured plan: a new executor is how a new ratio applies.
+batch size, which is safe because each layer's step has read the CPU's answer (and the CPU has
+read its inputs) before the next layer's hand-off can start. The ratio is baked into the captured plan: a new executor is how a new ratio applies.
 """
 
 from __future__ import annotations
@@ -88,9 +93,7 @@ class DeviceStep:
         self.x = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
         self.ids = torch.zeros(tokens, k, dtype=torch.int64, device=dev)
         self.w = torch.zeros(tokens, k, dtype=dtype, device=dev)
-        self.w32 = torch.zeros(tokens, k, dtype=torch.float32, device=dev)
         self.out = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
-        self.cpu_out = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
         self.x_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
         self.ids_h = torch.zeros(tokens, k, dtype=torch.int64, pin_memory=True)
         self.w_h = torch.zeros(tokens, k, dtype=torch.float32, pin_memory=True)
@@ -126,59 +129,50 @@ class DeviceStep:
             self._tasks[layer] = task
         return task
 
-    def _enqueue(self, layer: int) -> None:
+    def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         ex = self.ex
         if self._fused is not None:
-            plan = self._fused.plan_layer_fused(ex.table, layer, self.ids, ex.ratio, ex._counts)
+            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio, ex._counts)
         else:
-            plan = plan_layer(ex.table, layer, self.ids, ex.ratio)
+            plan = plan_layer(ex.table, layer, ids, ex.ratio)
             ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
-        cpu_ids = torch.where(plan.slot_ids < 0, self.ids, -1)
-        self.w32.copy_(self.w)
         task = self._task(layer)
+        kernels = self._kernels
+        # the CPU's inputs leave before the fetch starts (PCIe reads would delay them), written into
+        # the page-locked buffers by one kernel
+        kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h)
         main = torch.cuda.current_stream()
-        # Program order matters: streams can share a hardware queue, where a wait for the host
-        # blocks every command behind it. So the side stream first only hands the inputs over and
-        # rings, the main stream then queues all of its GPU work, and only then does the side
-        # stream wait for the CPU's answer.
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            self.ids_h.copy_(cpu_ids, non_blocking=True)
-            self.w_h.copy_(self.w32, non_blocking=True)
-            self.x_h.copy_(self.x, non_blocking=True)
-            if self.cpu_branch == "doorbell":
-                ring(self.side, self._doorbells[layer][1])
-        # the CPU's inputs leave before the fetch starts: PCIe reads would delay these small copies
-        main.wait_stream(self.side)
-        self._kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
-                                    ex.banks.w2, ex.slots.w13, ex.slots.w2)
-        gpu = self._kernels.slot_experts(self.x, self.ids, plan.slot_ids, self.w, ex.slots.w13, ex.slots.w2)
-        with torch.cuda.stream(self.side):
-            if self.cpu_branch == "doorbell":
-                wait_done(self.side, self._doorbells[layer][1] + 4)
-            else:
-                launch_host_task(task, self.side)
-            self.cpu_out.copy_(self.out_h, non_blocking=True)
-        main.wait_stream(self.side)
-        torch.add(gpu, self.cpu_out, out=self.out)
+        if self.cpu_branch == "doorbell":
+            # everything on one stream: the ring follows the hand-off (its write fences the
+            # kernel's), and the wait for the answer comes after all of the layer's GPU work
+            ring(main, self._doorbells[layer][1])
+        else:
+            # a host node blocks its stream while the task runs: it gets a stream of its own
+            self.side.wait_stream(main)
+            launch_host_task(task, self.side)
+        kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
+                              ex.banks.w2, ex.slots.w13, ex.slots.w2)
+        rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
+        if self.cpu_branch == "doorbell":
+            wait_done(main, self._doorbells[layer][1] + 4)
+        else:
+            main.wait_stream(self.side)
+        # the GPU's rows in the reference's order plus the CPU's part, read from host memory
+        kernels.combine_experts(rows, ids, self.out, self.out_h)
 
     def enqueue(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
-        """The step queued as it is, capture-safe: for a caller that captures a larger graph."""
-        self._stage(x, ids, weights)
-        self._enqueue(layer)
+        """The step queued as it is, capture-safe: for a caller that captures a larger graph, whose
+        capture fixes the inputs' addresses (so they are read in place, not staged)."""
+        self._enqueue(layer, x, ids, weights.to(self.w.dtype))
         return self.out
 
     def step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
         """The step through this layer's own CUDA graph (eager, captured, replayed)."""
-        self._stage(x, ids, weights)
-        self._graphs.run(layer, lambda: self._enqueue(layer))
-        return self.out
-
-    def _stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """The inputs into the fixed buffers the queued (or captured) step reads."""
         self.x.copy_(x)
         self.ids.copy_(ids)
         self.w.copy_(weights)
+        self._graphs.run(layer, lambda: self._enqueue(layer, self.x, self.ids, self.w))
+        return self.out
 
     def check(self) -> None:
         """Raises the first failure of a host task (they cannot raise inside a host node)."""

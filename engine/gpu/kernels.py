@@ -1,6 +1,7 @@
 """Triton kernels of the GPU expert cache's decode step: the fetch of missed experts into their
-slots, and the routed experts that run from slots. Neither reads anything on the host, so a whole
-MoE layer can be queued (and captured in a CUDA graph) without a synchronisation.
+slots, the routed experts that run from slots, and the CPU branch's hand-off. None needs a host
+synchronisation (host memory is read and written through its device mapping), so a whole MoE layer
+can be queued (and captured in a CUDA graph) without one.
 
 Contract:
 - `fetch_experts(copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2)`: for every i with
@@ -8,14 +9,18 @@ Contract:
   are page-locked host tensors (cudaHostRegister'd in place, engine/gpu/setup.py): the kernel
   reads them over PCIe through their device mapping, so the copy list never has to reach the host.
   Padding entries (-1) cost one program each that exits at once.
-- `slot_experts(x, slot_ids, weights, slots_w13, slots_w2) -> [N, H]`: the sum over the entries
+- `slot_experts(x, ids, slot_ids, weights, slots_w13, slots_w2) -> [N, H]`: the sum over the entries
   with a slot (slot_ids >= 0) of weight * down(silu(gate(x)) * up(x)), weights read from the slot
   pool. Each intermediate is rounded to x's dtype where the reference (TorchExpertExecutor: F.linear
   outputs, silu, the product, the weighted output, a running sum in ascending expert id) rounds, so
   bf16 results differ from it only by the order of each dot product's float32 sum. Entries without
   a slot add exact zeros, so the result does not depend on which slot an expert sits in or on how
   many entries went to the CPU: the same routed experts give bit-identical output for any cache
-  size. Meant for decode-sized batches (GEMV per entry); prefill uses GEMMs (engine/gpu/executor.py).
+  size. Meant for decode-sized batches (GEMV per entry); prefill uses GEMMs (engine/gpu/grouped.py).
+  Its two halves: `expert_rows` (the weighted rows per entry) and `combine_experts` (their ordered
+  sum per token, plus the CPU branch's part when given, in one launch).
+- `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h)`: the CPU branch's inputs written into
+  page-locked host buffers by one kernel (what were a select, a cast and three copies).
 """
 
 from __future__ import annotations
@@ -118,29 +123,94 @@ def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, H, INTER, BLOCK_O: tl.co
         tl.store(y_ptr + e * H + rows, (y * wt).to(out_ty), mask=rmask)
 
 
-def slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                 slots_w13: torch.Tensor, slots_w2: torch.Tensor) -> torch.Tensor:
+def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots_w13: torch.Tensor,
+                slots_w2: torch.Tensor) -> torch.Tensor:
+    """[N * k, H]: entry e's weight * expert(x[e // k]) read from its slot, zeros for entries without one."""
     n, hidden = x.shape
     k = slot_ids.shape[1]
     inter = slots_w2.shape[2]
     entries = n * k
     x = x.contiguous()
     slot_flat = slot_ids.reshape(-1).contiguous()
-    h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(entries, hidden, dtype=x.dtype, device=x.device)
     if slots_w13.shape[0] == 0:
-        return torch.zeros_like(x)
+        return y.zero_()
+    h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, hidden, inter, K=k, BLOCK_I=16,
                                                         BLOCK_H=256, num_warps=4)
     w = weights.reshape(-1).to(x.dtype).contiguous()
     _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, hidden, inter, BLOCK_O=16,
                                                       BLOCK_K=256, num_warps=4)
-    # the reference's running sum, in ascending expert id per token, rounded after every add; the
-    # rank of each entry among its token's (distinct) ids puts it in place without a sort
-    rank = (ids[:, :, None] > ids[:, None, :]).sum(dim=2)
-    y_sorted = torch.empty_like(y).view(n, k, hidden)
-    y_sorted.scatter_(1, rank[:, :, None].expand(n, k, hidden), y.view(n, k, hidden))
-    out = y_sorted[:, 0]
-    for j in range(1, k):
-        out = out + y_sorted[:, j]
+    return y
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, cpu_ptr, out_ptr, H, K: tl.constexpr, K_P: tl.constexpr, HAS_CPU: tl.constexpr,
+                    BLOCK_O: tl.constexpr):
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    rmask = rows < H
+    j = tl.arange(0, K_P)
+    ids = tl.load(ids_ptr + t * K + j, mask=j < K, other=2**62)  # padding sorts last
+    # the rank of each entry among its token's (distinct) ids: the reference adds in ascending id
+    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)
+    out_ty = out_ptr.dtype.element_ty
+    first = tl.sum(tl.where(rank == 0, j, 0))
+    acc = tl.load(y_ptr + (t * K + first) * H + rows, mask=rmask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, K):
+        e = tl.sum(tl.where(rank == p, j, 0))
+        row = tl.load(y_ptr + (t * K + e) * H + rows, mask=rmask, other=0.0).to(tl.float32)
+        acc = (acc + row).to(out_ty).to(tl.float32)  # rounded after every add, as the reference's running sum
+    if HAS_CPU:
+        # page-locked host memory the CPU branch just wrote: a volatile load (relaxed, system scope)
+        # reads it again, never a cached line
+        cpu = tl.load(cpu_ptr + t * H + rows, mask=rmask, other=0.0, volatile=True).to(tl.float32)
+        acc = acc + cpu
+    tl.store(out_ptr + t * H + rows, acc.to(out_ty), mask=rmask)
+
+
+def combine_experts(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
+    """out [N, H] = the entries' rows y [N * k, H] summed per token in ascending expert id, rounded to
+    out's dtype after every add (the reference's running sum), then + cpu [N, H] (the CPU branch's
+    part, may live in page-locked host memory) rounded once more: one launch for what was a rank,
+    a scatter and k adds."""
+    n, k = ids.shape
+    hidden = out.shape[1]
+    block = 256
+    _combine_kernel[(n, triton.cdiv(hidden, block))](y, ids.contiguous(), out if cpu is None else cpu, out, hidden,
+                                                       K=k, K_P=triton.next_power_of_2(k), HAS_CPU=cpu is not None,
+                                                       BLOCK_O=block, num_warps=4)
+
+
+def slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                 slots_w13: torch.Tensor, slots_w2: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    combine_experts(expert_rows(x, slot_ids, weights, slots_w13, slots_w2), ids, out)
     return out
+
+
+@triton.jit
+def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, H: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = cols < H
+        tl.store(x_h + t * H + cols, tl.load(x_ptr + t * H + cols, mask=m), mask=m)
+    j = tl.arange(0, K_P)
+    m = j < K
+    ids = tl.load(ids_ptr + t * K + j, mask=m)
+    slot = tl.load(slot_ptr + t * K + j, mask=m)
+    tl.store(ids_h + t * K + j, tl.where(slot < 0, ids, -1), mask=m)
+    tl.store(w_h + t * K + j, tl.load(w_ptr + t * K + j, mask=m).to(tl.float32), mask=m)
+
+
+def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, x_h: torch.Tensor,
+             ids_h: torch.Tensor, w_h: torch.Tensor) -> None:
+    """The CPU branch's inputs written straight into its page-locked host buffers (through their
+    device mapping) in one launch: x_h = x, ids_h = ids where the entry has no slot else -1,
+    w_h = weights as float32. The stream's next memory operation (the doorbell's write, which
+    fences) orders these writes before it."""
+    n, k = ids.shape
+    _handoff_kernel[(n,)](x.contiguous(), ids.contiguous(), slot_ids.contiguous(), weights.contiguous(), x_h, ids_h,
+                          w_h, H=x.shape[1], K=k, K_P=triton.next_power_of_2(k), BLOCK_H=1024, num_warps=4)

@@ -5,9 +5,9 @@ tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, d
 updates that slot in place, and returns out_proj output [N, H]. Batches where every sequence has
 exactly one new token (decode) take `gated_deltanet_decode`: all sequences at once, state slots
 named by a device tensor, torch ops only and no host read, so decode graphs
-(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. With
-FREETOKEN_FUSED_GDN=1 on CUDA the same step runs as three Triton kernels (engine/model/fused_gdn.py;
-opt-in until measured on a GPU). Longer
+(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. On CUDA
+the same step runs as three Triton kernels (engine/model/fused_gdn.py; FREETOKEN_FUSED_GDN=0 keeps
+the torch ops). Longer
 chunks: for bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's
 chunked Triton kernel as one varlen call; float32 models (whose promise is the reference's logits
 to 1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla

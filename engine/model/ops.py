@@ -53,16 +53,23 @@ def fused_ops_enabled() -> bool:
 
 @functools.cache
 def fused_gdn_enabled() -> bool:
-    """FREETOKEN_FUSED_GDN=1: the Gated DeltaNet decode step and its gated norm as Triton kernels
-    (engine/model/fused_gdn.py); opt-in until measured on a GPU."""
-    return _switch("FREETOKEN_FUSED_GDN", False)
+    """FREETOKEN_FUSED_GDN (default on): the Gated DeltaNet decode step and its gated norm as Triton
+    kernels on CUDA (engine/model/fused_gdn.py)."""
+    return _switch("FREETOKEN_FUSED_GDN", True)
 
 
 @functools.cache
 def fused_router_enabled() -> bool:
-    """FREETOKEN_FUSED_ROUTER=1: the router's softmax, top-k and renormalisation as one Triton
-    kernel (engine/model/fused_ops.py `route_topk`); opt-in until measured on a GPU."""
-    return _switch("FREETOKEN_FUSED_ROUTER", False)
+    """FREETOKEN_FUSED_ROUTER (default on): the router's softmax, top-k and renormalisation as one
+    Triton kernel on CUDA (engine/model/fused_ops.py `route_topk`)."""
+    return _switch("FREETOKEN_FUSED_ROUTER", True)
+
+
+@functools.cache
+def shared_overlap_enabled() -> bool:
+    """FREETOKEN_SHARED_OVERLAP (default on): a decode-sized MoE block's shared expert runs on a
+    second CUDA stream, beside the routed experts (engine/model/moe.py)."""
+    return _switch("FREETOKEN_SHARED_OVERLAP", True)
 
 
 def check_switches() -> None:
@@ -71,6 +78,7 @@ def check_switches() -> None:
     fused_ops_enabled()
     fused_gdn_enabled()
     fused_router_enabled()
+    shared_overlap_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
