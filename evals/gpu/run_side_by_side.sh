@@ -10,7 +10,7 @@
 # model (for Qwen3.6: SHAPE=qwen3.6-35b-a3b LAYERS=20 GGUF_ARGS="--arch qwen35moe --layers 20").
 # Weights: our engine reads the same GGUF llama.cpp ran (byte-identical weights, both shapes);
 # OURS=dummy makes it build random weights of the same shape in memory instead.
-# Everything lands in $OUT; one summary is printed last.
+# PROMPTS=0 measures decode only (both systems). Everything lands in $OUT; one summary is printed last.
 set -u
 OUT=${OUT:-/tmp/side-by-side}
 mkdir -p "$OUT"
@@ -50,6 +50,7 @@ for p in $PAIRS; do
     timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
         --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
+    [ "$PROMPTS" = 0 ] && continue  # decode only (llama-bench runs no prompt test for -p 0 either)
     timeout "${PRE_S:-100}" $F bench prefill "${MODEL[@]}" --gpu-memory "$cap" \
         --cpu-threads 8 --prompt-tokens "$PROMPTS" --chunk 8192 --json > "$OUT/pre_ours_$cap.json" 2> "$OUT/pre_ours_$cap.err"
     echo "prefill $cap: exit $? at $(( $(date +%s) - t0 )) s"
