@@ -3,32 +3,20 @@
 Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the reference's
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
 CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
-FREETOKEN_FUSED_ROUTER=0 keeps the torch ops). The shared expert's output is added after the
-routed experts' as the reference adds it; for decode-sized batches on CUDA it is computed on a
-second stream while the routed experts run (FREETOKEN_SHARED_OVERLAP=0: on one stream).
+FREETOKEN_FUSED_ROUTER=0 keeps the torch ops).
 `feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
 `mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import (
-    fused_router_enabled,
-    fused_router_serves,
-    rms_norm,
-    shared_overlap_enabled,
-    swiglu_mlp,
-)
+from engine.model.ops import fused_router_enabled, fused_router_serves, rms_norm, swiglu_mlp
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
-
-SHARED_OVERLAP_TOKENS = 8  # the decode batch sizes: larger chunks keep one stream
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,34 +32,14 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
     return top_i, top_w.to(logits.dtype)
 
 
-def _shared_part(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    assert w.shared is not None and w.shared_gate is not None
-    shared = swiglu_mlp(x, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj)
-    return torch.sigmoid(F.linear(x, w.shared_gate)) * shared
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
 def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: ExpertExecutor, moe_index: int) -> torch.Tensor:
     ids, weights = route(x, w.router, cfg.top_k, cfg.norm_topk_prob)
-    if w.shared is None:
-        return executor(x, ids, weights, moe_index)
-    if not (x.is_cuda and x.shape[0] <= SHARED_OVERLAP_TOKENS and shared_overlap_enabled()):
-        out = executor(x, ids, weights, moe_index)
-        return out + _shared_part(x, w)
-    # decode: the shared expert's dozen small kernels run on a second stream while the routed
-    # experts fetch, compute and wait for the CPU branch (a graph capture records the fork and join)
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        shared = _shared_part(x, w)
     out = executor(x, ids, weights, moe_index)
-    main.wait_stream(side)
-    return out + shared
+    if w.shared is not None:
+        shared = swiglu_mlp(x, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj)
+        assert w.shared_gate is not None
+        out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+    return out
 
 
 def feed_forward(h: torch.Tensor, mixed: torch.Tensor, lw: LayerWeights, cfg: ModelConfig,

@@ -65,20 +65,12 @@ def fused_router_enabled() -> bool:
     return _switch("FREETOKEN_FUSED_ROUTER", True)
 
 
-@functools.cache
-def shared_overlap_enabled() -> bool:
-    """FREETOKEN_SHARED_OVERLAP (default on): a decode-sized MoE block's shared expert runs on a
-    second CUDA stream, beside the routed experts (engine/model/moe.py)."""
-    return _switch("FREETOKEN_SHARED_OVERLAP", True)
-
-
 def check_switches() -> None:
     """Reads every FREETOKEN_FUSED_* switch: a bad value fails where this is called (engine start),
     not inside a forward pass."""
     fused_ops_enabled()
     fused_gdn_enabled()
     fused_router_enabled()
-    shared_overlap_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

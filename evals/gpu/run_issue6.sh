@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
-# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, one stream for the shared
-# expert and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step and a second fetch ratio
+# against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -59,11 +59,9 @@ FREETOKEN_PLAN=torch bench dec_q3_24L_12G_torchplan 90 decode --shape qwen3-30b-
     --tokens 128 --reps 3
 bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
 # the Gated DeltaNet step and the router as torch ops (FREETOKEN_FUSED_GDN / _ROUTER=0) against their
-# Triton kernels (default since the fifth session), and the shared expert on the routed experts' stream
+# Triton kernels (default since the fifth session)
 FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 120 decode --shape qwen3.6-35b-a3b \
     --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
-FREETOKEN_SHARED_OVERLAP=0 bench dec_q36_20L_12G_oneshared 120 decode --shape qwen3.6-35b-a3b --layers 20 \
-    --gpu-memory 12GiB --tokens 128 --reps 3
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
