@@ -2,14 +2,16 @@
 
 Contract: `Calibration` (frozen) holds what engine/gpu/calibrate.py measures for one
 `MachineKey` (GPU name, CPU model, CPU executor threads, expert format and shape): B_C, the CPU
-expert executor's weight throughput at batch 1, and B_P, pinned host->device expert copies as the
-fetch path issues them, each alone and while both run at once (contended; None where not
-measured, e.g. no CUDA device). `ratio()` is the fetch ratio the miss split uses
-(engine/gpu/policy.py): the contended form when both contended rates exist, else the paper's
-B_P / B_H from the rates alone, else 0 (no copy path: every miss on the CPU).
+expert executor's weight throughput at batch 1; B_P, pinned host->device expert copies in bulk
+batches (what prefill streams; the bounds use it); B_F, the decode step's fetch kernel at one
+layer's size (`fetch_batch` experts per launch); each alone and while the CPU executor runs too
+(contended; None where not measured, e.g. no CUDA device). `ratio()` is the fetch ratio the decode
+split uses (engine/gpu/policy.py): from the contended B_F and the CPU's rate beside it when
+measured, else the contended B_P form, else the paper's B_P / B_H from the rates alone, else 0 (no
+copy path: every miss on the CPU).
 `save(path, cal)` merges one record into the file (written atomically: a temporary file then a
 rename), `load(path, key)` returns the record for a key or None, `load_all(path)` every record.
-The file is {"version": 1, "machines": {key string: record}}; an unreadable or foreign file is
+The file is {"version": 2, "machines": {key string: record}}; an unreadable or foreign file is
 treated as empty on load and replaced on save. GB/s are 1e9 bytes per second.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 from engine.gpu.policy import fetch_ratio
 
-VERSION = 1
+VERSION = 2  # 2: B_F (the fetch kernel at a layer's size); version-1 files are measured again
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,16 @@ class Calibration:
     b_pcie: float | None = None  # GB/s, host->device expert copies alone
     b_cpu_contended: float | None = None  # GB/s, CPU executor while copies run
     b_pcie_contended: float | None = None  # GB/s, copies while the CPU executor runs
+    b_fetch: float | None = None  # GB/s, the decode fetch kernel at a layer's size, alone
+    b_fetch_contended: float | None = None  # GB/s, the same while the CPU executor runs
+    b_cpu_fetch_contended: float | None = None  # GB/s, CPU executor while the fetch kernel runs
+    fetch_batch: int = 0  # experts per fetch launch behind B_F
     measured_at: str = ""
     note: str = ""
 
     def ratio(self) -> float:
+        if self.b_fetch_contended is not None and self.b_cpu_fetch_contended is not None:
+            return fetch_ratio(self.b_fetch_contended, self.b_cpu_fetch_contended, contended=True)
         if self.b_cpu_contended is not None and self.b_pcie_contended is not None:
             return fetch_ratio(self.b_pcie_contended, self.b_cpu_contended, contended=True)
         if self.b_pcie is not None:

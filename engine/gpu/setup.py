@@ -74,7 +74,8 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     cal = calibrate(spec)
     if path is not None:
         save(path, cal)
-    log.warning("measured B_C %.1f GB/s, B_P %s GB/s -> fetch ratio %.2f", cal.b_cpu, cal.b_pcie, cal.ratio())
+    log.warning("measured B_C %.1f GB/s, B_P %s GB/s, decode fetch B_F %s GB/s -> fetch ratio %.2f", cal.b_cpu,
+                cal.b_pcie, cal.b_fetch, cal.ratio())
     return cal.ratio()
 
 

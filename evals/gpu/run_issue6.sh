@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
-# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step and a second fetch ratio
-# against the defaults; JSON and logs land in $OUT, a table is printed last.
+# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the bulk-copy fetch ratio
+# and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -44,6 +44,11 @@ for t in "${SEL[@]+"${SEL[@]}"}"; do
 done
 [ "${BENCH:-1}" = 0 ] && exit 0
 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
+$F calibrate --shape qwen3.6-35b-a3b --threads 8 --json > "$OUT/calibration_q36.json" 2>/dev/null
+# the fetch ratio from the bulk copies' contended rates (the default before the fifth session) for an
+# A/B against the default one from the decode fetch kernel's (B_F)
+bulk_ratio() { python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+print(round(d['b_pcie_contended'] / (d['b_pcie_contended'] + d['b_cpu_contended']), 4))" "$1" 2>/dev/null || echo 0.45; }
 bench() {  # FREETOKEN_PLAN=torch bench ... passes the knob through the environment
     local name=$1 limit=$2; shift 2
     [[ "$name" =~ ${ONLY:-.} ]] || return 0
@@ -54,6 +59,10 @@ bench dec_q3_24L_12G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12
 # a larger share of the misses over PCIe than the calibrated ratio: the CPU branch starts later
 bench dec_q3_24L_12G_r055 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3 \
     --fetch-ratio 0.55
+bench dec_q3_24L_12G_bulkratio 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3 \
+    --fetch-ratio "$(bulk_ratio "$OUT/calibration.json")"
+bench dec_q36_20L_12G_bulkratio 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 \
+    --reps 3 --fetch-ratio "$(bulk_ratio "$OUT/calibration_q36.json")"
 # the torch cache plan (engine/gpu/plan.py) against the default one-program plan, same shape and cap
 FREETOKEN_PLAN=torch bench dec_q3_24L_12G_torchplan 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3

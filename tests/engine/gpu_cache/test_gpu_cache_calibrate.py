@@ -22,20 +22,26 @@ KEY = MachineKey("NVIDIA H200", "Xeon", 8, "bf16", 2048, 768)
 def test_store_round_trip_and_merge(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "calibration.json"
     assert load(path, KEY) is None and load_all(path) == {}
-    a = Calibration(KEY, 50.0, 55.0, 49.0, 52.0, "2026-11-30T10:00:00+00:00")
+    a = Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2, measured_at="2026-11-30T10:00:00+00:00")
     save(path, a)
     assert load(path, KEY) == a
     other = MachineKey("none", "Xeon", 2, "bf16", 2048, 768)
     b = Calibration(other, 5.0, note=NO_GPU)
     save(path, b)
     assert load(path, KEY) == a and load(path, other) == b
-    a2 = Calibration(KEY, 51.0, 54.0, 48.0, 50.0, "2026-11-30T11:00:00+00:00")
+    a2 = Calibration(KEY, 51.0, 54.0, 48.0, 50.0, measured_at="2026-11-30T11:00:00+00:00")
     save(path, a2)  # same machine: replaced, others kept
     assert load_all(path) == {KEY.as_string(): a2, other.as_string(): b}
     assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temporary left
 
 
-@pytest.mark.parametrize("text", ["not json", '{"version": 99, "machines": {}}', "[1, 2]", '{"version": 1}'])
+V1_RECORD = ('{"version": 1, "machines": {"k": {"key": {"gpu": "NVIDIA H200", "cpu": "Xeon", "threads": 8, "fmt": "bf16", '
+             '"hidden": 2048, "inter": 768}, "b_cpu": 80.0, "b_pcie": 52.0, "b_cpu_contended": 66.0, '
+             '"b_pcie_contended": 51.0, "measured_at": "", "note": ""}}}')
+
+
+# a version-1 store (no decode fetch rate) is measured again rather than read with the bulk ratio
+@pytest.mark.parametrize("text", ["not json", '{"version": 99, "machines": {}}', "[1, 2]", '{"version": 1}', V1_RECORD])
 def test_unreadable_store_is_empty_and_replaced(tmp_path: Path, text: str) -> None:
     path = tmp_path / "calibration.json"
     path.write_text(text)
@@ -45,6 +51,9 @@ def test_unreadable_store_is_empty_and_replaced(tmp_path: Path, text: str) -> No
 
 
 def test_ratio_forms() -> None:
+    # the decode fetch kernel's contended rate and the CPU's beside it come first
+    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2).ratio() == pytest.approx(43 / 109)
+    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0).ratio() == pytest.approx(52 / 101)  # no contended B_F
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0).ratio() == pytest.approx(52 / 101)  # contended
     assert Calibration(KEY, 110.0, 55.0).ratio() == pytest.approx(0.5)  # paper: B_P / B_H
     assert Calibration(KEY, 50.0, 55.0).ratio() == 1.0
