@@ -6,6 +6,8 @@ order only). Usage on the GPU machine: python evals/gpu/gemv_probe.py"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -71,9 +73,9 @@ def main() -> None:
                                                                          (32, 128, 8), (8, 512, 4))]
         ref = None
         for label, fn, bi, bh, warps in runs:
-            def call(fn=fn, bi=bi, bh=bh, warps=warps) -> None:  # type: ignore[no-untyped-def]
-                fn[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
-                                                num_warps=warps)
+            grid = (k, triton.cdiv(inter, bi))
+            call = functools.partial(fn[grid], x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                     num_warps=warps)
             call()
             out = h.float().clone()
             ref = out if ref is None else ref
