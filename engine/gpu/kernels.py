@@ -70,7 +70,9 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
 
 @triton.jit
 def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, BLOCK_I: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False):
+    # REDUCE_ONCE: accumulate a [BLOCK_I, BLOCK_H] tile and reduce it after the loop instead of
+    # across lanes every step (evals/gpu/gemv_probe.py times both; the default is the measured one)
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rmask = rows < INTER
@@ -83,6 +85,8 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, 
         base = w13_ptr + s.to(tl.int64) * (2 * INTER * H)
         acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        tile_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
+        tile_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < H
@@ -90,8 +94,15 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, 
             m = rmask[:, None] & cmask[None, :]
             wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
             wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
+            if REDUCE_ONCE:
+                tile_g += wg * xv[None, :]
+                tile_u += wu * xv[None, :]
+            else:
+                acc_g += tl.sum(wg * xv[None, :], axis=1)
+                acc_u += tl.sum(wu * xv[None, :], axis=1)
+        if REDUCE_ONCE:
+            acc_g = tl.sum(tile_g, axis=1)
+            acc_u = tl.sum(tile_u, axis=1)
         # round where the reference rounds: F.linear outputs, silu, the product
         g = acc_g.to(out_ty).to(tl.float32)
         u = acc_u.to(out_ty).to(tl.float32)

@@ -1,6 +1,7 @@
-"""Time the decode step's gate/up slot GEMV (engine/gpu/kernels.py `_gate_up_kernel`) against a
-variant that accumulates a [BLOCK_I, BLOCK_H] tile and reduces once after the loop (no cross-lane
-reduction per iteration), on one layer of each shape at batch 1 with 5 of 8 entries in slots.
+"""Time the decode step's gate/up slot GEMV (engine/gpu/kernels.py `_gate_up_kernel`) as it runs
+against its REDUCE_ONCE form (a [BLOCK_I, BLOCK_H] tile accumulated and reduced once after the
+loop, not across lanes every step) at several block shapes, on one layer of each shape at batch 1
+with 5 of 8 entries in slots.
 Prints us per call and the weight bytes' GB/s, and the variants' largest difference (float32 sum
 order only). Usage on the GPU machine: python evals/gpu/gemv_probe.py"""
 
@@ -10,40 +11,8 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
 from engine.gpu import kernels
-
-
-@triton.jit
-def _gate_up_tile(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, BLOCK_I: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    e = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rmask = rows < INTER
-    s = tl.load(slot_ptr + e)
-    out_ty = h_ptr.dtype.element_ty
-    if s < 0:
-        tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=out_ty), mask=rmask)
-    else:
-        t = e // K
-        base = w13_ptr + s.to(tl.int64) * (2 * INTER * H)
-        acc_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = cols < H
-            xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            m = rmask[:, None] & cmask[None, :]
-            wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += wg * xv[None, :]
-            acc_u += wu * xv[None, :]
-        g = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
-        u = tl.sum(acc_u, axis=1).to(out_ty).to(tl.float32)
-        a = (g / (1.0 + libdevice.exp(-g))).to(out_ty).to(tl.float32)
-        tl.store(h_ptr + e * INTER + rows, (a * u).to(out_ty), mask=rmask)
 
 
 def _time(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
@@ -68,14 +37,14 @@ def main() -> None:
         slot_ids = torch.tensor([3, -1, 17, 40, -1, 9, -1, 55], device="cuda")
         h = torch.empty(k, inter, dtype=torch.bfloat16, device="cuda")
         nbytes = 5 * 2 * inter * hidden * 2
-        runs = [("current", kernels._gate_up_kernel, 16, 256, 4)]
-        runs += [("tile", _gate_up_tile, bi, bh, w) for bi, bh, w in ((16, 256, 4), (8, 256, 4), (16, 128, 4),
-                                                                         (32, 128, 8), (8, 512, 4))]
+        runs = [("current", False, 16, 256, 4)]
+        runs += [("reduce once", True, bi, bh, w) for bi, bh, w in ((16, 256, 4), (8, 256, 4), (16, 128, 4),
+                                                                       (32, 128, 8), (8, 512, 4))]
         ref = None
-        for label, fn, bi, bh, warps in runs:
+        for label, once, bi, bh, warps in runs:
             grid = (k, triton.cdiv(inter, bi))
-            call = functools.partial(fn[grid], x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
-                                     num_warps=warps)
+            call = functools.partial(kernels._gate_up_kernel[grid], x, slot_ids, w13, h, hidden, inter, K=k,
+                                     BLOCK_I=bi, BLOCK_H=bh, REDUCE_ONCE=once, num_warps=warps)
             call()
             out = h.float().clone()
             ref = out if ref is None else ref
