@@ -190,3 +190,35 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         _topk_kernel[(tokens,)](logits, ids, weights, experts, logits.stride(0), K=top_k, RENORMALIZE=renormalize,
                                 BLOCK=block, num_warps=max(1, min(8, block // 128)))
     return ids, weights
+
+
+@triton.jit
+def _gated_add_kernel(out_ptr, x_ptr, gate_ptr, shared_ptr, y_ptr, dim, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    ty = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # the torch ops' rounding points: F.linear's output, sigmoid, the product, the sum
+    logit = tl.sum(x * g, axis=0).to(ty).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-logit))).to(ty).to(tl.float32)
+    shared = tl.load(shared_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+    part = (gate * shared).to(ty).to(tl.float32)
+    out = tl.load(out_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * dim + cols, (out + part).to(ty), mask=mask)
+
+
+def shared_gated_add(out: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(F.linear(x, gate)) * shared in one launch (a MoE block's shared-expert tail: a
+    cuBLAS dot and its reduction, a sigmoid, a product and a sum before): out, x, shared [T, H]
+    (H <= ops.FUSED_NORM_MAX_DIM), gate [1, H]; the same rounding points as the torch ops, only the
+    dot product's float32 sum runs in another order."""
+    tokens, dim = x.shape
+    out, x, shared = out.contiguous(), x.contiguous(), shared.contiguous()
+    y = torch.empty_like(out)
+    if tokens:
+        block = triton.next_power_of_2(dim)
+        _gated_add_kernel[(tokens,)](out, x, gate.contiguous(), shared, y, dim, BLOCK=block,
+                                     num_warps=max(1, min(8, block // 256)))
+    return y

@@ -3,7 +3,8 @@
 Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the reference's
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
 CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
-FREETOKEN_FUSED_ROUTER=0 keeps the torch ops).
+FREETOKEN_FUSED_ROUTER=0 keeps the torch ops). The shared expert's gate, product and sum run as
+one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in until measured on a GPU).
 `feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
 `mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
@@ -14,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import fused_router_enabled, fused_router_serves, rms_norm, swiglu_mlp
+from engine.model.ops import (
+    FUSED_NORM_MAX_DIM,
+    fused_router_enabled,
+    fused_router_serves,
+    fused_shared_enabled,
+    rms_norm,
+    swiglu_mlp,
+)
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
 
@@ -38,6 +46,10 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
     if w.shared is not None:
         shared = swiglu_mlp(x, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj)
         assert w.shared_gate is not None
+        if x.is_cuda and fused_shared_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM:
+            from engine.model import fused_ops  # triton: imported where CUDA runs
+
+            return fused_ops.shared_gated_add(out, x, w.shared_gate, shared)
         out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
     return out
 

@@ -65,12 +65,20 @@ def fused_router_enabled() -> bool:
     return _switch("FREETOKEN_FUSED_ROUTER", True)
 
 
+@functools.cache
+def fused_shared_enabled() -> bool:
+    """FREETOKEN_FUSED_SHARED=1: a MoE block's shared-expert gate, product and sum as one Triton
+    kernel on CUDA (engine/model/fused_ops.py `shared_gated_add`); opt-in until measured on a GPU."""
+    return _switch("FREETOKEN_FUSED_SHARED", False)
+
+
 def check_switches() -> None:
     """Reads every FREETOKEN_FUSED_* switch: a bad value fails where this is called (engine start),
     not inside a forward pass."""
     fused_ops_enabled()
     fused_gdn_enabled()
     fused_router_enabled()
+    fused_shared_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

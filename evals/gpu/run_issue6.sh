@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
-# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the bulk-copy fetch ratio
-# and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the opt-in shared-expert
+# kernel, the bulk-copy fetch ratio and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -15,7 +15,8 @@ python3 native/build.py -j 16 >/dev/null 2>&1 || echo "native build failed"
 # TESTS=quick (default): what changed since the last GPU run, the engine-level equalities and one
 # capped engine per family (~3 min); TESTS=all: every GPU test of the engine (> 6 min); TESTS=none;
 # or TESTS="path path ...".
-QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/test_fused_gdn.py tests/engine/test_fused_ops.py
+QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/test_fused_shared.py tests/engine/test_fused_gdn.py
+       tests/engine/test_fused_ops.py
        tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/gpu_cache/test_plan_kernel.py
        tests/engine/gpu_cache/test_device_step_cuda.py
        tests/engine/gpu_cache/test_grouped_experts.py tests/engine/test_gguf_model.py
@@ -71,6 +72,9 @@ bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memor
 # Triton kernels (default since the fifth session)
 FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 120 decode --shape qwen3.6-35b-a3b \
     --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
+# opt-in until measured: the shared expert's gate, product and sum as one kernel (engine/model/fused_ops.py)
+FREETOKEN_FUSED_SHARED=1 bench dec_q36_20L_12G_fshared 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
