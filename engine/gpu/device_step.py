@@ -98,11 +98,12 @@ class DeviceStep:
         self.ids_h = torch.zeros(tokens, k, dtype=torch.int64, pin_memory=True)
         self.w_h = torch.zeros(tokens, k, dtype=torch.float32, pin_memory=True)
         self.out_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
-        self.side = torch.cuda.Stream(device=dev)
+        self.cpu_branch = resolve_cpu_branch(cpu_branch)
+        # a host node blocks its stream while the task runs: "hostfunc" gets a stream of its own
+        self.side = torch.cuda.Stream(device=dev) if self.cpu_branch == "hostfunc" else None
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
         self._tasks: dict[int, object] = {}
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
-        self.cpu_branch = resolve_cpu_branch(cpu_branch)
         # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
         # when the sizes fit it, else plan_layer's ~25 torch kernels
         self.plan = resolve_plan(plan)
@@ -147,7 +148,7 @@ class DeviceStep:
             # kernel's), and the wait for the answer comes after all of the layer's GPU work
             ring(main, self._doorbells[layer][1])
         else:
-            # a host node blocks its stream while the task runs: it gets a stream of its own
+            assert self.side is not None
             self.side.wait_stream(main)
             launch_host_task(task, self.side)
         kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
@@ -156,6 +157,7 @@ class DeviceStep:
         if self.cpu_branch == "doorbell":
             wait_done(main, self._doorbells[layer][1] + 4)
         else:
+            assert self.side is not None
             main.wait_stream(self.side)
         # the GPU's rows in the reference's order plus the CPU's part, read from host memory
         kernels.combine_experts(rows, ids, self.out, self.out_h)
