@@ -8,7 +8,9 @@
 # (default: 16:12GiB and 12:16GiB, a third and a half of the 24-layer Qwen3-30B-A3B variant: what a
 # 24 GiB and a 32 GiB card hold of the full 48-layer model). SHAPE / LAYERS / GGUF_ARGS select the
 # model (for Qwen3.6: SHAPE=qwen3.6-35b-a3b LAYERS=20 GGUF_ARGS="--arch qwen35moe --layers 20").
-# Weights: our engine reads the same GGUF llama.cpp ran (byte-identical weights, both shapes);
+# Weights: our engine reads the same GGUF llama.cpp ran (byte-identical weights, both shapes), written
+# with write_gguf.py's residual scales (since the fifth session: the routing spreads over every expert,
+# as with our own random weights; the earlier files collapsed onto a few experts per layer);
 # OURS=dummy makes it build random weights of the same shape in memory instead.
 # PROMPTS=0 measures decode only (both systems). Everything lands in $OUT; one summary is printed last.
 set -u
@@ -33,9 +35,9 @@ python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOES%,}" --threads 
 echo "peer done at $(( $(date +%s) - t0 )) s"
 OURS=${OURS:-gguf}
 if [ "$OURS" = gguf ]; then
-    # random weights repeat a few tokens under greedy decoding (the same experts every step: a 98 %
-    # hit rate on the H200, fourth session); sampled near-uniform tokens route like llama-bench's
-    # random generation tokens
+    # sampled near-uniform tokens, as llama-bench's random generation tokens (greedy decoding of the
+    # fourth session's GGUF repeated 4 tokens: a 98 % hit rate; its routing also collapsed with
+    # sampled tokens, fifth session, which the residual scales fix)
     MODEL=(--model "$GGUF")
     DECODE_ARGS=(--temperature "${TEMPERATURE:-1000}")
 else

@@ -19,8 +19,16 @@ Contract:
   experts, 32 GiB in all). --layers must be a multiple of --full-attn-interval. Tensor names,
   shapes and keys are those llama.cpp's loader reads (src/models/qwen35moe.cpp of the peer's commit);
   no MTP layer.
-- Matrices are normal(0, --std) drawn in float32 and truncated to bf16 (or rounded to f16 with
+- Matrices are normal(0, std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
+  --scales residual (the default): std is --std except for the token embedding (1.0) and the
+  matrices that write into the residual stream (attn_output, ssm_out, ffn_down_exps,
+  ffn_down_shexp: --std / sqrt(2 x layers)), as the engine's own random weights
+  (engine/weights/dummy.py): each token keeps its identity through the layers and the random
+  routers route near-uniformly, so both engines decode the same bytes under a real cache test.
+  --scales uniform (the files of the H200 sessions up to the fifth): --std everywhere, where every
+  position collapses onto one direction and each layer routes every token to the same experts (our
+  decode on it hit 98 % of its experts, fifth session).
   qwen35moe: the shared-expert gate vector (ffn_gate_inp_shexp) and the Gated DeltaNet conv kernel
   (ssm_conv1d, which ggml's ssm_conv wants in float32) are float32 normal(0, --std); ssm_a (llama.cpp
   stores -exp(A_log)) is -1.0 (A_log = 0) and ssm_dt.bias is 0, so each step's decay is
@@ -46,6 +54,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -122,6 +131,7 @@ class TensorSpec:
     # "const": float32 filled with `fill`
     kind: str
     fill: float = 0.0
+    role: str = ""  # "embed" or "residual" (writes into the residual stream): their own std (--scales)
 
     @property
     def numel(self) -> int:
@@ -135,7 +145,7 @@ class TensorSpec:
 def _head_specs(s: Shape) -> list[TensorSpec]:
     """The embedding, final norm and untied output matrix (both architectures, in this order)."""
     return [
-        TensorSpec("token_embd.weight", (s.vocab, s.hidden), "mat"),
+        TensorSpec("token_embd.weight", (s.vocab, s.hidden), "mat", role="embed"),
         TensorSpec("output_norm.weight", (s.hidden,), "norm"),
         TensorSpec("output.weight", (s.vocab, s.hidden), "mat"),
     ]
@@ -147,7 +157,7 @@ def _routed_specs(b: str, s: Shape) -> list[TensorSpec]:
         TensorSpec(b + "ffn_gate_inp.weight", (s.experts, s.hidden), "router"),
         TensorSpec(b + "ffn_gate_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
         TensorSpec(b + "ffn_up_exps.weight", (s.experts, s.inter, s.hidden), "mat"),
-        TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat"),
+        TensorSpec(b + "ffn_down_exps.weight", (s.experts, s.hidden, s.inter), "mat", role="residual"),
     ]
 
 
@@ -162,7 +172,7 @@ def tensor_specs(s: Shape) -> list[TensorSpec]:
             TensorSpec(b + "attn_q.weight", (q, s.hidden), "mat"),
             TensorSpec(b + "attn_k.weight", (kv, s.hidden), "mat"),
             TensorSpec(b + "attn_v.weight", (kv, s.hidden), "mat"),
-            TensorSpec(b + "attn_output.weight", (s.hidden, q), "mat"),
+            TensorSpec(b + "attn_output.weight", (s.hidden, q), "mat", role="residual"),
             TensorSpec(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
             TensorSpec(b + "attn_k_norm.weight", (s.head_dim,), "norm"),
             TensorSpec(b + "ffn_norm.weight", (s.hidden,), "norm"),
@@ -192,7 +202,7 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
                 TensorSpec(b + "attn_q.weight", (2 * q, s.hidden), "mat"),
                 TensorSpec(b + "attn_k.weight", (kv, s.hidden), "mat"),
                 TensorSpec(b + "attn_v.weight", (kv, s.hidden), "mat"),
-                TensorSpec(b + "attn_output.weight", (s.hidden, q), "mat"),
+                TensorSpec(b + "attn_output.weight", (s.hidden, q), "mat", role="residual"),
                 TensorSpec(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
                 TensorSpec(b + "attn_k_norm.weight", (s.head_dim,), "norm"),
             ]
@@ -206,14 +216,14 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
                 TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat"),
                 TensorSpec(b + "ssm_norm.weight", (s.linear_head_dim,), "norm"),
-                TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat"),
+                TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat", role="residual"),
             ]
         specs += [
             *_routed_specs(b, s),
             TensorSpec(b + "ffn_gate_inp_shexp.weight", (s.hidden,), "vec"),
             TensorSpec(b + "ffn_gate_shexp.weight", (s.shared_inter, s.hidden), "mat"),
             TensorSpec(b + "ffn_up_shexp.weight", (s.shared_inter, s.hidden), "mat"),
-            TensorSpec(b + "ffn_down_shexp.weight", (s.hidden, s.shared_inter), "mat"),
+            TensorSpec(b + "ffn_down_shexp.weight", (s.hidden, s.shared_inter), "mat", role="residual"),
         ]
     return specs
 
@@ -320,6 +330,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="qwen35moe: IMRoPE sections, 4 comma-separated ints (11,11,10,0 for --rope-dim 64)")
     p.add_argument("--rms-eps", type=float, default=1e-6)
     p.add_argument("--std", type=float, default=0.02)
+    p.add_argument("--scales", choices=["residual", "uniform"], default="residual",
+                   help="residual (default): embedding std 1 and residual-stream writers --std / sqrt(2 x layers), "
+                        "routing near-uniform; uniform: --std everywhere (routing collapses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16")
     p.add_argument("--vocab-from", type=Path, default=None,
@@ -397,6 +410,8 @@ def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("layers", "experts", "top_k", "hidden", "inter", "heads", "kv_heads", "head_dim", "ff", "ctx",
             "rope_base", "rms_eps", "std", "seed", "dtype")
     stamp = {k: getattr(args, k) for k in keys} | {"chunk": CHUNK, "writer": "write_gguf.py v1"}
+    if args.scales != "uniform":  # the files before --scales were uniform: their stamps stay valid
+        stamp |= {"scales": args.scales}
     if args.arch != "qwen3moe":
         stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in QWEN35_ONLY}
     return stamp
@@ -430,7 +445,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit("write_gguf.py: need 0 < --top-k <= --experts")
 
     writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
-    writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}), written by "
+    writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}, {args.scales} scales), written by "
                            "freetoken-agent evals/peer/write_gguf.py; not a trained model")
     writer.add_file_type(FILE_TYPE[args.dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -546,9 +561,21 @@ def add_qwen35moe_hparams(writer: Any, arch: str, shape: Shape, args: argparse.N
     writer.add_uint32(f"{arch}.ssm.inner_size", shape.linear_value_heads * shape.linear_head_dim)
 
 
+EMBED_STD = 1.0  # engine/weights/dummy.py's
+
+
+def tensor_std(spec: TensorSpec, args: argparse.Namespace) -> float:
+    """The normal's std for one tensor under --scales (see the module docstring)."""
+    if args.scales == "uniform" or not spec.role:
+        return float(args.std)
+    if spec.role == "embed":
+        return EMBED_STD
+    return float(args.std) / math.sqrt(2 * args.layers)
+
+
 def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace) -> Iterator[np.ndarray]:
     for t in specs:
-        yield make_tensor(pool, t, args.seed, args.std, args.dtype)
+        yield make_tensor(pool, t, args.seed, tensor_std(t, args), args.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,9 @@ The file is the peer benchmark's own (evals/peer/write_gguf.py, tiny shape, rand
   tests/engine/test_lossless.py);
 - for the hybrid, each of llama.cpp's conventions is undone (norm multipliers, ssm_a, tiled value
   heads) and the engine runs the file;
-- an unsupported architecture, a missing or unreadable file fail with clear errors.
+- an unsupported architecture, a missing or unreadable file fail with clear errors;
+- the file the side-by-side writes (--scales residual) routes random tokens over every expert of
+  every layer, where --std everywhere (--scales uniform) collapses the deeper layers' routing.
 evals/peer/check_logits.py compares the engine with llama.cpp itself on such files (it needs a
 llama.cpp build, so it is not a CI test; its results are in evals/peer/README.md).
 """
@@ -230,3 +232,44 @@ def test_a_quantised_tensor_is_refused_with_its_name(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(WeightError, match=r"'blk.0.ffn_gate_exps.weight' is Q8_0; only F32, F16 and BF16"):
         load_decoder(path)
+
+
+def _routing_spread(path: Path, tokens: int) -> list[tuple[int, float]]:
+    """Per MoE layer, over one prefill of random tokens: (distinct experts routed, the most common
+    top-1 expert's share of the tokens)."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    with Engine(path, EngineOptions(device="cpu", dtype="bfloat16", kv_tokens=512, max_running=1,
+                                    prefill_chunk=tokens)) as eng:
+        inner = eng.decoder.executor
+
+        def record(x, ids, weights, moe_index):  # type: ignore[no-untyped-def]
+            seen.setdefault(moe_index, []).append(ids.clone())
+            return inner(x, ids, weights, moe_index)
+
+        eng.decoder.executor = record
+        prompt = torch.randint(0, 1999, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+        eng.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True)).result(timeout=300)
+    out = []
+    for layer in sorted(seen):
+        ids = torch.cat(seen[layer])
+        out.append((int(ids.unique().numel()), torch.bincount(ids[:, 0]).max().item() / ids.shape[0]))
+    return out
+
+
+def test_the_peer_gguf_routes_like_a_cache_test(tmp_path: Path) -> None:
+    """The side-by-side GGUF (write_gguf.py, default --scales residual) routes random tokens over
+    every expert of every layer, as the engine's own random weights do; with --std everywhere
+    (--scales uniform, the files before the fifth H200 session) the deeper layers send most tokens to
+    a few experts, which an expert cache hits almost always (98 % on the H200)."""
+    vocab = write_vocab(tmp_path / "vocab.gguf", 2000)
+    spreads = {}
+    for scales in ("residual", "uniform"):
+        out = tmp_path / f"{scales}.gguf"
+        args = ["--out", str(out), "--vocab-from", str(vocab), "--layers", "8", "--experts", "64", "--top-k", "8",
+                "--hidden", "256", "--inter", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                "--seed", "0", "--threads", "2", "--scales", scales]
+        assert write_gguf_module("peer_write_gguf_scales").main(args) == 0
+        spreads[scales] = _routing_spread(out, 64)
+    assert all(distinct >= 60 and top1 <= 0.2 for distinct, top1 in spreads["residual"]), spreads["residual"]
+    deep = spreads["uniform"][-2:]
+    assert all(distinct <= 40 and top1 >= 0.4 for distinct, top1 in deep), spreads["uniform"]

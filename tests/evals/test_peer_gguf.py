@@ -111,14 +111,17 @@ def test_tensors(written: Path) -> None:
             assert np.all(np.asarray(t.data, dtype=np.float32) == 1.0), name
 
 
-def test_random_values(written: Path) -> None:
+def test_random_values(wg: ModuleType, vocab: Path, written: Path, tmp_path: Path) -> None:
+    """--scales residual (default): --std, except the embedding (1.0) and the residual-stream writers
+    (--std / sqrt(2 x layers)), as the engine's random weights; --scales uniform: --std everywhere."""
     r = gguf.GGUFReader(str(written))
-    t = next(t for t in r.tensors if t.name == "blk.1.ffn_down_exps.weight")
-    bits = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
-    vals = bits.view(np.float32)
-    assert np.all(np.isfinite(vals))
-    assert 0.015 < float(vals.std()) < 0.025
-    assert abs(float(vals.mean())) < 0.002
+    residual = 0.02 / (2 * SHAPE["layers"]) ** 0.5
+    for name, want in (("blk.1.ffn_down_exps.weight", residual), ("blk.0.attn_output.weight", residual),
+                       ("blk.1.ffn_gate_exps.weight", 0.02), ("blk.0.attn_q.weight", 0.02), ("token_embd.weight", 1.0)):
+        assert 0.8 * want < _bf16_std(r, name) < 1.2 * want, name
+    uniform = gguf.GGUFReader(str(_write(wg, vocab, tmp_path / "u.gguf", "--scales", "uniform")))
+    for name in ("blk.1.ffn_down_exps.weight", "token_embd.weight", "blk.0.attn_q.weight"):
+        assert 0.016 < _bf16_std(uniform, name) < 0.024, name
     router = next(t for t in r.tensors if t.name == "blk.0.ffn_gate_inp.weight")
     assert 0.01 < float(np.asarray(router.data, dtype=np.float32).std()) < 0.03
 
@@ -165,3 +168,11 @@ def test_reuse_and_force(wg: ModuleType, vocab: Path, tmp_path: Path, capsys: py
     assert out.read_bytes() == first
     _write(wg, vocab, out, "--seed", "6")
     assert out.read_bytes() != first
+
+
+def _bf16_std(reader, name: str) -> float:  # type: ignore[no-untyped-def]
+    t = next(t for t in reader.tensors if t.name == name)
+    bits = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
+    vals = bits.view(np.float32)
+    assert np.all(np.isfinite(vals)), name
+    return float(vals.std())

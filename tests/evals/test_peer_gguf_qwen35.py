@@ -174,11 +174,14 @@ def test_tensors_as_the_loader_wants(written: Path) -> None:
 
 def test_random_values(written: Path) -> None:
     r = gguf.GGUFReader(str(written))
-    t = next(t for t in r.tensors if t.name == "blk.2.ffn_down_exps.weight")
-    bits = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
-    vals = bits.view(np.float32)
-    assert np.all(np.isfinite(vals))
-    assert 0.015 < float(vals.std()) < 0.025
+    residual = 0.02 / (2 * SHAPE["layers"]) ** 0.5  # --scales residual: the residual-stream writers
+    for name, want in (("blk.2.ffn_down_exps.weight", residual), ("blk.2.ssm_out.weight", residual),
+                       ("blk.3.attn_output.weight", residual), ("blk.2.ffn_down_shexp.weight", residual),
+                       ("blk.2.ffn_up_exps.weight", 0.02), ("blk.2.attn_qkv.weight", 0.02), ("token_embd.weight", 1.0)):
+        t = next(t for t in r.tensors if t.name == name)
+        bits = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
+        vals = bits.view(np.float32)
+        assert np.all(np.isfinite(vals)) and 0.8 * want < float(vals.std()) < 1.2 * want, name
 
 
 def test_deterministic(wg: ModuleType, vocab: Path, written: Path, tmp_path: Path) -> None:
