@@ -49,7 +49,8 @@ def _lines(cal, ratio: float) -> list[str]:  # type: ignore[no-untyped-def]
            f"  B_P  PCIe expert copies alone: {gbps(cal.b_pcie)}",
            f"  B_C' CPU experts, contended:   {gbps(cal.b_cpu_contended)}",
            f"  B_P' PCIe copies, contended:   {gbps(cal.b_pcie_contended)}",
-           f"  B_F  decode fetch kernel, {cal.fetch_batch} experts per launch: {gbps(cal.b_fetch)}",
+           f"  B_F  decode fetch kernel alone: {gbps(cal.b_fetch)}"
+           + (f" ({cal.fetch_batch} experts per launch)" if cal.fetch_batch else ""),
            f"  B_F' and B_C beside it:        {gbps(cal.b_fetch_contended)} + {gbps(cal.b_cpu_fetch_contended)}",
            f"  fetch ratio q*/m: {ratio:.3f}"]
     if cal.note:
