@@ -32,6 +32,7 @@ runs the CPU branch in that worker; `close()` stops it.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,13 +48,19 @@ from engine.gpu.slots import ExpertSlots
 from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
 from engine.weights.layout import ExpertBanks
 
+log = logging.getLogger("freetoken.engine")
+
 
 def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
-    """The native CPU executor when it can serve the banks, else the torch reference."""
+    """The native CPU executor when it can serve the banks, else the torch reference, with a warning
+    that says why (it is several times slower: a missing native build cost a GPU run its figures)."""
     from engine.moe.native import NativeExpertExecutor, native_unsupported
 
-    if native_unsupported(banks, "cpu") is None:
+    why = native_unsupported(banks, "cpu")
+    if why is None:
         return NativeExpertExecutor(banks, threads)
+    log.warning("the expert cache's CPU misses run on the torch reference, several times slower than the native "
+                "executor, which cannot serve them: %s", why)
     return TorchExpertExecutor(banks)
 
 

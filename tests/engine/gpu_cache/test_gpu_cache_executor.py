@@ -293,3 +293,22 @@ def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_eng
     assert not cached.streamer.active and cached.table.reserved() == []
     assert cached.table.invariant_errors() == []
     _slot_pool_matches_table(cached)
+
+
+def test_torch_fallback_for_cpu_misses_is_announced(caplog: pytest.LogCaptureFixture) -> None:
+    """Banks the native executor cannot serve (float16) get the torch reference, with a warning that
+    says why; servable ones get the native executor without one."""
+    from engine.gpu.executor import default_cpu_executor
+
+    g = torch.Generator().manual_seed(0)
+    half = ExpertBanks(torch.randn(4, 8, 16, generator=g).half(), torch.randn(4, 16, 4, generator=g).half(), 4)
+    with caplog.at_level("WARNING", logger="freetoken.engine"):
+        ex = default_cpu_executor(half)
+    assert isinstance(ex, TorchExpertExecutor)
+    assert any("torch reference" in r.getMessage() and "float16" in r.getMessage() for r in caplog.records)
+    banks = _banks()
+    if native_unsupported(banks, "cpu") is None:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="freetoken.engine"):
+            assert not isinstance(default_cpu_executor(banks), TorchExpertExecutor)
+        assert not caplog.records
