@@ -7,7 +7,8 @@ two over long random call sequences) and adds (hits, misses, fetched) to `counte
 when given), in one launch instead of ~25 small kernels. One program does it all: the routed entries' histogram,
 the hit / miss split, q* (round half to even of m * ratio, at least 1, at most m, at most the
 takeable slots), the victims and the misses to fetch chosen by K rounds of "first smallest key"
-(K = min(S, E, N*k): only the first K of either order can be taken), and the writes. The hits are
+(K = min(S, E, N*k) unrolled rounds, of which only the first q do any work: 2-3 at batch 1;
+the skipped ones cost a branch instead of three reductions over the slots), and the writes. The hits are
 marked in `last_use` first (a value the victim order never takes) and the program waits at a
 barrier before reading the slot keys, so the hits are protected without a scratch buffer.
 Otherwise no value the program writes is read back from memory: the program's warps run apart
@@ -105,19 +106,20 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
         mkey = tl.where(miss, -counts, 1)
         mkey = tl.where(e_ok, mkey, BIG)
         for i in tl.static_range(K):
-            v = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int64)
-            f = tl.argmin(mkey, axis=0, tie_break_left=True).to(tl.int64)
-            key = tl.where(s == v, BIG, key)
-            mkey = tl.where(e == f, BIG, mkey)
-            take = q > i
-            old = tl.sum(tl.where(s == v, owner, 0), axis=0)  # v's owner before this call
-            tl.store(table_ptr + old, -1, mask=take & (old >= 0))  # the victim's owner leaves
-            tl.store(table_ptr + base + f, v.to(tl.int32), mask=take)
-            tl.store(owner_ptr + v, base + f, mask=take)
-            tl.store(lu_ptr + v, now, mask=take)
-            src = tl.where((e == i) & take, base + f, src)
-            dst = tl.where((e == i) & take, v, dst)
-            slot_of = tl.where((e == f) & take, v, slot_of)
+            # only q of the K rounds do anything (2-3 at batch 1): the rest skip their reductions
+            if i < q:
+                v = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int64)
+                f = tl.argmin(mkey, axis=0, tie_break_left=True).to(tl.int64)
+                key = tl.where(s == v, BIG, key)
+                mkey = tl.where(e == f, BIG, mkey)
+                old = tl.sum(tl.where(s == v, owner, 0), axis=0)  # v's owner before this call
+                tl.store(table_ptr + old, -1, mask=old >= 0)  # the victim's owner leaves
+                tl.store(table_ptr + base + f, v.to(tl.int32))
+                tl.store(owner_ptr + v, base + f)
+                tl.store(lu_ptr + v, now)
+                src = tl.where(e == i, base + f, src)
+                dst = tl.where(e == i, v, dst)
+                slot_of = tl.where(e == f, v, slot_of)
         tl.store(lu_ptr + row, now, mask=hit)
     tl.store(src_ptr + e, src, mask=e_ok)
     tl.store(dst_ptr + e, dst, mask=e_ok)
