@@ -22,9 +22,10 @@ so the CPU experts run while the GPU fetches and computes: six kernels and three
 operations per layer, on one stream. The CPU branch is handed to the host by `cpu_branch`:
 "doorbell" (default: a stream write the native poller thread answers, a stream wait for its
 answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
-its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md has the measurement behind the default. While steps run, the
-native pool's idle workers spin for CPU_BRANCH_SPIN_US between calls rather than sleeping after
-100 us (a sleeping worker's wake-up costs tens of microseconds, every layer).
+its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md
+has the measurement behind the default. While steps run, the native pool's idle workers spin for
+CPU_BRANCH_SPIN_US between calls rather than sleeping after 100 us (a sleeping worker's wake-up
+costs tens of microseconds, every layer).
 
 With `graphs`, the first call of a layer runs eagerly (it compiles the kernels), the second
 captures the same sequence into a CUDA graph and replays it, and later calls only copy the inputs
@@ -32,7 +33,8 @@ in and replay: no per-layer Python beyond that. `enqueue` (for a caller capturin
 step) reads its inputs in place instead. A capture that fails is logged once and that layer
 stays eager (correct, slower). The page-locked staging buffers are shared by the layers of one
 batch size, which is safe because each layer's step has read the CPU's answer (and the CPU has
-read its inputs) before the next layer's hand-off can start. The ratio is baked into the captured plan: a new executor is how a new ratio applies.
+read its inputs) before the next layer's hand-off can start. The ratio is baked into the captured
+plan: a new executor is how a new ratio applies.
 """
 
 from __future__ import annotations

@@ -13,18 +13,7 @@ import torch
 import triton
 
 from engine.gpu import kernels
-
-
-def _time(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+from evals.gpu.step_probe import _events_ms
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
             call()
             out = h.float().clone()
             ref = out if ref is None else ref
-            us = _time(call)
+            us = _events_ms(call, 200) * 1e3
             diff = (out - ref).abs().max().item()
             print(f"| {name} | {label} | {bi} x {bh}, {warps} | {us:.1f} | {nbytes / us / 1e3:.0f} | {diff:.2e} |")
 
