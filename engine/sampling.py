@@ -94,9 +94,16 @@ def draw_index(probs: torch.Tensor, u: float) -> int:
     took ~4.7 ms per token over a 152k vocabulary (copy, then one exponential draw per entry) and
     this is a scan, a compare and one read. Zero-probability tokens are never returned: for u < 1
     the rounded product u * total stays below the total (total * 2**-53 is at least half an ulp of
-    it), so the first entry above the threshold exists and has a probability of its own."""
+    it), so the first entry above the threshold exists and has a probability of its own. A
+    distribution whose total is not a positive finite number (NaN logits) raises ValueError, read
+    in the same transfer as the index."""
     cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    return int((cdf <= cdf[-1] * u).sum())
+    total = cdf[-1]
+    index, valid = torch.stack([(cdf <= total * u).sum().double(),
+                                (torch.isfinite(total) & (total > 0)).double()]).tolist()
+    if not valid:
+        raise ValueError(f"cannot sample from a distribution that sums to {total.item()}")
+    return int(index)
 
 
 def _filtered_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,12 +5,14 @@ distribution:
   zero-probability token, and stays in range for u just below one;
 - `sample` at a temperature, with top-k and top-p, follows the filtered softmax (chi-square over
   20k seeded draws on a small vocabulary), never leaves the filter, and a seed reproduces its
-  token sequence."""
+  token sequence;
+- a distribution that is not one (NaN, zero total) is a ValueError, not a token."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.sampling import SamplingParams, draw_index, sample
@@ -65,3 +67,15 @@ def test_sample_follows_the_filtered_distribution() -> None:
         g = torch.Generator().manual_seed(seed)
         seqs.append([sample(logits, params, g) for _ in range(40)])
     assert seqs[0] == seqs[1] and seqs[0] != seqs[2]
+
+
+def test_a_broken_distribution_is_an_error_not_a_token() -> None:
+    """NaN logits (or a distribution summing to zero) raise, as torch.multinomial did, instead of
+    returning token 0 or an index past the vocabulary; the scheduler turns that into the request's
+    error (engine/scheduler.py `_sample`)."""
+    for probs in (torch.tensor([float("nan"), 0.5, 0.5]), torch.zeros(4), torch.tensor([float("inf"), 1.0])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            draw_index(probs, 0.3)
+    logits = torch.tensor([1.0, float("nan"), 0.0])
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
