@@ -7,7 +7,8 @@
 - on CUDA with page-locked host buffers, inside a replayed CUDA graph: new host contents between
   replays are read again (no stale cached line), and the hand-off's host writes are there.
 On CUDA directly; on a CPU through Triton's interpreter, when triton is installed; the PTX of both
-kernels for sm_90 is checked without a GPU (the host read is volatile)."""
+kernels for sm_90 is checked without a GPU (the host read is volatile). The gate/up GEMV's
+REDUCE_ONCE form against its default (CUDA; it compiles for sm_90 here)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,41 @@ def test_step_kernels_compile_for_hopper() -> None:
     src = ASTSource(fn=kernels._handoff_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                     constexprs=consts)
     assert "st.global" in triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+    # the gate/up GEMV both ways: the REDUCE_ONCE form is another program, without spills
+    sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "H": "i32", "INTER": "i32"}
+    ptx = {}
+    for once in (False, True):
+        consts = {"K": 8, "BLOCK_I": 16, "BLOCK_H": 256, "REDUCE_ONCE": once}
+        src = ASTSource(fn=kernels._gate_up_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+                        constexprs=consts)
+        ptx[once] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+        assert ".local" not in ptx[once]
+    assert ptx[False] != ptx[True]
+
+
+@pytest.mark.gpu
+def test_gate_up_reduce_once_matches_the_default() -> None:
+    """The gate/up GEMV's REDUCE_ONCE form (evals/gpu/gemv_probe.py times it) computes what the
+    default does, up to the float32 order of each dot product: float32 to 1e-5, for the block shapes
+    the probe tries, entries without a slot left at zero."""
+    import triton
+
+    from engine.gpu.kernels import _gate_up_kernel
+
+    k, hidden, inter = 8, 512, 96
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(12, 2 * inter, hidden, generator=g) / 16).cuda()
+    x = torch.randn(1, hidden, generator=g).cuda()
+    slot_ids = torch.tensor([3, -1, 7, 0, -1, 11, -1, 5], device="cuda")
+    outs = []
+    for once, bi, bh, warps in ((False, 16, 256, 4), (True, 16, 256, 4), (True, 8, 512, 4), (True, 32, 128, 8)):
+        h = torch.full((k, inter), float("nan"), device="cuda")
+        _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                                     REDUCE_ONCE=once, num_warps=warps)
+        outs.append(h)
+    assert torch.all(outs[0][slot_ids < 0] == 0)
+    for h in outs[1:]:
+        torch.testing.assert_close(h, outs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_step_kernels_match_reference_in_triton_interpreter() -> None:
