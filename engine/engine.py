@@ -49,7 +49,7 @@ class Engine:
         be where the decoder's dense weights live; its dtype and executor are the decoder's own
         (`opts.dtype` and `opts.executor` are not consulted)."""
         opts = opts or EngineOptions()
-        where, want = decoder.weights.embed.device, torch.device(opts.device)
+        where, want = decoder.weights.final_norm.device, torch.device(opts.device)
         if where.type != want.type or (want.index is not None and where != want):
             raise ConfigError(f"the decoder's weights are on {where} but the engine options say {want}")
         _apply_threads(opts)

@@ -3,8 +3,9 @@ what is left for expert slots.
 
 Contract: `split_gpu_memory(total, cfg, opts, dtype, dense_bytes, expert_bytes)` returns a frozen
 `GpuBudget` whose parts sum to at most `total`; it raises `ConfigError`, naming every part, when
-the cap cannot hold the fixed parts plus one expert slot. `dense_bytes(weights)` counts the dense
-tensors a decoder keeps on its device (every tensor of the weights except the host expert banks).
+the cap cannot hold the fixed parts plus one expert slot. `dense_bytes(weights, device)` counts the
+dense tensors a decoder keeps on `device` (every tensor of the weights on it; the host expert banks
+and a host embedding table are not; no device: every dense tensor).
 The workspace reserve is an estimate of the activations of one prefill chunk (hidden states, the
 attention and MoE intermediates, the Gated DeltaNet temporaries of hybrid models, logits of the
 chunk's last tokens), the attention temporaries of the longest context the KV pool holds, and a
@@ -43,17 +44,23 @@ class GpuBudget:
                 f"{self.states / gib:.2f} + workspace {self.workspace / gib:.2f} + experts {self.experts / gib:.2f}")
 
 
-def dense_bytes(obj: object) -> int:
-    """Bytes of every tensor reachable from a weights dataclass, expert banks excluded."""
+def dense_bytes(obj: object, device: torch.device | None = None) -> int:
+    """Bytes of every tensor reachable from a weights dataclass (on `device` when given), expert
+    banks excluded; a tensor reachable twice (a tied LM head) counts once."""
+    return sum(t.numel() * t.element_size() for t in _tensors(obj, {}).values()
+               if device is None or t.device.type == device.type)
+
+
+def _tensors(obj: object, seen: dict[tuple[int, int], torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, ExpertBanks):
-        return 0
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(dense_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if isinstance(obj, list | tuple):
-        return sum(dense_bytes(x) for x in obj)
-    return 0
+        seen.setdefault((obj.data_ptr(), obj.numel() * obj.element_size()) if obj.numel() else (id(obj), 0), obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not isinstance(obj, ExpertBanks):
+        for f in dataclasses.fields(obj):
+            _tensors(getattr(obj, f.name), seen)
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _tensors(x, seen)
+    return seen
 
 
 def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -> int:

@@ -21,6 +21,10 @@ Contract:
   sum per token, plus the CPU branch's part when given, in one launch).
 - `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h)`: the CPU branch's inputs written into
   page-locked host buffers by one kernel (what were a select, a cast and three copies).
+- `gather_rows(ids, table) -> [N, H]` on ids' device: table[ids] read from a page-locked host table
+  through its device mapping (the token embedding under a GPU memory cap: one row per token
+  crosses PCIe, inside the decode graph). Ids are validated by the engine; one out of range gives
+  a zero row here, never a read outside the table.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
 def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False):
     # REDUCE_ONCE: accumulate a [BLOCK_I, BLOCK_H] tile and reduce it after the loop instead of
-    # across lanes every step (evals/gpu/gemv_probe.py times both; the default is the measured one)
+    # across lanes every step (evals/gpu/gemv_probe.py times both; expert_rows uses the faster)
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rmask = rows < INTER
@@ -147,8 +151,10 @@ def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     if slots_w13.shape[0] == 0:
         return y.zero_()
     h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
+    # a [16, 128] tile reduced once after the loop: 15 us per Qwen3.6 / Qwen3 layer at batch 1 on the
+    # H200 against 21 / 18 us for [16, 256] reduced every step (evals/gpu/gemv_probe.py, sixth session)
     _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, hidden, inter, K=k, BLOCK_I=16,
-                                                        BLOCK_H=256, num_warps=4)
+                                                        BLOCK_H=128, REDUCE_ONCE=True, num_warps=4)
     w = weights.reshape(-1).to(x.dtype).contiguous()
     _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, hidden, inter, BLOCK_O=16,
                                                       BLOCK_K=256, num_warps=4)
@@ -225,3 +231,24 @@ def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights
     n, k = ids.shape
     _handoff_kernel[(n,)](x.contiguous(), ids.contiguous(), slot_ids.contiguous(), weights.contiguous(), x_h, ids_h,
                           w_h, H=x.shape[1], K=k, K_P=triton.next_power_of_2(k), BLOCK_H=1024, num_warps=4)
+
+
+@triton.jit
+def _gather_rows_kernel(ids_ptr, table_ptr, out_ptr, V, H, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.load(ids_ptr + t)
+    ok = (i >= 0) & (i < V)
+    row = tl.load(table_ptr + i.to(tl.int64) * H + cols, mask=(cols < H) & ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + cols, row, mask=cols < H)
+
+
+def gather_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1).contiguous()
+    vocab, hidden = table.shape
+    out = torch.empty(flat.numel(), hidden, dtype=table.dtype, device=ids.device)
+    if flat.numel():
+        block = min(1024, triton.next_power_of_2(hidden))
+        _gather_rows_kernel[(flat.numel(), triton.cdiv(hidden, block))](flat, table, out, vocab, hidden, BLOCK=block,
+                                                                        num_warps=4)
+    return out.reshape(*ids.shape, hidden)

@@ -1,7 +1,8 @@
 """Turn a loaded decoder into one with a GPU expert cache under a memory cap (`--gpu-memory`).
 
-Contract: `attach_expert_cache(decoder, opts, dtype)` splits `opts.gpu_memory` (engine/gpu/budget.py),
-page-locks the host expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need
+Contract: `attach_expert_cache(decoder, opts, dtype)` moves an embedding table that is not also the
+LM head into page-locked host memory (`host_embedding`; FREETOKEN_HOST_EMBED=0 keeps it on the GPU),
+splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need
 60 GB more), resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for
 this machine in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them
 there and logs that it did: never a silent default), and replaces the decoder's executor with a
@@ -20,6 +21,7 @@ from engine.errors import ConfigError
 from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
 from engine.gpu.executor import create_cached_executor
 from engine.model.decoder import Decoder
+from engine.model.ops import host_embedding_enabled
 from engine.options import EngineOptions
 from engine.weights.layout import ExpertBanks
 
@@ -55,6 +57,24 @@ def _unregister(ptr: int) -> None:
         pass
 
 
+def host_embedding(decoder: Decoder) -> int:
+    """Moves the decoder's embedding table from the GPU into page-locked host memory and returns the
+    bytes freed (0: tied to the LM head, which reads every row each token, or already on the host).
+    A token's row is then read over PCIe by the decode graph (engine/model/ops.py `embed_tokens`):
+    one row per token, against a table of vocabulary x hidden (Qwen3.6: 1.0 GB, 160 expert slots).
+    llama.cpp keeps its token embedding in host memory as well."""
+    w = decoder.weights
+    table = w.embed
+    if not table.is_cuda or table.data_ptr() == w.lm_head.data_ptr():
+        return 0
+    host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+    host.copy_(table)
+    w.embed = host
+    del table
+    torch.cuda.empty_cache()  # the slots are sized next: the freed block must not stay reserved
+    return host.numel() * host.element_size()
+
+
 def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     if opts.fetch_ratio >= 0:
         return opts.fetch_ratio
@@ -84,7 +104,10 @@ def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtyp
     if device.type != "cuda":
         raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
     banks = decoder.weights.experts
-    budget = split_gpu_memory(opts.gpu_memory, decoder.cfg, opts, dtype, dense_bytes(decoder.weights),
+    freed = host_embedding(decoder) if host_embedding_enabled() else 0
+    if freed:
+        log.info("token embedding in page-locked host memory: %.2f GiB more for expert slots", freed / 2**30)
+    budget = split_gpu_memory(opts.gpu_memory, decoder.cfg, opts, dtype, dense_bytes(decoder.weights, device),
                               banks.expert_bytes)
     pin_in_place(banks)
     ratio = resolve_fetch_ratio(banks, opts)

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from engine.cache.pools import KVPool, StatePool
 from engine.config import FULL_ATTENTION
@@ -36,7 +35,7 @@ from engine.model.attention import attention_core, attention_inputs, attention_o
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet_decode
 from engine.model.moe import feed_forward
-from engine.model.ops import rms_norm
+from engine.model.ops import embed_tokens, rms_norm
 
 if TYPE_CHECKING:
     from engine.model.decode_attention import DecodeMeta
@@ -54,7 +53,7 @@ class DecodeGraphs:
         self.d = decoder
         cfg, w = decoder.cfg, decoder.weights
         self.tokens = n = tokens
-        dev = w.embed.device
+        dev = w.final_norm.device  # the embedding may live in host memory (engine/gpu/setup.py)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.state_slots = torch.zeros(n, dtype=torch.long, device=dev)
@@ -102,7 +101,7 @@ class DecodeGraphs:
         d = self.d
         cfg, w = d.cfg, d.weights
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
-        h = F.embedding(self.input_ids, w.embed)
+        h = embed_tokens(self.input_ids, w.embed)
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)
             if cfg.layer_types[li] == FULL_ATTENTION:

@@ -21,7 +21,7 @@ from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch
 from engine.model.linear_attention import gated_deltanet
 from engine.model.moe import feed_forward
-from engine.model.ops import Rotary, check_switches, rms_norm
+from engine.model.ops import Rotary, check_switches, embed_tokens, rms_norm
 from engine.moe.executor import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
@@ -65,7 +65,7 @@ class Decoder:
         begin = getattr(self.executor, "begin_forward", None)
         if begin is not None:  # e.g. start streaming the first MoE layer's experts during the embedding
             begin(n * cfg.top_k)
-        h = F.embedding(batch.input_ids, w.embed)
+        h = embed_tokens(batch.input_ids, w.embed)
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)

@@ -72,6 +72,24 @@ def fused_shared_enabled() -> bool:
     return _switch("FREETOKEN_FUSED_SHARED", False)
 
 
+@functools.cache
+def host_embedding_enabled() -> bool:
+    """FREETOKEN_HOST_EMBED (default on): under a GPU memory cap, an embedding table that is not
+    also the LM head lives in page-locked host memory (engine/gpu/setup.py), its rows gathered by
+    `embed_tokens`: the table (1 GB for Qwen3.6's vocabulary) becomes expert slots."""
+    return _switch("FREETOKEN_HOST_EMBED", True)
+
+
+def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids]. A table in page-locked host memory with ids on CUDA is read by one kernel through
+    its device mapping (engine/gpu/kernels.py `gather_rows`): a copy, bit-identical, no host sync."""
+    if table.device == ids.device:
+        return F.embedding(ids, table)
+    from engine.gpu.kernels import gather_rows  # triton: imported where CUDA runs
+
+    return gather_rows(ids, table)
+
+
 def check_switches() -> None:
     """Reads every FREETOKEN_FUSED_* switch: a bad value fails where this is called (engine start),
     not inside a forward pass."""
@@ -79,6 +97,7 @@ def check_switches() -> None:
     fused_gdn_enabled()
     fused_router_enabled()
     fused_shared_enabled()
+    host_embedding_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

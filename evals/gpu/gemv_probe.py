@@ -1,7 +1,7 @@
-"""Time the decode step's gate/up slot GEMV (engine/gpu/kernels.py `_gate_up_kernel`) as it runs
-against its REDUCE_ONCE form (a [BLOCK_I, BLOCK_H] tile accumulated and reduced once after the
-loop, not across lanes every step) at several block shapes, on one layer of each shape at batch 1
-with 5 of 8 entries in slots.
+"""Time the decode step's gate/up slot GEMV (engine/gpu/kernels.py `_gate_up_kernel`) reduced across
+lanes every step (its form before the sixth session) against its REDUCE_ONCE form (a [BLOCK_I,
+BLOCK_H] tile accumulated and reduced once after the loop; expert_rows runs [16, 128]) at several
+block shapes, on one layer of each shape at batch 1 with 5 of 8 entries in slots.
 Prints us per call and the weight bytes' GB/s, and the variants' largest difference (float32 sum
 order only). Usage on the GPU machine: python evals/gpu/gemv_probe.py"""
 
@@ -17,7 +17,7 @@ from evals.gpu.step_probe import _events_ms
 
 
 def main() -> None:
-    print("| shape | kernel | BLOCK_I x BLOCK_H, warps | us / call | GB/s | max |diff| vs current |")
+    print("| shape | kernel | BLOCK_I x BLOCK_H, warps | us / call | GB/s | max |diff| vs the first row |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, hidden, inter in (("qwen3.6-35b-a3b", 2048, 512), ("qwen3-30b-a3b", 2048, 768)):
         k, slots = 8, 64
@@ -26,7 +26,7 @@ def main() -> None:
         slot_ids = torch.tensor([3, -1, 17, 40, -1, 9, -1, 55], device="cuda")
         h = torch.empty(k, inter, dtype=torch.bfloat16, device="cuda")
         nbytes = 5 * 2 * inter * hidden * 2
-        runs = [("current", False, 16, 256, 4)]
+        runs = [("reduce each step", False, 16, 256, 4)]
         runs += [("reduce once", True, bi, bh, w) for bi, bh, w in ((16, 256, 4), (8, 256, 4), (16, 128, 4),
                                                                        (32, 128, 8), (8, 512, 4))]
         ref = None

@@ -75,6 +75,9 @@ FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 12
 # opt-in until measured: the shared expert's gate, product and sum as one kernel (engine/model/fused_ops.py)
 FREETOKEN_FUSED_SHARED=1 bench dec_q36_20L_12G_fshared 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
+# sampled decode (temperature 1: the draw stays on the device) against the greedy row above
+bench dec_q36_20L_12G_t1 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3 \
+    --temperature 1
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192

@@ -265,7 +265,7 @@ class ModelBench:
             "gpu_budget": dataclasses.asdict(self.engine.gpu_budget) if self.engine.gpu_budget else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
             "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.expert_bytes * banks.w13.shape[0],
-            "dense_bytes": dense_bytes(self.engine.decoder.weights), "load_s": round(self.load_s, 3),
+            "dense_bytes": dense_bytes(self.engine.decoder.weights, self.device), "load_s": round(self.load_s, 3),
             "calibration": cal.to_json() if cal is not None else None,
         }
 

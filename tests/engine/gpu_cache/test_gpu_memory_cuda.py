@@ -28,7 +28,10 @@ def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     with Engine(model, EngineOptions(**base)) as ref:
         want = list(ref.generate(prompt, params))
-        dense = dense_bytes(ref.decoder.weights)
+        w = ref.decoder.weights
+        # the capped engine keeps the (untied) embedding table in page-locked host memory
+        assert w.embed.data_ptr() != w.lm_head.data_ptr()
+        dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
         banks = ref.decoder.weights.experts
         fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**base), ref.dtype, dense, banks.expert_bytes)
         cap = fixed.total - fixed.experts + 10 * banks.expert_bytes  # room for 10 expert slots
@@ -39,6 +42,8 @@ def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
         ex = eng.decoder.executor
         assert isinstance(ex, CachedExpertExecutor) and ex.slots.slots == 10
         assert eng.decoder.weights.experts.w13.is_pinned()
+        assert eng.decoder.weights.embed.device.type == "cpu" and eng.decoder.weights.embed.is_pinned()
+        assert eng.gpu_budget is not None and eng.gpu_budget.dense == dense
         got = list(eng.generate(prompt, params))
         peak = torch.cuda.max_memory_allocated() - before
         report = eng.gpu_report()

@@ -139,8 +139,8 @@ def test_step_kernels_compile_for_hopper() -> None:
     # the gate/up GEMV both ways: the REDUCE_ONCE form is another program, without spills
     sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "H": "i32", "INTER": "i32"}
     ptx = {}
-    for once in (False, True):
-        consts = {"K": 8, "BLOCK_I": 16, "BLOCK_H": 256, "REDUCE_ONCE": once}
+    for once in (False, True):  # each at the block shape it runs (expert_rows; the probe's former default)
+        consts = {"K": 8, "BLOCK_I": 16, "BLOCK_H": 128 if once else 256, "REDUCE_ONCE": once}
         src = ASTSource(fn=kernels._gate_up_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                         constexprs=consts)
         ptx[once] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
@@ -163,7 +163,8 @@ def test_gate_up_reduce_once_matches_the_default() -> None:
     x = torch.randn(1, hidden, generator=g).cuda()
     slot_ids = torch.tensor([3, -1, 7, 0, -1, 11, -1, 5], device="cuda")
     outs = []
-    for once, bi, bh, warps in ((False, 16, 256, 4), (True, 16, 256, 4), (True, 8, 512, 4), (True, 32, 128, 8)):
+    for once, bi, bh, warps in ((False, 16, 256, 4), (True, 16, 128, 4), (True, 16, 256, 4), (True, 8, 512, 4),
+                                (True, 32, 128, 8)):
         h = torch.full((k, inter), float("nan"), device="cuda")
         _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
                                                      REDUCE_ONCE=once, num_warps=warps)
