@@ -72,6 +72,9 @@ bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memor
 # Triton kernels (default since the fifth session)
 FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 120 decode --shape qwen3.6-35b-a3b \
     --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
+# the token embedding on the GPU (FREETOKEN_HOST_EMBED=0) against the default page-locked host table
+FREETOKEN_HOST_EMBED=0 bench dec_q36_20L_12G_devembed 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 # opt-in until measured: the shared expert's gate, product and sum as one kernel (engine/model/fused_ops.py)
 FREETOKEN_FUSED_SHARED=1 bench dec_q36_20L_12G_fshared 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
