@@ -47,8 +47,11 @@ else
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
+seen=" "
 for p in $PAIRS; do
     cap=${p#*:}
+    case "$seen" in *" $cap "*) continue ;; esac  # two -ncmoe for one cap: ours runs once
+    seen="$seen$cap "
     timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
         --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"

