@@ -57,7 +57,7 @@ def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: b
         objs = list(pool.map(compile_one, sources))
     out = output_path()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(tmp)], check=True)
+    subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(tmp), "-ldl"], check=True)
     os.replace(tmp, out)  # atomic: a process that already loaded the old .so keeps its mapping
     return out
 

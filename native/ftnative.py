@@ -185,6 +185,7 @@ class HostTask:
         _check_rows("out", out, x.shape, _ACT)
         self._buffers = (x, ids, weights, out, experts)
         self._words: torch.Tensor | None = None
+        self._fetch_buffers: tuple[torch.Tensor, ...] | None = None
         self.address: int = _ext.host_task_create(*_layer_args(x, out, ids, weights, experts), id_offset, True)
         self.function_address: int = _ext.host_task_fn()
 
@@ -203,6 +204,41 @@ class HostTask:
         words.zero_()
         _ext.poll_register(self.address, words.data_ptr(), words.data_ptr() + 4)
         self._words = words
+
+    def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
+                    slots_w13: torch.Tensor, slots_w2: torch.Tensor, stream: int, context: int,
+                    word: torch.Tensor, word_device: int) -> None:
+        """Before each run from the doorbell, the poller queues this layer's fetches itself
+        (native/src/dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row
+        copy[i] of both banks into slot copy[n + i] of both slot tensors, as host-to-device copies on
+        `stream` (a CUstream of `context`), then a stream write of 1 to `word` (at `word_device`).
+        Banks: page-locked host tensors [rows, ...]; slots: CUDA tensors [slots, ...] of the same row
+        shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`."""
+        if self._words is not None:
+            _fail("serve_fetch must come before serve_doorbell (the poller reads the fetch unlocked)")
+        if not (copy.dtype == torch.int64 and copy.is_contiguous() and copy.is_pinned() and copy.numel() % 2 == 0
+                and copy.numel() > 0):
+            _fail("copy must be a contiguous page-locked int64 tensor of 2n > 0 elements")
+        if not (word.dtype == torch.int32 and word.numel() == 1 and word.is_pinned()):
+            _fail("word must be one page-locked int32")
+        for bank, slot, name in ((banks_w13, slots_w13, "w13"), (banks_w2, slots_w2, "w2")):
+            if bank.device.type != "cpu" or not bank.is_contiguous() or not slot.is_contiguous() or not slot.is_cuda:
+                _fail(f"{name}: banks must be contiguous host tensors and slots contiguous CUDA tensors")
+            if bank.shape[1:] != slot.shape[1:] or bank.dtype != slot.dtype:
+                _fail(f"{name}: bank rows {tuple(bank.shape[1:])} {bank.dtype} and slots "
+                      f"{tuple(slot.shape[1:])} {slot.dtype} differ")
+        if banks_w13.shape[0] != banks_w2.shape[0] or slots_w13.shape[0] != slots_w2.shape[0]:
+            _fail("the two banks (and the two slot tensors) must have as many rows")
+        row_bytes = [t[0].numel() * t.element_size() for t in (banks_w13, banks_w2)]
+        _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, banks_w13.data_ptr(),
+                                 banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
+                                 row_bytes[1], banks_w13.shape[0], slots_w13.shape[0], stream, context, word_device,
+                                 word.data_ptr())
+        self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
+
+    def fetch(self) -> None:
+        """The task's fetch issued in this thread, as the poller does before each run (a test hook)."""
+        _ext.host_task_fetch(self.address)
 
     def status(self) -> tuple[int, int, str]:
         """(runs, failures, first error message)."""

@@ -56,8 +56,10 @@ class Calibration:
     measured_at: str = ""
     note: str = ""
 
-    def ratio(self) -> float:
-        if self.b_fetch_contended is not None and self.b_cpu_fetch_contended is not None:
+    def ratio(self, fetch: str = "kernel") -> float:
+        """The decode split for a fetch path: "kernel" (the fetch kernel's contended rate B_F' where
+        measured) or "dma" (host-issued copies: the bulk copies' contended rate B_P')."""
+        if fetch == "kernel" and self.b_fetch_contended is not None and self.b_cpu_fetch_contended is not None:
             return fetch_ratio(self.b_fetch_contended, self.b_cpu_fetch_contended, contended=True)
         if self.b_cpu_contended is not None and self.b_pcie_contended is not None:
             return fetch_ratio(self.b_pcie_contended, self.b_cpu_contended, contended=True)

@@ -19,7 +19,12 @@ decoder's residual add does). Per call, on the current stream:
           from host memory) -> out
 
 so the CPU experts run while the GPU fetches and computes: six kernels and three stream memory
-operations per layer, on one stream. The CPU branch is handed to the host by `cpu_branch`:
+operations per layer, on one stream. With fetch="dma" (FREETOKEN_FETCH=dma; doorbell only) there
+is no fetch kernel: the hand-off kernel also writes the copy list into page-locked memory, the
+poller queues the copies on a copy stream of this step (the copy engines: the bulk-copy rate, not
+the SMs' loads) and a stream write of 1 to a per-layer word before it runs the CPU experts; the
+GPU runs the GEMVs of the entries already in slots meanwhile, waits for that word, then runs the
+fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to the host by `cpu_branch`:
 "doorbell" (default: a stream write the native poller thread answers, a stream wait for its
 answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
 its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
 
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
+FETCHES = ("kernel", "dma")
 CPU_BRANCH_SPIN_US = 2000  # native pool workers' idle spin while a GPU step drives them
 PLANS = ("torch", "fused")
 
@@ -74,9 +80,18 @@ def resolve_cpu_branch(name: str | None) -> str:
     return branch
 
 
+def resolve_fetch(name: str | None) -> str:
+    """`name`, else FREETOKEN_FETCH, else "kernel"; ConfigError for an unknown one."""
+    fetch = name or os.environ.get("FREETOKEN_FETCH", "kernel")
+    if fetch not in FETCHES:
+        raise ConfigError(f"unknown expert fetch {fetch!r} (known: {', '.join(FETCHES)})")
+    return fetch
+
+
 class DeviceStep:
     def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
-                 pool: tuple[int, int] | None = None, cpu_branch: str | None = None, plan: str | None = None) -> None:
+                 pool: tuple[int, int] | None = None, cpu_branch: str | None = None, plan: str | None = None,
+                 fetch: str | None = None) -> None:
         from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
         from native.ftnative import set_worker_spin_us, worker_spin_us
 
@@ -104,6 +119,19 @@ class DeviceStep:
         # a host node blocks its stream while the task runs: "hostfunc" gets a stream of its own
         self.side = torch.cuda.Stream(device=dev) if self.cpu_branch == "hostfunc" else None
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
+        self.fetch = resolve_fetch(fetch)
+        self.copy_stream: torch.cuda.Stream | None = None
+        self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
+        if self.fetch == "dma":
+            if self.cpu_branch != "doorbell":
+                raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
+            from engine.gpu.host_fn import current_context
+
+            self.copy_stream = torch.cuda.Stream(device=dev)
+            # shared by the layers like the other staging buffers: the poller has read a layer's
+            # list before it answers, and the next layer's hand-off waits for that answer
+            self.copy_h = torch.full((2 * self.copies,), -1, dtype=torch.int64, pin_memory=True)
+            self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
@@ -125,6 +153,14 @@ class DeviceStep:
             experts = self.ex.cpu_executor.experts  # type: ignore[attr-defined]
             task = HostTask(self.x_h, self.ids_h, self.w_h, experts, self.out_h,
                             id_offset=layer * self.ex.banks.num_experts)
+            if self.fetch == "dma":
+                assert self.copy_stream is not None
+                ex = self.ex
+                fetched = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                address = device_address(fetched)
+                task.serve_fetch(self.copy_h, ex.banks.w13, ex.banks.w2, ex.slots.w13, ex.slots.w2,
+                                 self.copy_stream.cuda_stream, self._context, fetched, address)
+                self._fetched[layer] = (fetched, address)
             if self.cpu_branch == "doorbell":
                 words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
                 task.serve_doorbell(words)
@@ -143,7 +179,12 @@ class DeviceStep:
         kernels = self._kernels
         # the CPU's inputs leave before the fetch starts (PCIe reads would delay them), written into
         # the page-locked buffers by one kernel
-        kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h)
+        dma = self.fetch == "dma"
+        if dma:  # the copy list goes to the host with the CPU's inputs
+            kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, plan.copy_src[:self.copies],
+                             plan.copy_dst[:self.copies], self.copy_h)
+        else:
+            kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h)
         main = torch.cuda.current_stream()
         if self.cpu_branch == "doorbell":
             # everything on one stream: the ring follows the hand-off (its write fences the
@@ -153,9 +194,16 @@ class DeviceStep:
             assert self.side is not None
             self.side.wait_stream(main)
             launch_host_task(task, self.side)
-        kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
-                              ex.banks.w2, ex.slots.w13, ex.slots.w2)
-        rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
+        if dma:
+            # the entries already in slots run while the copies fly; the fetched ones once the
+            # poller's word says the copies have landed
+            word = self._fetched[layer][1]
+            rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
+                                       lambda: wait_done(main, word))
+        else:
+            kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
+                                  ex.banks.w2, ex.slots.w13, ex.slots.w2)
+            rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
         if self.cpu_branch == "doorbell":
             wait_done(main, self._doorbells[layer][1] + 4)
         else:

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_plan
+from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_fetch, resolve_plan
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
@@ -128,7 +129,7 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
-                 cpu_branch: str | None = None, plan: str | None = None) -> None:
+                 cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None) -> None:
         table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
@@ -142,6 +143,9 @@ class CachedExpertExecutor:
         self.graphs = graphs
         self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
         self.plan = resolve_plan(plan)  # likewise FREETOKEN_PLAN
+        self.fetch = resolve_fetch(fetch)  # and FREETOKEN_FETCH
+        if self.fetch == "dma" and self.cpu_branch != "doorbell":
+            raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._graph_pool: tuple[int, int] | None = None
@@ -162,7 +166,8 @@ class CachedExpertExecutor:
 
     def describe(self) -> str:
         steps = "off" if not self.step_tokens else ("CUDA graphs" if self.graphs else "eager")
-        return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}; "
+        fetch = "" if self.fetch == "kernel" else f" ({self.fetch})"
+        return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}{fetch}; "
                 f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
@@ -228,7 +233,8 @@ class CachedExpertExecutor:
         if step is None:
             if self.graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch, self.plan)
+            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch, self.plan,
+                              self.fetch)
             self._steps[tokens] = step
         return step
 
@@ -276,10 +282,10 @@ class _Done:
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
                            graphs: bool = True, cpu_branch: str | None = None,
-                           plan: str | None = None) -> CachedExpertExecutor:
+                           plan: str | None = None, fetch: str | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
     slots = ExpertSlots.from_budget(banks, budget_bytes, device)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
-                                graphs=graphs, cpu_branch=cpu_branch, plan=plan)
+                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch)

@@ -63,6 +63,22 @@ def _host_device_pointer() -> Any:
                argtypes=[ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint])
 
 
+@functools.cache
+def _current_context() -> Any:
+    return _fn("cuCtxGetCurrent", argtypes=[ctypes.POINTER(ctypes.c_void_p)])
+
+
+def current_context() -> int:
+    """This thread's CUDA context (torch's primary context once CUDA is initialised): the native
+    poller makes it current before it issues copies (FREETOKEN_FETCH=dma)."""
+    torch.cuda.init()
+    out = ctypes.c_void_p()
+    _check(_current_context()(ctypes.byref(out)), "cuCtxGetCurrent")
+    if not out.value:
+        raise RuntimeError("no current CUDA context")
+    return out.value
+
+
 def _check(err: int, what: str) -> None:
     if err != 0:
         raise RuntimeError(f"{what} failed with CUDA driver error {err}")

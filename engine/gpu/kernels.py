@@ -19,8 +19,9 @@ Contract:
   size. Meant for decode-sized batches (GEMV per entry); prefill uses GEMMs (engine/gpu/grouped.py).
   Its two halves: `expert_rows` (the weighted rows per entry) and `combine_experts` (their ordered
   sum per token, plus the CPU branch's part when given, in one launch).
-- `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h)`: the CPU branch's inputs written into
-  page-locked host buffers by one kernel (what were a select, a cast and three copies).
+- `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h[, copy_src, copy_dst, copy_h])`: the CPU
+  branch's inputs written into page-locked host buffers by one kernel (what were a select, a cast
+  and three copies), and the copy list with them when the host issues the fetch (FREETOKEN_FETCH=dma).
 - `gather_rows(ids, table) -> [N, H]` on ids' device: table[ids] read from a page-locked host table
   through its device mapping (the token embedding under a GPU memory cap: one row per token
   crosses PCIe, inside the decode graph). Ids are validated by the engine; one out of range gives
@@ -30,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -37,6 +39,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 _FETCH_BLOCK = 4096
+# libdevice's exp (expf's accuracy, as the reference's silu) where a GPU compiles the kernels;
+# Triton's interpreter has no libdevice and its tl.exp is numpy's
+_LIBDEVICE_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 _FETCH_CTAS = int(os.environ.get("FREETOKEN_FETCH_CTAS", "64"))  # read once: fetch_experts runs every layer
 
 
@@ -73,74 +78,104 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, H, INTER, K: tl.constexpr, BLOCK_I: tl.constexpr,
-                    BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False):
+def _phase_slot(slot_ptr, dst_ptr, e, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
+    """Entry e's slot for this phase, and whether the phase writes the entry: PHASE 0 every entry;
+    1 the entries whose slot is not being fetched (a fetched one reads as -1: zeros for now);
+    2 only the fetched ones (dst_ptr[:COPIES]: the copy list's destinations, -1 padded)."""
+    s = tl.load(slot_ptr + e)
+    go = s == s
+    if PHASE != 0:
+        c = tl.arange(0, COPIES_P)
+        dst = tl.load(dst_ptr + c, mask=c < COPIES, other=-1)
+        fetched = (tl.sum((dst == s).to(tl.int32), axis=0) > 0) & (s >= 0)
+        if PHASE == 1:
+            s = tl.where(fetched, -1, s)
+        else:
+            go = fetched
+    return s, go
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
+                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False,
+                    PHASE: tl.constexpr = 0, COPIES: tl.constexpr = 1, COPIES_P: tl.constexpr = 1):
     # REDUCE_ONCE: accumulate a [BLOCK_I, BLOCK_H] tile and reduce it after the loop instead of
     # across lanes every step (evals/gpu/gemv_probe.py times both; expert_rows uses the faster)
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rmask = rows < INTER
-    s = tl.load(slot_ptr + e)
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
     out_ty = h_ptr.dtype.element_ty
-    if s < 0:
-        tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=out_ty), mask=rmask)
-    else:
-        t = e // K
-        base = w13_ptr + s.to(tl.int64) * (2 * INTER * H)
-        acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        tile_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-        tile_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = cols < H
-            xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            m = rmask[:, None] & cmask[None, :]
-            wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if go:
+        if s < 0:
+            tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=out_ty), mask=rmask)
+        else:
+            t = e // K
+            base = w13_ptr + s.to(tl.int64) * (2 * INTER * H)
+            acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+            tile_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
+            tile_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cmask = cols < H
+                xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
+                m = rmask[:, None] & cmask[None, :]
+                wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                if REDUCE_ONCE:
+                    tile_g += wg * xv[None, :]
+                    tile_u += wu * xv[None, :]
+                else:
+                    acc_g += tl.sum(wg * xv[None, :], axis=1)
+                    acc_u += tl.sum(wu * xv[None, :], axis=1)
             if REDUCE_ONCE:
-                tile_g += wg * xv[None, :]
-                tile_u += wu * xv[None, :]
+                acc_g = tl.sum(tile_g, axis=1)
+                acc_u = tl.sum(tile_u, axis=1)
+            # round where the reference rounds: F.linear outputs, silu, the product
+            g = acc_g.to(out_ty).to(tl.float32)
+            u = acc_u.to(out_ty).to(tl.float32)
+            if _LIBDEVICE_EXP:
+                a = (g / (1.0 + libdevice.exp(-g))).to(out_ty).to(tl.float32)
             else:
-                acc_g += tl.sum(wg * xv[None, :], axis=1)
-                acc_u += tl.sum(wu * xv[None, :], axis=1)
-        if REDUCE_ONCE:
-            acc_g = tl.sum(tile_g, axis=1)
-            acc_u = tl.sum(tile_u, axis=1)
-        # round where the reference rounds: F.linear outputs, silu, the product
-        g = acc_g.to(out_ty).to(tl.float32)
-        u = acc_u.to(out_ty).to(tl.float32)
-        a = (g / (1.0 + libdevice.exp(-g))).to(out_ty).to(tl.float32)
-        tl.store(h_ptr + e * INTER + rows, (a * u).to(out_ty), mask=rmask)
+                a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            tl.store(h_ptr + e * INTER + rows, (a * u).to(out_ty), mask=rmask)
 
 
 @triton.jit
-def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, H, INTER, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                 BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, PHASE: tl.constexpr = 0, COPIES: tl.constexpr = 1,
+                 COPIES_P: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < H
-    s = tl.load(slot_ptr + e)
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
     out_ty = y_ptr.dtype.element_ty
-    if s < 0:
-        tl.store(y_ptr + e * H + rows, tl.zeros((BLOCK_O,), dtype=out_ty), mask=rmask)
-    else:
-        base = w2_ptr + s.to(tl.int64) * (H * INTER)
-        acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < INTER
-            hv = tl.load(h_ptr + e * INTER + cols, mask=cmask, other=0.0).to(tl.float32)
-            w = tl.load(base + rows[:, None] * INTER + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], axis=1)
-        y = acc.to(out_ty).to(tl.float32)
-        wt = tl.load(w_ptr + e).to(tl.float32)
-        tl.store(y_ptr + e * H + rows, (y * wt).to(out_ty), mask=rmask)
+    if go:
+        if s < 0:
+            tl.store(y_ptr + e * H + rows, tl.zeros((BLOCK_O,), dtype=out_ty), mask=rmask)
+        else:
+            base = w2_ptr + s.to(tl.int64) * (H * INTER)
+            acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < INTER
+                hv = tl.load(h_ptr + e * INTER + cols, mask=cmask, other=0.0).to(tl.float32)
+                w = tl.load(base + rows[:, None] * INTER + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(w * hv[None, :], axis=1)
+            y = acc.to(out_ty).to(tl.float32)
+            wt = tl.load(w_ptr + e).to(tl.float32)
+            tl.store(y_ptr + e * H + rows, (y * wt).to(out_ty), mask=rmask)
 
 
 def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots_w13: torch.Tensor,
-                slots_w2: torch.Tensor) -> torch.Tensor:
-    """[N * k, H]: entry e's weight * expert(x[e // k]) read from its slot, zeros for entries without one."""
+                slots_w2: torch.Tensor, copy_dst: torch.Tensor | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
+    """[N * k, H]: entry e's weight * expert(x[e // k]) read from its slot, zeros for entries without one.
+    With `copy_dst` (the slots a fetch is filling) and `between` (what waits for that fetch: a
+    stream wait), the entries in other slots run first, then `between()`, then the fetched ones:
+    the same rows, the hits computed while the copies are in flight."""
     n, hidden = x.shape
     k = slot_ids.shape[1]
     inter = slots_w2.shape[2]
@@ -149,15 +184,26 @@ def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     slot_flat = slot_ids.reshape(-1).contiguous()
     y = torch.empty(entries, hidden, dtype=x.dtype, device=x.device)
     if slots_w13.shape[0] == 0:
+        if between is not None:
+            between()
         return y.zero_()
     h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
-    # a [16, 128] tile reduced once after the loop: 15 us per Qwen3.6 / Qwen3 layer at batch 1 on the
-    # H200 against 21 / 18 us for [16, 256] reduced every step (evals/gpu/gemv_probe.py, sixth session)
-    _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, hidden, inter, K=k, BLOCK_I=16,
-                                                        BLOCK_H=128, REDUCE_ONCE=True, num_warps=4)
     w = weights.reshape(-1).to(x.dtype).contiguous()
-    _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, hidden, inter, BLOCK_O=16,
-                                                      BLOCK_K=256, num_warps=4)
+    split = copy_dst is not None and between is not None
+    dst = copy_dst.contiguous() if split else slot_flat  # unused in phase 0
+    copies = dst.numel() if split else 1
+    for phase in ((1, 2) if split else (0,)):
+        if phase == 2:
+            between()
+        # a [16, 128] tile reduced once after the loop: 15 us per Qwen3.6 / Qwen3 layer at batch 1 on
+        # the H200 against 21 / 18 us for [16, 256] reduced every step (evals/gpu/gemv_probe.py)
+        _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, dst, hidden, inter, K=k,
+                                                            BLOCK_I=16, BLOCK_H=128, REDUCE_ONCE=True, PHASE=phase,
+                                                            COPIES=copies, COPIES_P=triton.next_power_of_2(copies),
+                                                            num_warps=4)
+        _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, dst, hidden, inter, BLOCK_O=16,
+                                                          BLOCK_K=256, PHASE=phase, COPIES=copies,
+                                                          COPIES_P=triton.next_power_of_2(copies), num_warps=4)
     return y
 
 
@@ -207,8 +253,9 @@ def slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, wei
 
 
 @triton.jit
-def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, H: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, src_ptr, dst_ptr, copy_h, H: tl.constexpr,
+                    K: tl.constexpr, K_P: tl.constexpr, BLOCK_H: tl.constexpr, COPIES: tl.constexpr = 0,
+                    COPIES_P: tl.constexpr = 1):
     t = tl.program_id(0)
     for h0 in tl.static_range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
@@ -220,17 +267,33 @@ def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, H: tl.cons
     slot = tl.load(slot_ptr + t * K + j, mask=m)
     tl.store(ids_h + t * K + j, tl.where(slot < 0, ids, -1), mask=m)
     tl.store(w_h + t * K + j, tl.load(w_ptr + t * K + j, mask=m).to(tl.float32), mask=m)
+    if COPIES > 0:  # noqa: SIM102 - a constexpr test: without a copy list the block is not compiled
+        if t == 0:
+            c = tl.arange(0, COPIES_P)
+            cm = c < COPIES
+            tl.store(copy_h + c, tl.load(src_ptr + c, mask=cm), mask=cm)
+            tl.store(copy_h + COPIES + c, tl.load(dst_ptr + c, mask=cm), mask=cm)
 
 
 def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, x_h: torch.Tensor,
-             ids_h: torch.Tensor, w_h: torch.Tensor) -> None:
+             ids_h: torch.Tensor, w_h: torch.Tensor, copy_src: torch.Tensor | None = None,
+             copy_dst: torch.Tensor | None = None, copy_h: torch.Tensor | None = None) -> None:
     """The CPU branch's inputs written straight into its page-locked host buffers (through their
     device mapping) in one launch: x_h = x, ids_h = ids where the entry has no slot else -1,
-    w_h = weights as float32. The stream's next memory operation (the doorbell's write, which
-    fences) orders these writes before it."""
+    w_h = weights as float32, and with a copy list, copy_h[:n] = copy_src, copy_h[n:2n] = copy_dst
+    (n = copy_src.numel(): the host-issued fetch reads it). The stream's next memory operation (the
+    doorbell's write, which fences) orders these writes before it."""
     n, k = ids.shape
+    copies = 0 if copy_src is None else copy_src.numel()
+    if copies:
+        assert copy_dst is not None and copy_h is not None and copy_dst.numel() == copies
+        assert copy_h.numel() == 2 * copies and copy_h.dtype == torch.int64
+    else:
+        copy_src = copy_dst = copy_h = ids_h  # unused placeholders (COPIES = 0)
     _handoff_kernel[(n,)](x.contiguous(), ids.contiguous(), slot_ids.contiguous(), weights.contiguous(), x_h, ids_h,
-                          w_h, H=x.shape[1], K=k, K_P=triton.next_power_of_2(k), BLOCK_H=1024, num_warps=4)
+                          w_h, copy_src.contiguous(), copy_dst.contiguous(), copy_h, H=x.shape[1], K=k,
+                          K_P=triton.next_power_of_2(k), BLOCK_H=1024, COPIES=copies,
+                          COPIES_P=triton.next_power_of_2(max(copies, 1)), num_warps=4)
 
 
 @triton.jit

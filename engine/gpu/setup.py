@@ -85,18 +85,21 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
                            threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
     threads = opts.threads or load_native().physical_cores()
+    from engine.gpu.device_step import resolve_fetch
+
+    fetch = resolve_fetch(None)  # host-issued copies move at the bulk-copy rate, the fetch kernel at B_F
     path = Path(opts.calibration_file) if opts.calibration_file else None
     if path is not None:
         cal = load(path, machine_key(spec, threads, True))
         if cal is not None:
-            return cal.ratio()
+            return cal.ratio(fetch)
     log.warning("no stored B_P / B_C for this machine: measuring them now (a few seconds)")
     cal = calibrate(spec)
     if path is not None:
         save(path, cal)
     log.warning("measured B_C %.1f GB/s, B_P %s GB/s, decode fetch B_F %s GB/s -> fetch ratio %.2f", cal.b_cpu,
-                cal.b_pcie, cal.b_fetch, cal.ratio())
-    return cal.ratio()
+                cal.b_pcie, cal.b_fetch, cal.ratio(fetch))
+    return cal.ratio(fetch)
 
 
 def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:

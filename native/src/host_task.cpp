@@ -29,3 +29,16 @@ extern "C" void ft_host_task_run(void* task) noexcept {
                             .count(),
                         std::memory_order_relaxed);
 }
+
+void ft_host_task_fetch(void* task) noexcept {
+    auto* t = static_cast<ft::HostTask*>(task);
+    if (!t->fetch) return;
+    std::string error = ft::dma_fetch_issue(*t->fetch);
+    if (error.empty()) return;
+    try {
+        std::lock_guard<std::mutex> lock(t->error_mutex);
+        if (t->failures.fetch_add(1) == 0) t->error = std::move(error);
+    } catch (...) {
+        t->failures.fetch_add(1);
+    }
+}

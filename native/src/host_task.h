@@ -6,9 +6,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
+#include "dma_fetch.h"
 #include "moe_layer.h"
 
 namespace ft {
@@ -18,11 +20,16 @@ struct HostTask {
     std::atomic<int64_t> runs{0}, failures{0};
     std::mutex error_mutex;
     std::string error;  // the first failure's message
+    std::unique_ptr<DmaFetch> fetch;  // set before the task is registered with the poller, or never
 };
 
 }  // namespace ft
 
 extern "C" void ft_host_task_run(void* task) noexcept;
+// The task's host-issued fetch (dma_fetch.h), when it has one: the poller calls it before
+// ft_host_task_run. Never from a CUDA host node (no driver calls are allowed there). A failure is
+// counted and kept as the task's error, like a failed run.
+void ft_host_task_fetch(void* task) noexcept;
 // Nanoseconds spent inside ft_host_task_run since the process started, every task together: the
 // CPU branch's in-situ time (under the PCIe traffic it overlaps), which benchmarks set against
 // the step's wall time.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,29 @@ uintptr_t host_task_create(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out
     return reinterpret_cast<uintptr_t>(t);
 }
 
+// Gives a task a host-issued fetch (see dma_fetch.h); before the task serves a doorbell.
+void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t bank13, uintptr_t bank2,
+                         uintptr_t slot13, uintptr_t slot2, int64_t bytes13, int64_t bytes2, int64_t rows,
+                         int64_t slots, uintptr_t stream, uintptr_t context, uintptr_t word_device,
+                         uintptr_t word_host) {
+    auto f = std::make_unique<DmaFetch>();
+    f->copy = reinterpret_cast<const int64_t*>(copy);
+    f->n = n;
+    f->bank13 = bank13;
+    f->bank2 = bank2;
+    f->slot13 = slot13;
+    f->slot2 = slot2;
+    f->bytes13 = static_cast<uint64_t>(bytes13);
+    f->bytes2 = static_cast<uint64_t>(bytes2);
+    f->rows = rows;
+    f->slots = slots;
+    f->stream = reinterpret_cast<void*>(stream);
+    f->context = reinterpret_cast<void*>(context);
+    f->word_device = word_device;
+    f->word_host = reinterpret_cast<volatile uint32_t*>(word_host);
+    reinterpret_cast<HostTask*>(task)->fetch = std::move(f);
+}
+
 py::tuple host_task_status(uintptr_t task) {
     auto* t = reinterpret_cast<HostTask*>(task);
     std::lock_guard<std::mutex> lock(t->error_mutex);
@@ -121,6 +145,9 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },
           py::call_guard<py::gil_scoped_release>(), "Run a prepared call in this thread.");
     m.def("host_task_status", &host_task_status, "(runs, failures, first error message)");
+    m.def("host_task_set_fetch", &host_task_set_fetch, "Give a task a host-issued fetch (see native/src/dma_fetch.h).");
+    m.def("host_task_fetch", [](uintptr_t t) { ft_host_task_fetch(reinterpret_cast<void*>(t)); },
+          py::call_guard<py::gil_scoped_release>(), "Issue a task's fetch in this thread (as the poller does).");
     m.def("poll_register", [](uintptr_t task, uintptr_t request, uintptr_t done) {
         poll_register(reinterpret_cast<void*>(task), reinterpret_cast<volatile uint32_t*>(request),
                       reinterpret_cast<volatile uint32_t*>(done));

@@ -44,6 +44,7 @@ void loop() {
             if (*e.request == 0) continue;
             std::atomic_thread_fence(std::memory_order_acquire);  // the GPU's copies landed before the doorbell
             *e.request = 0;
+            ft_host_task_fetch(e.task);  // the layer's fetches first: the copy engines start at once
             ft_host_task_run(e.task);
             std::atomic_thread_fence(std::memory_order_release);  // the output is written before done
             *e.done = 1;

@@ -130,3 +130,56 @@ def test_doorbell_poller_runs_the_task_when_rung(ft):
     words[0] = 1
     time.sleep(0.01)
     assert int(words[0]) == 1
+
+
+def _driver_present() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_driver_present(), reason="the failure path needs a machine without the CUDA driver")
+def test_host_issued_fetch_without_a_driver_fails_loudly_and_releases_the_gpu(ft):
+    """The poller issues a task's fetch (FREETOKEN_FETCH=dma, native/src/dma_fetch.h) before its run;
+    where the driver cannot be opened the fetch fails: the word the GPU would wait on is written
+    from the host (nothing hangs), the CPU experts still run, and check() raises the reason. (The
+    copies themselves: tests/engine/gpu_cache/test_device_step_cuda.py, on the GPU machine.)"""
+    import time
+
+    bank = _bank(6, 32, 16, torch.float32)
+    x, ids, w = torch.randn(1, 32), torch.tensor([[1, 4]]), torch.rand(1, 2)
+    out = torch.zeros(1, 32)
+    task = ft.HostTask(x, ids, w, bank, out)
+    copy = torch.tensor([3, -1, 0, 0], dtype=torch.int64)  # row 3 -> slot 0, then padding
+    word = torch.zeros(1, dtype=torch.int32)
+    ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), 2, bank.w13.data_ptr(), bank.w2.data_ptr(), 0, 0,
+                                bank.w13[0].numel() * 4, bank.w2[0].numel() * 4, 6, 1, 0, 0, 0, word.data_ptr())
+    words = torch.zeros(2, dtype=torch.int32)
+    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    task.serve_doorbell(words)
+    words[0] = 1
+    deadline = time.monotonic() + 5
+    while int(words[1]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert int(words[1]) == 1 and int(word[0]) == 1
+    assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 0))
+    with pytest.raises(RuntimeError, match="libcuda"):
+        task.check()
+
+
+def test_serve_fetch_checks_its_buffers(ft):
+    bank = _bank(6, 32, 16, torch.float32)
+    task = ft.HostTask(torch.randn(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), bank,
+                       torch.empty(1, 32))
+    word = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page-locked int64"):  # not page-locked (and no CUDA here)
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)
+    words = torch.zeros(2, dtype=torch.int32)
+    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    task.serve_doorbell(words)
+    with pytest.raises(ValueError, match="before serve_doorbell"):
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)

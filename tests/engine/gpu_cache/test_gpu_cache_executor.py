@@ -242,7 +242,7 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
     assert cached.table.invariant_errors() == [] and cached.stats.calls > 0  # decode went through the plan
 
 
-def test_unknown_cpu_branch_or_plan_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_cpu_branch_plan_or_fetch_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from engine.errors import ConfigError
 
     banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
@@ -257,6 +257,12 @@ def test_unknown_cpu_branch_or_plan_is_refused_at_construction(monkeypatch) -> N
     monkeypatch.setenv("FREETOKEN_PLAN", "fast")
     with pytest.raises(ConfigError, match="'fast'"):
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+    monkeypatch.delenv("FREETOKEN_PLAN")
+    with pytest.raises(ConfigError, match="unknown expert fetch 'copy'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="copy")
+    with pytest.raises(ConfigError, match="needs the doorbell"):  # the host node cannot call the driver
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma",
+                               cpu_branch="hostfunc")
 
 
 def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]

@@ -1,5 +1,6 @@
 """The decode step's hand-off and combine kernels (engine/gpu/kernels.py):
-- `hand_off` writes exactly x, the CPU's ids (-1 where the entry has a slot) and float32 weights;
+- `hand_off` writes exactly x, the CPU's ids (-1 where the entry has a slot) and float32 weights,
+  and the copy list (sources, then destinations) when given one;
 - `combine_experts` sums each token's rows in ascending expert id, rounded after every add, then
   adds the CPU's part: bit for bit the reference's torch ops (a rank, a scatter, k adds, one more
   add) in float32 and float16 (and bf16 on CUDA; Triton's interpreter truncates bf16 casts, so
@@ -70,6 +71,16 @@ def check(device: str, dtypes: tuple[torch.dtype, ...], exact_bf16: bool) -> Non
             assert torch.equal(x_h, x.cpu())
             assert torch.equal(ids_h, torch.where(slot_ids < 0, ids, -1).cpu())
             assert torch.equal(w_h, w.float().cpu())
+            # with the copy list for a host-issued fetch: the same, plus (src, dst) in one buffer
+            copies = n * k
+            src = torch.randint(-1, 50, (copies,), generator=g).to(device)
+            dst = torch.randint(0, 9, (copies,), generator=g).to(device)
+            copy_h = torch.full((2 * copies,), -7, dtype=torch.int64, pin_memory=pin)
+            x_h.zero_()
+            hand_off(x, ids, slot_ids, w, x_h, ids_h, w_h, src, dst, copy_h)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert torch.equal(x_h, x.cpu()) and torch.equal(copy_h, torch.cat([src, dst]).cpu())
     assert cases == 2 * 5 * len(dtypes)
 
 
@@ -131,16 +142,18 @@ def test_step_kernels_compile_for_hopper() -> None:
         assert ("ld.volatile.global" in ptx) == has_cpu
         assert ".local" not in ptx
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": "*bf16", "x_h": "*bf16", "ids_h": "*i64",
-           "w_h": "*fp32"}
-    consts = {"H": 2048, "K": 8, "K_P": 8, "BLOCK_H": 1024}
-    src = ASTSource(fn=kernels._handoff_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
-                    constexprs=consts)
-    assert "st.global" in triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+           "w_h": "*fp32", "src_ptr": "*i64", "dst_ptr": "*i64", "copy_h": "*i64"}
+    for copies in (0, 8):  # without and with the copy list of a host-issued fetch
+        consts = {"H": 2048, "K": 8, "K_P": 8, "BLOCK_H": 1024, "COPIES": copies, "COPIES_P": max(copies, 1)}
+        src = ASTSource(fn=kernels._handoff_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+                        constexprs=consts)
+        assert "st.global" in triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
     # the gate/up GEMV both ways: the REDUCE_ONCE form is another program, without spills
-    sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "H": "i32", "INTER": "i32"}
+    sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "dst_ptr": "*i64"}
     ptx = {}
     for once in (False, True):  # each at the block shape it runs (expert_rows; the probe's former default)
-        consts = {"K": 8, "BLOCK_I": 16, "BLOCK_H": 128 if once else 256, "REDUCE_ONCE": once}
+        consts = {"H": 2048, "INTER": 768, "K": 8, "BLOCK_I": 16, "BLOCK_H": 128 if once else 256,
+                  "REDUCE_ONCE": once}
         src = ASTSource(fn=kernels._gate_up_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                         constexprs=consts)
         ptx[once] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
@@ -166,8 +179,8 @@ def test_gate_up_reduce_once_matches_the_default() -> None:
     for once, bi, bh, warps in ((False, 16, 256, 4), (True, 16, 128, 4), (True, 16, 256, 4), (True, 8, 512, 4),
                                 (True, 32, 128, 8)):
         h = torch.full((k, inter), float("nan"), device="cuda")
-        _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, hidden, inter, K=k, BLOCK_I=bi, BLOCK_H=bh,
-                                                     REDUCE_ONCE=once, num_warps=warps)
+        _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, slot_ids, hidden, inter, K=k, BLOCK_I=bi,
+                                                     BLOCK_H=bh, REDUCE_ONCE=once, num_warps=warps)
         outs.append(h)
     assert torch.all(outs[0][slot_ids < 0] == 0)
     for h in outs[1:]:

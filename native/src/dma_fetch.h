@@ -1,0 +1,33 @@
+// Host-issued expert fetches for the doorbell CPU branch (FREETOKEN_FETCH=dma): when a layer's
+// doorbell rings, the poller first reads the layer's copy list (bank row, slot) from page-locked
+// memory, queues each fetched expert's two host-to-device copies on a copy stream (the copy
+// engines move host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it)
+// and a stream write of 1 to a page-locked word that the GPU's stream waits on, then runs the
+// layer's CPU experts. The CUDA driver is opened with dlopen on first use: the library builds and
+// loads on machines without CUDA, and only a task that is given a fetch needs the driver.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ft {
+
+struct DmaFetch {
+    const int64_t* copy = nullptr;  // [2 * n]: n bank rows (-1 = nothing to copy), then n slots
+    int64_t n = 0;
+    uint64_t bank13 = 0, bank2 = 0;  // host addresses of the page-locked expert banks (row 0)
+    uint64_t slot13 = 0, slot2 = 0;  // device addresses of the slot tensors (slot 0)
+    uint64_t bytes13 = 0, bytes2 = 0;  // one row / slot of each
+    int64_t rows = 0, slots = 0;  // bounds: a bank row or slot outside them is an error, never a copy
+    void* stream = nullptr;  // CUstream of the copies
+    void* context = nullptr;  // CUcontext the stream belongs to (made current on the poller thread)
+    uint64_t word_device = 0;  // the page-locked word the GPU waits on: its device address
+    volatile uint32_t* word_host = nullptr;  // and its host address (written directly on failure)
+};
+
+// Queues the copies and the word's write; returns "" or the reason it could not (then the word is
+// written from the host, so the GPU never waits forever; the slots may hold stale rows: the caller
+// records the failure and the step raises it).
+std::string dma_fetch_issue(const DmaFetch& f) noexcept;
+
+}  // namespace ft
