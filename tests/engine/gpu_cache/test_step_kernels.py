@@ -153,12 +153,23 @@ def test_step_kernels_compile_for_hopper() -> None:
     ptx = {}
     for once in (False, True):  # each at the block shape it runs (expert_rows; the probe's former default)
         consts = {"H": 2048, "INTER": 768, "K": 8, "BLOCK_I": 16, "BLOCK_H": 128 if once else 256,
-                  "REDUCE_ONCE": once}
+                  "REDUCE_ONCE": once, "PHASE": 0, "COPIES": 1, "COPIES_P": 1}
         src = ASTSource(fn=kernels._gate_up_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                         constexprs=consts)
         ptx[once] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
         assert ".local" not in ptx[once]
     assert ptx[False] != ptx[True]
+    # both slot GEMVs in each phase of a split around a host-issued fetch (PHASE 1: the entries not
+    # being fetched, 2: the fetched ones): they compile, without spills
+    sig2 = {"h_ptr": "*bf16", "slot_ptr": "*i64", "w2_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "dst_ptr": "*i64"}
+    for phase in (1, 2):
+        split = {"PHASE": phase, "COPIES": 8, "COPIES_P": 8}
+        for fn, signature, consts in (
+                (kernels._gate_up_kernel, sig, {"H": 2048, "INTER": 512, "K": 8, "BLOCK_I": 16, "BLOCK_H": 128,
+                                                "REDUCE_ONCE": True, **split}),
+                (kernels._down_kernel, sig2, {"H": 2048, "INTER": 512, "BLOCK_O": 16, "BLOCK_K": 256, **split})):
+            src = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+            assert ".local" not in triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
 
 
 @pytest.mark.gpu
