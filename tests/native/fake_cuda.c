@@ -1,0 +1,38 @@
+/* A stand-in for libcuda.so.1 with the three driver calls native/src/dma_fetch.cpp makes, for
+   tests on machines without a GPU (tests/native/test_dma_fetch.py): "device" addresses are host
+   addresses, an asynchronous copy is a memcpy, a stream write a store. It records the calls so
+   the test can check what the poller asked of the driver. */
+#include <stdint.h>
+#include <string.h>
+
+static void* g_ctx;
+static void* g_stream;
+static int g_copies;
+static int g_writes;
+static int g_fail_copy_at = -1; /* the n-th copy (from 0) returns an error */
+
+int cuCtxSetCurrent(void* ctx) {
+    g_ctx = ctx;
+    return 0;
+}
+
+int cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t bytes, void* stream) {
+    if (g_copies == g_fail_copy_at) return 700; /* CUDA_ERROR_ILLEGAL_ADDRESS */
+    g_copies++;
+    g_stream = stream;
+    memcpy((void*)(uintptr_t)dst, src, bytes);
+    return 0;
+}
+
+int cuStreamWriteValue32_v2(void* stream, uint64_t addr, uint32_t value, unsigned flags) {
+    g_writes++;
+    g_stream = stream;
+    *(volatile uint32_t*)(uintptr_t)addr = value;
+    return 0;
+}
+
+void* fake_ctx(void) { return g_ctx; }
+void* fake_stream(void) { return g_stream; }
+int fake_copies(void) { return g_copies; }
+int fake_writes(void) { return g_writes; }
+void fake_fail_copy_at(int n) { g_fail_copy_at = n; }

@@ -1,0 +1,120 @@
+"""The poller's host-issued fetch (native/src/dma_fetch.cpp, FREETOKEN_FETCH=dma) against a stand-in
+for the CUDA driver (tests/native/fake_cuda.c, built here with the C compiler and found first on the
+library path of a child process): for each copy-list entry with a bank row the two expert tensors'
+rows land in the listed slot, padding is skipped, the word is written after the copies (through the
+driver, on the task's stream, with the task's context made current), and the poller does all of it
+before running the layer's CPU experts; an entry outside the banks or slots, or a copy the driver
+refuses, fails the task (check() raises) and still writes the word, so the GPU's wait ends.
+The same on a GPU: tests/engine/gpu_cache/test_device_step_cuda.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _child() -> None:
+    import ctypes
+    import time
+
+    import torch
+
+    import native.ftnative as ft
+    from native.formats import ExpertWeights
+
+    fake = ctypes.CDLL("libcuda.so.1")  # the stand-in: the same library the native code opens
+    fake.fake_ctx.restype = fake.fake_stream.restype = ctypes.c_void_p
+    g = torch.Generator().manual_seed(3)
+    rows, slots, hidden, inter = 6, 3, 32, 16
+    w13 = torch.randn(rows, 2 * inter, hidden, generator=g)
+    w2 = torch.randn(rows, hidden, inter, generator=g)
+    bank = ExpertWeights("f32", w13, w2)
+    s13 = torch.full((slots, 2 * inter, hidden), -1.0)
+    s2 = torch.full((slots, hidden, inter), -1.0)
+    x, ids, w = torch.randn(1, hidden, generator=g), torch.tensor([[1, 4]]), torch.rand(1, 2)
+    out = torch.zeros(1, hidden)
+
+    def task_with(copy: torch.Tensor, word: torch.Tensor) -> ft.HostTask:
+        task = ft.HostTask(x, ids, w, bank, out)
+        ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), copy.numel() // 2, w13.data_ptr(), w2.data_ptr(),
+                                    s13.data_ptr(), s2.data_ptr(), w13[0].numel() * 4, w2[0].numel() * 4, rows,
+                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr())
+        return task
+
+    # direct: rows 5 -> slot 2, 0 -> slot 0, padding
+    copy = torch.tensor([5, -1, 0, 2, 0, 0], dtype=torch.int64)
+    word = torch.zeros(1, dtype=torch.int32)
+    task = task_with(copy, word)
+    task.fetch()
+    task.check()
+    assert torch.equal(s13[2], w13[5]) and torch.equal(s2[2], w2[5])
+    assert torch.equal(s13[0], w13[0]) and torch.equal(s2[0], w2[0])
+    assert bool((s13[1] == -1).all()) and bool((s2[1] == -1).all())  # untouched
+    assert int(word[0]) == 1 and fake.fake_copies() == 4 and fake.fake_writes() == 1
+    assert fake.fake_ctx() == 0xC0DE and fake.fake_stream() == 0xABC0
+
+    # through the doorbell: the poller fetches, then runs the CPU experts
+    s13.fill_(-1.0)
+    copy2 = torch.tensor([3, 1], dtype=torch.int64)
+    word2 = torch.zeros(1, dtype=torch.int32)
+    task2 = task_with(copy2, word2)
+    words = torch.zeros(2, dtype=torch.int32)
+    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    task2.serve_doorbell(words)
+    words[0] = 1
+    deadline = time.monotonic() + 5
+    while int(words[1]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert int(words[1]) == 1 and int(word2[0]) == 1
+    assert torch.equal(s13[1], w13[3])
+    assert torch.equal(out, ft.moe_layer(x, ids, w, bank))
+    task2.check()
+
+    # an entry outside the slots: no copy, the task fails, the word is still written
+    word3 = torch.zeros(1, dtype=torch.int32)
+    copy3 = torch.tensor([2, slots], dtype=torch.int64)  # kept alive: the task holds its address only
+    task3 = task_with(copy3, word3)
+    before = fake.fake_copies()
+    task3.fetch()
+    assert int(word3[0]) == 1 and fake.fake_copies() == before
+    try:
+        task3.check()
+        raise AssertionError("an out-of-range copy did not fail the task")
+    except RuntimeError as e:
+        assert "outside the banks / slots" in str(e)
+
+    # the driver refuses a copy: the task fails with the driver's error, the word is written
+    fake.fake_fail_copy_at(fake.fake_copies())
+    word4 = torch.zeros(1, dtype=torch.int32)
+    copy4 = torch.tensor([1, 0], dtype=torch.int64)
+    task4 = task_with(copy4, word4)
+    task4.fetch()
+    assert int(word4[0]) == 1
+    try:
+        task4.check()
+        raise AssertionError("a refused copy did not fail the task")
+    except RuntimeError as e:
+        assert "error 700" in str(e), str(e)
+    print("ok")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_host_issued_fetch_against_a_stand_in_driver(tmp_path: Path, ft) -> None:  # type: ignore[no-untyped-def]
+    cc = shutil.which("cc") or shutil.which("gcc")
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(HERE / "fake_cuda.c"), "-o", str(lib)], check=True)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    _child()
