@@ -148,6 +148,9 @@ class Scheduler:
         try:
             hidden = self.decoder.forward(batch, self.kv, self.states)
             logits = self.decoder.logits(hidden[batch.last_token_index()])
+            check = getattr(self.decoder.executor, "check", None)
+            if check is not None:  # failures where nothing could raise (the CPU branch's host tasks)
+                check()
         except Exception as e:  # a failed step must not take the engine down
             err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
             for req, _ in entries:

@@ -263,6 +263,11 @@ def poll_served() -> int:
     return _ext.poll_served()
 
 
+def host_task_failures() -> int:
+    """Failed HostTask runs and fetches so far (every task): unchanged means nothing new to report."""
+    return int(_ext.host_task_failures())
+
+
 def host_task_busy_ns() -> int:
     """Nanoseconds spent inside HostTask runs so far (every task, both hand-offs)."""
     return int(_ext.host_task_busy_ns())

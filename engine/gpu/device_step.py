@@ -133,6 +133,7 @@ class DeviceStep:
             self.copy_h = torch.full((2 * self.copies,), -1, dtype=torch.int64, pin_memory=True)
             self._context = current_context()
         self._tasks: dict[int, object] = {}
+        self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
         # when the sizes fit it, else plan_layer's ~25 torch kernels
@@ -227,9 +228,14 @@ class DeviceStep:
         return self.out
 
     def check(self) -> None:
-        """Raises the first failure of a host task (they cannot raise inside a host node)."""
-        for task in self._tasks.values():
-            task.check()  # type: ignore[attr-defined]
+        """Raises a host task's failure that no earlier check reported (a task cannot raise where it
+        runs: a host node, the poller thread): its CPU experts left zeros, or its fetch left slots
+        with stale rows."""
+        for layer, task in self._tasks.items():
+            runs, failures, error = task.status()  # type: ignore[attr-defined]
+            if failures > self._failures_seen.get(layer, 0):
+                self._failures_seen[layer] = failures
+                raise RuntimeError(f"MoE layer {layer}'s CPU branch failed {failures} of {runs} runs: {error}")
 
     @property
     def captured(self) -> int:

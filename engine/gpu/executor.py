@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineError
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_fetch, resolve_plan
 from engine.gpu.plan import plan_layer
@@ -148,6 +148,7 @@ class CachedExpertExecutor:
             raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
+        self._failures_checked = 0  # native host-task failures seen by check()
         self._graph_pool: tuple[int, int] | None = None
         # large chunks (dense routing): every layer's experts streamed into two layer buffers
         # (engine/gpu/prefill.py), when the pool holds two layers but not the whole model
@@ -255,9 +256,27 @@ class CachedExpertExecutor:
         return step.enqueue(x, ids, weights, moe_index)
 
     def check(self) -> None:
-        """Raises the first failure of a CPU branch run inside a host node, if any."""
-        for step in self._steps.values():
-            step.check()
+        """After a forward pass: raises `EngineError` if a decode step's CPU branch or host-issued
+        fetch failed since the last check (they run where nothing can raise: a host node, the
+        poller). The queued work is waited for first (the caller reads the logits next anyway);
+        a failure empties the cache (a failed fetch may have left stale rows in slots the table
+        calls resident), so the next step starts clean. One native read when nothing failed."""
+        if not self._steps:
+            return
+        from native.ftnative import host_task_failures
+
+        if self.table.device.type == "cuda":
+            torch.cuda.current_stream(self.table.device).synchronize()
+        failures = host_task_failures()
+        if failures == self._failures_checked:
+            return
+        self._failures_checked = failures
+        try:
+            for step in self._steps.values():
+                step.check()
+        except RuntimeError as e:
+            self.table.reset()
+            raise EngineError(f"expert cache step failed (cache emptied): {e}") from e
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._worker is None:

@@ -8,9 +8,11 @@
 
 namespace {
 std::atomic<int64_t> g_busy_ns{0};  // wall time inside tasks, all tasks together
+std::atomic<int64_t> g_failures{0};  // failed runs and fetches, all tasks together
 }
 
 int64_t ft_host_task_busy_ns() { return g_busy_ns.load(std::memory_order_relaxed); }
+int64_t ft_host_task_failures() { return g_failures.load(std::memory_order_acquire); }
 
 extern "C" void ft_host_task_run(void* task) noexcept {
     auto* t = static_cast<ft::HostTask*>(task);
@@ -23,6 +25,7 @@ extern "C" void ft_host_task_run(void* task) noexcept {
         std::memset(a.out, 0, static_cast<size_t>(a.T * a.out_ld) * (a.out_bf16 ? 2 : 4));
         std::lock_guard<std::mutex> lock(t->error_mutex);
         if (t->failures.fetch_add(1) == 0) t->error = e.what();
+        g_failures.fetch_add(1, std::memory_order_release);
     }
     t->runs.fetch_add(1);
     g_busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
@@ -41,4 +44,5 @@ void ft_host_task_fetch(void* task) noexcept {
     } catch (...) {
         t->failures.fetch_add(1);
     }
+    g_failures.fetch_add(1, std::memory_order_release);
 }

@@ -34,3 +34,6 @@ void ft_host_task_fetch(void* task) noexcept;
 // CPU branch's in-situ time (under the PCIe traffic it overlaps), which benchmarks set against
 // the step's wall time.
 int64_t ft_host_task_busy_ns();
+// Failed runs and fetches so far, every task together: one read tells a caller whether any task
+// has a new failure to report.
+int64_t ft_host_task_failures();

@@ -157,6 +157,7 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("poll_stop", &poll_stop, py::call_guard<py::gil_scoped_release>());
     m.def("poll_served", &poll_served);
     m.def("host_task_busy_ns", &ft_host_task_busy_ns, "Nanoseconds inside host tasks so far, all tasks.");
+    m.def("host_task_failures", &ft_host_task_failures, "Failed runs and fetches so far, all tasks.");
     m.def("host_task_fn", [] { return reinterpret_cast<uintptr_t>(&ft_host_task_run); },
           "Address of the host function (cudaHostFn_t) that runs a prepared call.");
     m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),

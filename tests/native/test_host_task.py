@@ -75,10 +75,13 @@ def test_host_task_failure_is_reported_not_raised_and_zeroes_out(ft):
     ids = torch.tensor([[9, 0]])  # row 9 + offset 0 is outside the 4-row bank
     out = torch.ones(1, 32)
     task = ft.HostTask(x, ids, torch.ones(1, 2), bank, out)
+    failures = ft.host_task_failures()
     task.run()
     assert torch.all(out == 0)
     with pytest.raises(RuntimeError, match="out of range"):
         task.check()
+    assert ft.host_task_failures() == failures + 1  # the one counter the executor polls after each step
+    assert task.status()[:2] == (1, 1)
 
 
 def test_host_task_from_another_thread(ft):

@@ -318,3 +318,43 @@ def test_torch_fallback_for_cpu_misses_is_announced(caplog: pytest.LogCaptureFix
         with caplog.at_level("WARNING", logger="freetoken.engine"):
             assert not isinstance(default_cpu_executor(banks), TorchExpertExecutor)
         assert not caplog.records
+
+
+def test_check_reports_a_new_host_task_failure_once_and_empties_the_cache(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """CachedExpertExecutor.check (the scheduler calls it after every forward): nothing failed ->
+    returns after one read of the native failure counter; a step with a new failure -> EngineError
+    naming it, the cache table emptied (a failed fetch may leave stale rows in resident slots);
+    the same failure is not reported twice. (DeviceStep's per-layer report and the native counter
+    are checked on the GPU machine and in tests/native.)"""
+    import native.ftnative as ft
+    from engine.errors import EngineError
+
+    banks = ExpertBanks(torch.randn(2 * 4, 8, 4), torch.randn(2 * 4, 4, 4), 4)
+    ex = create_cached_executor(banks, 3 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
+    ex.check()  # no decode steps: nothing to check
+    counter = [0]
+    monkeypatch.setattr(ft, "host_task_failures", lambda: counter[0])
+
+    class Step:
+        def __init__(self) -> None:
+            self.pending: str | None = None
+
+        def check(self) -> None:
+            if self.pending:
+                why, self.pending = self.pending, None
+                raise RuntimeError(why)
+
+    step = Step()
+    ex._steps[1] = step  # type: ignore[assignment]
+    ex.table.step.add_(1)
+    ex.table.register(ex.table.reserve(2), [1, 6])
+    assert len(ex.table.resident()) == 2
+    ex.check()  # the counter has not moved
+    step.pending, counter[0] = "MoE layer 1's CPU branch failed 1 of 5 runs: boom", 1
+    with pytest.raises(EngineError, match="boom"):
+        ex.check()
+    assert ex.table.resident() == {} and ex.table.invariant_errors() == []
+    ex.check()  # reported once
+    ex.table.register(ex.table.reserve(1), [3])
+    ex.check()
+    assert list(ex.table.resident()) == [3]
