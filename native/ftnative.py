@@ -195,14 +195,17 @@ class HostTask:
     def serve_doorbell(self, words: torch.Tensor) -> None:
         """Has the native poller thread run this task whenever words[0] becomes nonzero (it clears
         it, runs, then sets words[1] = 1): the doorbell a captured graph rings with a stream write
-        and waits on with a stream wait (native/src/poller.h). `words`: 2 int32, page-locked."""
-        if not (isinstance(words, torch.Tensor) and words.dtype == torch.int32 and words.numel() == 2
+        and waits on with a stream wait (native/src/poller.h). `words`: 2 int32, page-locked; or 3,
+        words[2] the GPU's ready word (1 while the GPU waits for this answer), and each run counts
+        which branch finished last (`poll_lateness`)."""
+        if not (isinstance(words, torch.Tensor) and words.dtype == torch.int32 and words.numel() in (2, 3)
                 and words.is_contiguous() and words.is_pinned()):
-            _fail("words must be a contiguous page-locked int32 tensor of 2 elements")
+            _fail("words must be a contiguous page-locked int32 tensor of 2 or 3 elements")
         if self._words is not None:
             _fail("this task already serves a doorbell")
         words.zero_()
-        _ext.poll_register(self.address, words.data_ptr(), words.data_ptr() + 4)
+        ready = words.data_ptr() + 8 if words.numel() == 3 else 0
+        _ext.poll_register(self.address, words.data_ptr(), words.data_ptr() + 4, ready)
         self._words = words
 
     def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
@@ -261,6 +264,13 @@ class HostTask:
 def poll_served() -> int:
     """Tasks the doorbell poller has run so far (all tasks)."""
     return _ext.poll_served()
+
+
+def poll_lateness() -> tuple[int, int]:
+    """(CPU-late, GPU-late): doorbell runs so far whose CPU branch finished after the GPU's own branch
+    of the layer, and before it; counted for tasks that serve a 3-word doorbell."""
+    cpu, gpu = _ext.poll_lateness()
+    return int(cpu), int(gpu)
 
 
 def host_task_failures() -> int:

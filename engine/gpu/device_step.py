@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.errors import ConfigError
-from engine.gpu.host_fn import device_address, launch_host_task, ring, wait_done
+from engine.gpu.host_fn import clear, device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
 from engine.graphs import GraphCache
 
@@ -163,7 +163,8 @@ class DeviceStep:
                                  self.copy_stream.cuda_stream, self._context, fetched, address)
                 self._fetched[layer] = (fetched, address)
             if self.cpu_branch == "doorbell":
-                words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+                # a third word when the ratio adapts: the GPU's "my branch is done" (adapt.py)
+                words = torch.zeros(3 if self.ex.adapt else 2, dtype=torch.int32, pin_memory=True)
                 task.serve_doorbell(words)
                 self._doorbells[layer] = (words, device_address(words))
             self._tasks[layer] = task
@@ -172,7 +173,10 @@ class DeviceStep:
     def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         ex = self.ex
         if self._fused is not None:
-            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio, ex._counts)
+            # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
+            # to captured steps too
+            ratio = ex.ratio_device if ex.ratio_device is not None else ex.ratio
+            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ratio, ex._counts)
         else:
             plan = plan_layer(ex.table, layer, ids, ex.ratio)
             ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
@@ -206,7 +210,12 @@ class DeviceStep:
                                   ex.banks.w2, ex.slots.w13, ex.slots.w2)
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
         if self.cpu_branch == "doorbell":
-            wait_done(main, self._doorbells[layer][1] + 4)
+            words = self._doorbells[layer][1]
+            if ex.adapt:  # ready = 1 while this stream waits for the CPU's answer
+                ring(main, words + 8)
+            wait_done(main, words + 4)
+            if ex.adapt:
+                clear(main, words + 8)
         else:
             assert self.side is not None
             main.wait_stream(self.side)

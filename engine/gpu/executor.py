@@ -28,6 +28,12 @@ and the device part are queued, and the device part still loops over experts in 
 more syncs); the graph-captured version (device-side copy kernel, the CPU branch as a host node,
 one grouped kernel) is the next step. `overlap` (default: on unless the slots live on the CPU)
 runs the CPU branch in that worker; `close()` stops it.
+
+Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py) instead: `plan`,
+`cpu_branch` and `fetch` pick its parts (FREETOKEN_PLAN / _CPU_BRANCH / _FETCH), `adapt`
+(FREETOKEN_ADAPT_RATIO=1) corrects the ratio online (engine/gpu/adapt.py; the plan kernel reads
+it from `ratio_device`). `check()`, which the scheduler calls after every forward, raises what the
+steps' host tasks could not (and applies the ratio correction).
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError, EngineError
+from engine.gpu.adapt import RatioController
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_fetch, resolve_plan
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
 from engine.gpu.slots import ExpertSlots
+from engine.model.ops import env_switch
 from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
 from engine.weights.layout import ExpertBanks
 
@@ -129,7 +137,8 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
-                 cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None) -> None:
+                 cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None,
+                 adapt: bool | None = None) -> None:
         table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
@@ -146,6 +155,14 @@ class CachedExpertExecutor:
         self.fetch = resolve_fetch(fetch)  # and FREETOKEN_FETCH
         if self.fetch == "dma" and self.cpu_branch != "doorbell":
             raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
+        # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py; opt-in)
+        self.adapt = env_switch("FREETOKEN_ADAPT_RATIO", False) if adapt is None else adapt
+        if self.adapt and (self.cpu_branch != "doorbell" or self.plan != "fused"):
+            raise ConfigError("FREETOKEN_ADAPT_RATIO=1 needs the doorbell CPU branch and the fused plan")
+        self._controller = RatioController(self.ratio)
+        # the plan kernel reads the ratio from here: check() may rewrite it between steps
+        self.ratio_device = (torch.tensor([self.ratio], dtype=torch.float64, device=table.device)
+                             if table.device.type == "cuda" else None)
         self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
         self._steps: dict[int, DeviceStep] = {}
         self._failures_checked = 0  # native host-task failures seen by check()
@@ -167,7 +184,7 @@ class CachedExpertExecutor:
 
     def describe(self) -> str:
         steps = "off" if not self.step_tokens else ("CUDA graphs" if self.graphs else "eager")
-        fetch = "" if self.fetch == "kernel" else f" ({self.fetch})"
+        fetch = ("" if self.fetch == "kernel" else f" ({self.fetch})") + (" adaptive" if self.adapt else "")
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}{fetch}; "
                 f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
 
@@ -267,6 +284,13 @@ class CachedExpertExecutor:
 
         if self.table.device.type == "cuda":
             torch.cuda.current_stream(self.table.device).synchronize()
+        if self.adapt and self.ratio_device is not None:
+            from native.ftnative import poll_lateness
+
+            new = self._controller.observe(*poll_lateness())
+            if new is not None:
+                self.ratio = new
+                self.ratio_device.fill_(new)  # in stream order, before the next step's plans
         failures = host_task_failures()
         if failures == self._failures_checked:
             return
@@ -301,10 +325,11 @@ class _Done:
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
                            graphs: bool = True, cpu_branch: str | None = None,
-                           plan: str | None = None, fetch: str | None = None) -> CachedExpertExecutor:
+                           plan: str | None = None, fetch: str | None = None,
+                           adapt: bool | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
     slots = ExpertSlots.from_budget(banks, budget_bytes, device)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
-                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch)
+                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch, adapt=adapt)

@@ -105,6 +105,10 @@ def ring(stream: torch.cuda.Stream, request_address: int) -> None:
     _check(_write_value()(_stream(stream), request_address, 1, 0), "cuStreamWriteValue32")
 
 
+def clear(stream: torch.cuda.Stream, address: int) -> None:
+    _check(_write_value()(_stream(stream), address, 0, 0), "cuStreamWriteValue32")
+
+
 def wait_done(stream: torch.cuda.Stream, done_address: int) -> None:
     _check(_wait_value()(_stream(stream), done_address, 1, _WAIT_EQ), "cuStreamWaitValue32")
     _check(_write_value()(_stream(stream), done_address, 0, 0), "cuStreamWriteValue32")

@@ -132,14 +132,19 @@ def _plan_kernel(ids_ptr, table_ptr, owner_ptr, lu_ptr, step_ptr, counters_ptr, 
     tl.store(counters_ptr + c, old_counts + add, mask=c < 3)
 
 
-def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float,
+def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float | torch.Tensor,
                      counters: torch.Tensor | None = None) -> LayerPlan:
     if not 0 <= layer < state.layers:
         raise ValueError(f"MoE layer {layer} out of range [0, {state.layers})")
     if not fusable(state, ids):
         raise ValueError(f"the fused plan serves up to {_MAX_SLOTS} slots and {_MAX_ENTRIES} routed entries")
-    ratio = check_ratio(ratio)
     E, S, dev = state.experts, state.slots, state.device
+    if isinstance(ratio, torch.Tensor):  # a float64 device scalar its owner may rewrite between steps
+        if ratio.dtype != torch.float64 or ratio.numel() != 1 or ratio.device != dev:
+            raise ValueError(f"a ratio tensor must be one float64 on {dev}")
+        ratio_t = ratio
+    else:
+        ratio_t = _ratio_tensor(check_ratio(ratio), dev)
     flat = ids.reshape(-1).contiguous()
     nk = flat.numel()
     slot_ids = torch.empty(nk, dtype=torch.int64, device=dev)
@@ -150,7 +155,7 @@ def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: fl
         counters = torch.zeros(3, dtype=torch.int64, device=dev)
     _plan_kernel[(1,)](
         flat, state.table_flat, state.owner_flat, state.last_use_flat, state.step, counters, call, slot_ids, copy_src,
-        copy_dst, _ratio_tensor(ratio, dev), layer * E, NK=nk, NK_P=triton.next_power_of_2(max(nk, 2)), E=E,
+        copy_dst, ratio_t, layer * E, NK=nk, NK_P=triton.next_power_of_2(max(nk, 2)), E=E,
         E_P=triton.next_power_of_2(max(E, 2)), S=S, S_P=triton.next_power_of_2(max(S, 2)), K=min(S, E, nk),
         NEVER=_NEVER, BIG=_BIG, num_warps=8)
     return LayerPlan(slot_ids.view(ids.shape), copy_src, copy_dst, call[0], call[1], call[2])

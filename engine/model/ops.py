@@ -34,7 +34,7 @@ _SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True, "0": False, 
                   "no": False}
 
 
-def _switch(name: str, default: bool) -> bool:
+def env_switch(name: str, default: bool) -> bool:
     """An on/off environment variable; ConfigError for a value that is neither."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -48,28 +48,28 @@ def _switch(name: str, default: bool) -> bool:
 @functools.cache
 def fused_ops_enabled() -> bool:
     """FREETOKEN_FUSED_OPS (default on): RMSNorm and rotary as Triton kernels on CUDA."""
-    return _switch("FREETOKEN_FUSED_OPS", True)
+    return env_switch("FREETOKEN_FUSED_OPS", True)
 
 
 @functools.cache
 def fused_gdn_enabled() -> bool:
     """FREETOKEN_FUSED_GDN (default on): the Gated DeltaNet decode step and its gated norm as Triton
     kernels on CUDA (engine/model/fused_gdn.py)."""
-    return _switch("FREETOKEN_FUSED_GDN", True)
+    return env_switch("FREETOKEN_FUSED_GDN", True)
 
 
 @functools.cache
 def fused_router_enabled() -> bool:
     """FREETOKEN_FUSED_ROUTER (default on): the router's softmax, top-k and renormalisation as one
     Triton kernel on CUDA (engine/model/fused_ops.py `route_topk`)."""
-    return _switch("FREETOKEN_FUSED_ROUTER", True)
+    return env_switch("FREETOKEN_FUSED_ROUTER", True)
 
 
 @functools.cache
 def fused_shared_enabled() -> bool:
     """FREETOKEN_FUSED_SHARED=1: a MoE block's shared-expert gate, product and sum as one Triton
     kernel on CUDA (engine/model/fused_ops.py `shared_gated_add`); opt-in until measured on a GPU."""
-    return _switch("FREETOKEN_FUSED_SHARED", False)
+    return env_switch("FREETOKEN_FUSED_SHARED", False)
 
 
 @functools.cache
@@ -77,7 +77,7 @@ def host_embedding_enabled() -> bool:
     """FREETOKEN_HOST_EMBED (default on): under a GPU memory cap, an embedding table that is not
     also the LM head lives in page-locked host memory (engine/gpu/setup.py), its rows gathered by
     `embed_tokens`: the table (1 GB for Qwen3.6's vocabulary) becomes expert slots."""
-    return _switch("FREETOKEN_HOST_EMBED", True)
+    return env_switch("FREETOKEN_HOST_EMBED", True)
 
 
 def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

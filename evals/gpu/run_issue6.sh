@@ -2,7 +2,7 @@
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
 # of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the opt-in shared-expert
-# kernel, the bulk-copy fetch ratio, host-issued fetches and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# kernel, the bulk-copy fetch ratio, host-issued fetches, the online ratio and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -78,6 +78,11 @@ FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 12
 FREETOKEN_FETCH=dma bench dec_q36_20L_12G_dma 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
 FREETOKEN_FETCH=dma bench dec_q3_24L_12G_dma 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
+# the ratio corrected online from which branch finishes last (FREETOKEN_ADAPT_RATIO=1, engine/gpu/adapt.py)
+FREETOKEN_ADAPT_RATIO=1 bench dec_q36_20L_12G_adapt 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
+FREETOKEN_ADAPT_RATIO=1 bench dec_q3_24L_12G_adapt 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
 # the token embedding on the GPU (FREETOKEN_HOST_EMBED=0) against the default page-locked host table
 FREETOKEN_HOST_EMBED=0 bench dec_q36_20L_12G_devembed 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \

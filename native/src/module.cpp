@@ -148,10 +148,16 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("host_task_set_fetch", &host_task_set_fetch, "Give a task a host-issued fetch (see native/src/dma_fetch.h).");
     m.def("host_task_fetch", [](uintptr_t t) { ft_host_task_fetch(reinterpret_cast<void*>(t)); },
           py::call_guard<py::gil_scoped_release>(), "Issue a task's fetch in this thread (as the poller does).");
-    m.def("poll_register", [](uintptr_t task, uintptr_t request, uintptr_t done) {
+    m.def("poll_register", [](uintptr_t task, uintptr_t request, uintptr_t done, uintptr_t ready) {
         poll_register(reinterpret_cast<void*>(task), reinterpret_cast<volatile uint32_t*>(request),
-                      reinterpret_cast<volatile uint32_t*>(done));
-    }, "Serve a prepared call whenever its request word becomes nonzero (see native/src/poller.h).");
+                      reinterpret_cast<volatile uint32_t*>(done), reinterpret_cast<volatile uint32_t*>(ready));
+    }, py::arg("task"), py::arg("request"), py::arg("done"), py::arg("ready") = 0,
+          "Serve a prepared call whenever its request word becomes nonzero (see native/src/poller.h).");
+    m.def("poll_lateness", [] {
+        int64_t cpu = 0, gpu = 0;
+        poll_lateness(&cpu, &gpu);
+        return py::make_tuple(cpu, gpu);
+    }, "(requests whose CPU branch finished last, requests whose GPU branch did), all tasks so far.");
     m.def("poll_unregister", [](uintptr_t task) { poll_unregister(reinterpret_cast<void*>(task)); },
           py::call_guard<py::gil_scoped_release>());
     m.def("poll_stop", &poll_stop, py::call_guard<py::gil_scoped_release>());

@@ -17,6 +17,7 @@ struct Entry {
     void* task;
     volatile uint32_t* request;
     volatile uint32_t* done;
+    volatile uint32_t* ready;  // the GPU's "my branch is done" word, or null
 };
 
 std::mutex g_mutex;  // guards g_entries / g_thread changes
@@ -25,6 +26,7 @@ std::atomic<int> g_version{0};
 std::atomic<int> g_picked{-1};  // the list version the poller works from
 std::atomic<bool> g_stop{false};
 std::atomic<int64_t> g_served{0};
+std::atomic<int64_t> g_cpu_late{0}, g_gpu_late{0};  // which branch finished last, per served request
 std::thread g_thread;
 
 void loop() {
@@ -46,6 +48,12 @@ void loop() {
             *e.request = 0;
             ft_host_task_fetch(e.task);  // the layer's fetches first: the copy engines start at once
             ft_host_task_run(e.task);
+            if (e.ready != nullptr) {
+                // the GPU sets it when its branch is done and clears it after it has seen ours, so
+                // it reads 1 here exactly when the GPU is already waiting for this answer
+                if (*e.ready != 0) g_cpu_late.fetch_add(1, std::memory_order_relaxed);
+                else g_gpu_late.fetch_add(1, std::memory_order_relaxed);
+            }
             std::atomic_thread_fence(std::memory_order_release);  // the output is written before done
             *e.done = 1;
             g_served.fetch_add(1, std::memory_order_relaxed);
@@ -71,9 +79,9 @@ void loop() {
 
 }  // namespace
 
-void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done) {
+void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done, volatile uint32_t* ready) {
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_entries.push_back({task, request, done});
+    g_entries.push_back({task, request, done, ready});
     g_version.fetch_add(1, std::memory_order_release);
     if (!g_thread.joinable()) {
         g_stop.store(false);
@@ -109,5 +117,10 @@ void poll_stop() {
 }
 
 int64_t poll_served() { return g_served.load(); }
+
+void poll_lateness(int64_t* cpu_late, int64_t* gpu_late) {
+    *cpu_late = g_cpu_late.load(std::memory_order_relaxed);
+    *gpu_late = g_gpu_late.load(std::memory_order_relaxed);
+}
 
 }  // namespace ft

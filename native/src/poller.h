@@ -10,8 +10,12 @@
 
 namespace ft {
 
-// Registers (task, request word, done word); starts the poller thread on first use.
-void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done);
+// Registers (task, request word, done word, ready word or null); starts the poller thread on first
+// use. With a ready word (the GPU writes 1 there when its own branch of the layer is done and 0
+// after it has seen the answer), each served request counts which branch finished last.
+void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* done, volatile uint32_t* ready);
+// Served requests so far whose CPU branch finished after the GPU's (cpu_late) or before (gpu_late).
+void poll_lateness(int64_t* cpu_late, int64_t* gpu_late);
 void poll_unregister(void* task);
 void poll_stop();  // joins the poller (restarted by the next registration)
 int64_t poll_served();

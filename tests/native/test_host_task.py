@@ -186,3 +186,37 @@ def test_serve_fetch_checks_its_buffers(ft):
     task.serve_doorbell(words)
     with pytest.raises(ValueError, match="before serve_doorbell"):
         task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)
+
+
+def test_doorbell_with_a_ready_word_counts_which_branch_finished_last(ft):
+    """A 3-word doorbell: words[2] is the GPU's "my branch is done" word; each run counts the CPU
+    late when it reads 1 there after the task, the GPU late when 0 (engine/gpu/adapt.py reads it)."""
+    import time
+
+    bank = _bank(6, 32, 16, torch.float32)
+    task = ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank, torch.zeros(1, 32))
+    words = torch.zeros(3, dtype=torch.int32)
+    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    task.serve_doorbell(words)
+    cpu0, gpu0 = ft.poll_lateness()
+    for ready in (1, 0, 1):
+        words[2] = ready  # what the GPU's stream writes before it waits for the answer
+        words[0] = 1
+        deadline = time.monotonic() + 5
+        while int(words[1]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert int(words[1]) == 1
+        words[1] = 0
+    cpu1, gpu1 = ft.poll_lateness()
+    assert (cpu1 - cpu0, gpu1 - gpu0) == (2, 1)
+    task.check()
+    with pytest.raises(ValueError, match="2 or 3"):
+        ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank,
+                    torch.zeros(1, 32)).serve_doorbell(torch.zeros(4, dtype=torch.int32).pin_memory()
+                                                       if torch.cuda.is_available() else _fake_pinned(4))
+
+
+def _fake_pinned(n: int) -> torch.Tensor:
+    t = torch.zeros(n, dtype=torch.int32)
+    t.is_pinned = lambda: True  # type: ignore[method-assign]
+    return t

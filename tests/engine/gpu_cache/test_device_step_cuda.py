@@ -10,6 +10,7 @@ without one; run on the GPU machine):
   ran on the CPU, and the reference's within float tolerance when some did; the captured steps
   queue no host synchronisation;
 - the host-issued fetch (FREETOKEN_FETCH=dma) computes what the fetch kernel does, bit for bit;
+- the online ratio (FREETOKEN_ADAPT_RATIO=1) moves within its bounds and the outputs stay correct;
 - an engine with the cache gives the same logits as with every expert resident, teacher-forced.
 """
 
@@ -145,6 +146,39 @@ def test_host_issued_fetch_equals_fetch_kernel(slots: int, ratio: float, graphs:
     if slots and ratio:
         assert int(na[2]) > 0  # something was fetched
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("fetch", ["kernel", "dma"])
+def test_adaptive_ratio_steps_stay_correct_and_move_the_ratio_within_bounds(fetch: str) -> None:
+    """FREETOKEN_ADAPT_RATIO=1: every CPU-branch run is counted as CPU-late or GPU-late, check()
+    moves the ratio (device scalar and float together) within its bounds, and the captured steps
+    read the new ratio: outputs stay those of the all-resident executor within the split's rounding."""
+    from native.ftnative import poll_lateness
+
+    dtype = torch.bfloat16
+    banks = _banks(dtype)
+    full = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False)
+    want, _ = _run(full, dtype, 24)
+    ex = create_cached_executor(banks, 10 * banks.expert_bytes, "cuda", 0.5, graphs=True, fetch=fetch, adapt=True)
+    ex._controller.window = 6  # two steps of three layers: react within the test
+    ex._controller.step = 0.1
+    before = sum(poll_lateness())
+    got, ratios = [], []
+    for s in range(24):
+        n = 4 if s % 3 == 2 else 1
+        x, ids, w = _routing(s, n)
+        for layer in range(L):
+            got.append(ex(x.to(dtype).cuda(), ids.cuda(), w.to(dtype).cuda(), layer).clone())
+        ex.check()
+        ratios.append(ex.ratio)
+        assert ex.ratio_device is not None and ex.ratio_device.item() == ex.ratio
+    assert sum(poll_lateness()) - before == 24 * L  # one count per CPU-branch run
+    assert all(0.02 <= r <= 0.98 for r in ratios) and len(set(ratios)) > 1  # it moved
+    assert sum(step.captured for step in ex._steps.values()) > 0
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 0.03 * b.float().abs().max().item(), f"call {i}: {err}"
+    assert ex.table.invariant_errors() == []
 
 
 @pytest.mark.parametrize("branch", ["doorbell", "hostfunc"])

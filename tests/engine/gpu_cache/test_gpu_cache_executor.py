@@ -263,6 +263,10 @@ def test_unknown_cpu_branch_plan_or_fetch_is_refused_at_construction(monkeypatch
     with pytest.raises(ConfigError, match="needs the doorbell"):  # the host node cannot call the driver
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma",
                                cpu_branch="hostfunc")
+    for bad in ({"plan": "torch"}, {"cpu_branch": "hostfunc"}):  # the online ratio needs both
+        with pytest.raises(ConfigError, match="FREETOKEN_ADAPT_RATIO=1 needs"):
+            create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks),
+                                   adapt=True, **bad)
 
 
 def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
