@@ -22,9 +22,9 @@ HERE = Path(__file__).resolve().parent
 
 def _child() -> None:
     import ctypes
-    import time
 
     import torch
+    from doorbell import doorbell_words, ring_and_wait
 
     import native.ftnative as ft
     from native.formats import ExpertWeights
@@ -65,14 +65,9 @@ def _child() -> None:
     copy2 = torch.tensor([3, 1], dtype=torch.int64)
     word2 = torch.zeros(1, dtype=torch.int32)
     task2 = task_with(copy2, word2)
-    words = torch.zeros(2, dtype=torch.int32)
-    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    words = doorbell_words()
     task2.serve_doorbell(words)
-    words[0] = 1
-    deadline = time.monotonic() + 5
-    while int(words[1]) != 1 and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    assert int(words[1]) == 1 and int(word2[0]) == 1
+    assert ring_and_wait(words) and int(word2[0]) == 1
     assert torch.equal(s13[1], w13[3])
     assert torch.equal(out, ft.moe_layer(x, ids, w, bank))
     task2.check()

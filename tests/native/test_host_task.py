@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from doorbell import doorbell_words, ring_and_wait
 
 from native.formats import ExpertWeights
 
@@ -112,19 +113,13 @@ def test_doorbell_poller_runs_the_task_when_rung(ft):
     x, ids, w = torch.randn(2, 32), torch.tensor([[0, 5], [-1, 2]]), torch.rand(2, 2)
     out = torch.zeros(2, 32)
     task = ft.HostTask(x, ids, w, bank, out)
-    words = torch.zeros(2, dtype=torch.int32)  # page-locked on a GPU machine; plain memory works the same here
-    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    words = doorbell_words()  # page-locked on a GPU machine; plain memory works the same here
     task.serve_doorbell(words)
     served = ft.poll_served()
     for round_ in range(3):
         x.copy_(torch.randn(2, 32))
-        words[0] = 1  # what the GPU's stream write does
-        deadline = time.monotonic() + 5
-        while int(words[1]) != 1 and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        assert int(words[1]) == 1 and int(words[0]) == 0, round_
+        assert ring_and_wait(words) and int(words[0]) == 0, round_
         assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 0))
-        words[1] = 0  # what the GPU's stream write after its wait does
     assert ft.poll_served() - served == 3
     task.check()
     with pytest.raises(ValueError):
@@ -151,7 +146,6 @@ def test_host_issued_fetch_without_a_driver_fails_loudly_and_releases_the_gpu(ft
     where the driver cannot be opened the fetch fails: the word the GPU would wait on is written
     from the host (nothing hangs), the CPU experts still run, and check() raises the reason. (The
     copies themselves: tests/engine/gpu_cache/test_device_step_cuda.py, on the GPU machine.)"""
-    import time
 
     bank = _bank(6, 32, 16, torch.float32)
     x, ids, w = torch.randn(1, 32), torch.tensor([[1, 4]]), torch.rand(1, 2)
@@ -161,14 +155,9 @@ def test_host_issued_fetch_without_a_driver_fails_loudly_and_releases_the_gpu(ft
     word = torch.zeros(1, dtype=torch.int32)
     ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), 2, bank.w13.data_ptr(), bank.w2.data_ptr(), 0, 0,
                                 bank.w13[0].numel() * 4, bank.w2[0].numel() * 4, 6, 1, 0, 0, 0, word.data_ptr())
-    words = torch.zeros(2, dtype=torch.int32)
-    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    words = doorbell_words()
     task.serve_doorbell(words)
-    words[0] = 1
-    deadline = time.monotonic() + 5
-    while int(words[1]) != 1 and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    assert int(words[1]) == 1 and int(word[0]) == 1
+    assert ring_and_wait(words) and int(word[0]) == 1
     assert torch.equal(out, _kept_only(ft, x, ids, w, bank, 0))
     with pytest.raises(RuntimeError, match="libcuda"):
         task.check()
@@ -191,32 +180,18 @@ def test_serve_fetch_checks_its_buffers(ft):
 def test_doorbell_with_a_ready_word_counts_which_branch_finished_last(ft):
     """A 3-word doorbell: words[2] is the GPU's "my branch is done" word; each run counts the CPU
     late when it reads 1 there after the task, the GPU late when 0 (engine/gpu/adapt.py reads it)."""
-    import time
 
     bank = _bank(6, 32, 16, torch.float32)
     task = ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank, torch.zeros(1, 32))
-    words = torch.zeros(3, dtype=torch.int32)
-    words.is_pinned = lambda: True  # type: ignore[method-assign]
+    words = doorbell_words(3)
     task.serve_doorbell(words)
     cpu0, gpu0 = ft.poll_lateness()
     for ready in (1, 0, 1):
         words[2] = ready  # what the GPU's stream writes before it waits for the answer
-        words[0] = 1
-        deadline = time.monotonic() + 5
-        while int(words[1]) != 1 and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        assert int(words[1]) == 1
-        words[1] = 0
+        assert ring_and_wait(words)
     cpu1, gpu1 = ft.poll_lateness()
     assert (cpu1 - cpu0, gpu1 - gpu0) == (2, 1)
     task.check()
+    other = ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank, torch.zeros(1, 32))
     with pytest.raises(ValueError, match="2 or 3"):
-        ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank,
-                    torch.zeros(1, 32)).serve_doorbell(torch.zeros(4, dtype=torch.int32).pin_memory()
-                                                       if torch.cuda.is_available() else _fake_pinned(4))
-
-
-def _fake_pinned(n: int) -> torch.Tensor:
-    t = torch.zeros(n, dtype=torch.int32)
-    t.is_pinned = lambda: True  # type: ignore[method-assign]
-    return t
+        other.serve_doorbell(doorbell_words(4))
