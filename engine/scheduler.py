@@ -150,7 +150,7 @@ class Scheduler:
             logits = self.decoder.logits(hidden[batch.last_token_index()])
             check = getattr(self.decoder.executor, "check", None)
             if check is not None:  # failures where nothing could raise (the CPU branch's host tasks)
-                check()
+                check(len(ids))
         except Exception as e:  # a failed step must not take the engine down
             err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
             for req, _ in entries:

@@ -272,13 +272,15 @@ class CachedExpertExecutor:
         step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
         return step.enqueue(x, ids, weights, moe_index)
 
-    def check(self) -> None:
-        """After a forward pass: raises `EngineError` if a decode step's CPU branch or host-issued
-        fetch failed since the last check (they run where nothing can raise: a host node, the
-        poller). The queued work is waited for first (the caller reads the logits next anyway);
-        a failure empties the cache (a failed fetch may have left stale rows in slots the table
-        calls resident), so the next step starts clean. One native read when nothing failed."""
-        if not self._steps:
+    def check(self, tokens: int | None = None) -> None:
+        """After a forward pass of `tokens` tokens: raises `EngineError` if a decode step's CPU branch
+        or host-issued fetch failed since the last check (they run where nothing can raise: a host
+        node, the poller). The queued work is waited for first (the caller reads the logits next
+        anyway); a failure empties the cache (a failed fetch may have left stale rows in slots the
+        table calls resident), so the next step starts clean. One native read when nothing failed.
+        A pass larger than a decode step ran no device step: nothing to wait for (a prefill chunk's
+        successor is queued while it runs)."""
+        if not self._steps or (tokens is not None and tokens > self.step_tokens):
             return
         from native.ftnative import host_task_failures
 

@@ -358,6 +358,10 @@ def test_check_reports_a_new_host_task_failure_once_and_empties_the_cache(monkey
     with pytest.raises(EngineError, match="boom"):
         ex.check()
     assert ex.table.resident() == {} and ex.table.invariant_errors() == []
+    step.pending, counter[0] = "not yet", 2
+    ex.check(tokens=ex.step_tokens + 100)  # a prefill-sized pass ran no device step: not looked at
+    assert step.pending == "not yet"
+    step.pending, counter[0] = None, 1
     ex.check()  # reported once
     ex.table.register(ex.table.reserve(1), [3])
     ex.check()
