@@ -45,28 +45,28 @@ const Driver& driver() {
 
 thread_local void* t_current = nullptr;  // the context made current on this thread
 
-std::string fail(const DmaFetch& f, std::string why) {
-    if (f.word_host != nullptr) *f.word_host = 1;
-    return why;
-}
-
 }  // namespace
+
+void dma_fetch_release(const DmaFetch& f) noexcept {
+    std::atomic_thread_fence(std::memory_order_release);  // the caller's record of the failure first
+    if (f.word_host != nullptr) *f.word_host = 1;
+}
 
 std::string dma_fetch_issue(const DmaFetch& f) noexcept {
     try {
         const Driver& d = driver();
-        if (!d.error.empty()) return fail(f, d.error);
+        if (!d.error.empty()) return d.error;
         if (t_current != f.context) {
             if (const CUresult r = d.set_current(f.context); r != 0)
-                return fail(f, "cuCtxSetCurrent failed with CUDA driver error " + std::to_string(r));
+                return "cuCtxSetCurrent failed with CUDA driver error " + std::to_string(r);
             t_current = f.context;
         }
         for (int64_t i = 0; i < f.n; ++i) {
             const int64_t row = f.copy[i], slot = f.copy[f.n + i];
             if (row < 0) continue;
             if (row >= f.rows || slot < 0 || slot >= f.slots)
-                return fail(f, "copy list entry (" + std::to_string(row) + ", " + std::to_string(slot) +
-                                   ") outside the banks / slots");
+                return "copy list entry (" + std::to_string(row) + ", " + std::to_string(slot) +
+                       ") outside the banks / slots";
             CUresult r = d.memcpy_htod(f.slot13 + static_cast<uint64_t>(slot) * f.bytes13,
                                        reinterpret_cast<const void*>(f.bank13 + static_cast<uint64_t>(row) * f.bytes13),
                                        f.bytes13, f.stream);
@@ -74,14 +74,14 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                 r = d.memcpy_htod(f.slot2 + static_cast<uint64_t>(slot) * f.bytes2,
                                   reinterpret_cast<const void*>(f.bank2 + static_cast<uint64_t>(row) * f.bytes2),
                                   f.bytes2, f.stream);
-            if (r != 0) return fail(f, "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r));
+            if (r != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r);
         }
         // after the copies in stream order: the GPU's wait on this word releases its GEMVs
         if (const CUresult r = d.write_value(f.stream, f.word_device, 1, 0); r != 0)
-            return fail(f, "cuStreamWriteValue32 failed with CUDA driver error " + std::to_string(r));
+            return "cuStreamWriteValue32 failed with CUDA driver error " + std::to_string(r);
         return {};
     } catch (...) {
-        return fail(f, "host-issued fetch failed");
+        return "host-issued fetch failed";
     }
 }
 

@@ -1,9 +1,9 @@
 // Host-issued expert fetches for the doorbell CPU branch (FREETOKEN_FETCH=dma): when a layer's
-// doorbell rings, the poller first reads the layer's copy list (bank row, slot) from page-locked
-// memory, queues each fetched expert's two host-to-device copies on a copy stream (the copy
-// engines move host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it)
-// and a stream write of 1 to a page-locked word that the GPU's stream waits on, then runs the
-// layer's CPU experts. The CUDA driver is opened with dlopen on first use: the library builds and
+// doorbell rings, the poller hands the layer's fetch to its copier thread (poller.h) and runs the
+// layer's CPU experts; the copier reads the copy list (bank row, slot) from page-locked memory,
+// queues each fetched expert's two host-to-device copies on a copy stream (the copy engines move
+// host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it) and a stream
+// write of 1 to a page-locked word that the GPU's stream waits on. The CUDA driver is opened with dlopen on first use: the library builds and
 // loads on machines without CUDA, and only a task that is given a fetch needs the driver.
 #pragma once
 
@@ -25,9 +25,11 @@ struct DmaFetch {
     volatile uint32_t* word_host = nullptr;  // and its host address (written directly on failure)
 };
 
-// Queues the copies and the word's write; returns "" or the reason it could not (then the word is
-// written from the host, so the GPU never waits forever; the slots may hold stale rows: the caller
-// records the failure and the step raises it).
+// Queues the copies and the word's write; returns "" or the reason it could not. On a failure the
+// caller records it, then calls dma_fetch_release, which writes the word from the host so the GPU
+// never waits forever (the slots may hold stale rows: the step raises the recorded failure, which
+// is in place before the GPU can go on).
 std::string dma_fetch_issue(const DmaFetch& f) noexcept;
+void dma_fetch_release(const DmaFetch& f) noexcept;
 
 }  // namespace ft

@@ -33,6 +33,8 @@ extern "C" void ft_host_task_run(void* task) noexcept {
                         std::memory_order_relaxed);
 }
 
+bool ft_host_task_has_fetch(void* task) noexcept { return static_cast<ft::HostTask*>(task)->fetch != nullptr; }
+
 void ft_host_task_fetch(void* task) noexcept {
     auto* t = static_cast<ft::HostTask*>(task);
     if (!t->fetch) return;
@@ -45,4 +47,5 @@ void ft_host_task_fetch(void* task) noexcept {
         t->failures.fetch_add(1);
     }
     g_failures.fetch_add(1, std::memory_order_release);
+    ft::dma_fetch_release(*t->fetch);  // after the record: a check once the GPU went on sees it
 }

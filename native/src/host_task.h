@@ -30,6 +30,7 @@ extern "C" void ft_host_task_run(void* task) noexcept;
 // ft_host_task_run. Never from a CUDA host node (no driver calls are allowed there). A failure is
 // counted and kept as the task's error, like a failed run.
 void ft_host_task_fetch(void* task) noexcept;
+bool ft_host_task_has_fetch(void* task) noexcept;
 // Nanoseconds spent inside ft_host_task_run since the process started, every task together: the
 // CPU branch's in-situ time (under the PCIe traffic it overlaps), which benchmarks set against
 // the step's wall time.

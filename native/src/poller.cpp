@@ -28,6 +28,41 @@ std::atomic<bool> g_stop{false};
 std::atomic<int64_t> g_served{0};
 std::atomic<int64_t> g_cpu_late{0}, g_gpu_late{0};  // which branch finished last, per served request
 std::thread g_thread;
+// The copier: a layer's host-issued fetch (dma_fetch.h) handed over by the poller, which then
+// starts the layer's CPU experts at once rather than after the driver calls that queue the copies.
+std::atomic<void*> g_fetch{nullptr};  // the task whose fetch waits for the copier, or null
+std::atomic<bool> g_copying{false};  // the copier is inside a fetch
+std::thread g_copier;
+
+// Between requests: spin, then (20 ms after the last one) poll every 50 us, then every 1 ms
+// (decode steps come every few hundred microseconds).
+void idle(uint32_t& spins, std::chrono::steady_clock::time_point last_work) {
+    if (++spins < 4096) {
+        cpu_relax();
+        return;
+    }
+    spins = 0;
+    const auto idle_for = std::chrono::steady_clock::now() - last_work;
+    if (idle_for > std::chrono::seconds(1)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    else if (idle_for > std::chrono::milliseconds(20)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+void copier_loop() {
+    auto last_work = std::chrono::steady_clock::now();
+    uint32_t spins = 0;
+    while (!g_stop.load(std::memory_order_relaxed)) {
+        if (void* task = g_fetch.load(); task != nullptr) {
+            g_copying.store(true);
+            g_fetch.store(nullptr);
+            ft_host_task_fetch(task);
+            g_copying.store(false);
+            last_work = std::chrono::steady_clock::now();
+            spins = 0;
+            continue;
+        }
+        idle(spins, last_work);
+    }
+}
 
 void loop() {
     std::vector<Entry> local;
@@ -46,7 +81,12 @@ void loop() {
             if (*e.request == 0) continue;
             std::atomic_thread_fence(std::memory_order_acquire);  // the GPU's copies landed before the doorbell
             *e.request = 0;
-            ft_host_task_fetch(e.task);  // the layer's fetches first: the copy engines start at once
+            if (ft_host_task_has_fetch(e.task)) {
+                // the copies start while the CPU experts run (the copier has long finished the
+                // previous layer's: the GPU waited for its word before this layer's doorbell)
+                while (g_fetch.load() != nullptr) cpu_relax();
+                g_fetch.store(e.task);
+            }
             ft_host_task_run(e.task);
             if (e.ready != nullptr) {
                 // the GPU sets it when its branch is done and clears it after it has seen ours, so
@@ -64,16 +104,7 @@ void loop() {
             spins = 0;
             continue;
         }
-        if (++spins < 4096) {
-            cpu_relax();
-            continue;
-        }
-        spins = 0;
-        // idle: keep spinning for 20 ms after the last request (decode steps come every few
-        // hundred microseconds), then poll every 50 us, then every 1 ms
-        const auto idle = std::chrono::steady_clock::now() - last_work;
-        if (idle > std::chrono::seconds(1)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        else if (idle > std::chrono::milliseconds(20)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        idle(spins, last_work);
     }
 }
 
@@ -87,6 +118,7 @@ void poll_register(void* task, volatile uint32_t* request, volatile uint32_t* do
         g_stop.store(false);
         g_thread = std::thread(loop);
     }
+    if (ft_host_task_has_fetch(task) && !g_copier.joinable()) g_copier = std::thread(copier_loop);
 }
 
 void poll_unregister(void* task) {
@@ -103,16 +135,21 @@ void poll_unregister(void* task) {
     const int want = g_version.load();
     for (int i = 0; i < 20000 && g_thread.joinable() && g_picked.load(std::memory_order_acquire) < want; ++i)
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // and the copier may be inside a fetch the poller handed it
+    for (int i = 0; i < 20000 && g_copier.joinable() && (g_fetch.load() != nullptr || g_copying.load()); ++i)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 void poll_stop() {
-    std::thread t;
+    std::thread t, c;
     {
         std::lock_guard<std::mutex> lock(g_mutex);
         g_stop.store(true);
         t = std::move(g_thread);
+        c = std::move(g_copier);
     }
     if (t.joinable()) t.join();
+    if (c.joinable()) c.join();
     g_picked.store(-1);
 }
 

@@ -4,6 +4,8 @@
 // the task and writes 1 to the task's done word; the GPU waits for done == 1 and writes it back to
 // 0. No CUDA driver thread and no driver lock is involved, so the CPU experts run beside the GPU's
 // own work. The poller spins while requests keep coming and backs off to short sleeps when idle.
+// A task with a host-issued fetch (dma_fetch.h) hands it to a second thread, the copier, before
+// it runs: the copies are queued while the CPU experts already run.
 #pragma once
 
 #include <cstdint>

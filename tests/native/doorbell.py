@@ -25,3 +25,11 @@ def ring_and_wait(words: torch.Tensor, timeout: float = 5.0) -> bool:
     answered = int(words[1]) == 1
     words[1] = 0
     return answered
+
+
+def wait_word(word: torch.Tensor, timeout: float = 5.0) -> bool:
+    """Wait for word[0] == 1 (what a stream wait on the copier's word does); False on timeout."""
+    deadline = time.monotonic() + timeout
+    while int(word[0]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return int(word[0]) == 1

@@ -2,8 +2,8 @@
 for the CUDA driver (tests/native/fake_cuda.c, built here with the C compiler and found first on the
 library path of a child process): for each copy-list entry with a bank row the two expert tensors'
 rows land in the listed slot, padding is skipped, the word is written after the copies (through the
-driver, on the task's stream, with the task's context made current), and the poller does all of it
-before running the layer's CPU experts; an entry outside the banks or slots, or a copy the driver
+driver, on the task's stream, with the task's context made current), and through the doorbell the
+poller hands the fetch to its copier thread and runs the layer's CPU experts meanwhile; an entry outside the banks or slots, or a copy the driver
 refuses, fails the task (check() raises) and still writes the word, so the GPU's wait ends.
 The same on a GPU: tests/engine/gpu_cache/test_device_step_cuda.py."""
 
@@ -24,7 +24,7 @@ def _child() -> None:
     import ctypes
 
     import torch
-    from doorbell import doorbell_words, ring_and_wait
+    from doorbell import doorbell_words, ring_and_wait, wait_word
 
     import native.ftnative as ft
     from native.formats import ExpertWeights
@@ -67,7 +67,7 @@ def _child() -> None:
     task2 = task_with(copy2, word2)
     words = doorbell_words()
     task2.serve_doorbell(words)
-    assert ring_and_wait(words) and int(word2[0]) == 1
+    assert ring_and_wait(words) and wait_word(word2)  # the copier thread issued the fetch
     assert torch.equal(s13[1], w13[3])
     assert torch.equal(out, ft.moe_layer(x, ids, w, bank))
     task2.check()
