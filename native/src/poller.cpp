@@ -32,6 +32,7 @@ std::thread g_thread;
 // starts the layer's CPU experts at once rather than after the driver calls that queue the copies.
 std::atomic<void*> g_fetch{nullptr};  // the task whose fetch waits for the copier, or null
 std::atomic<bool> g_copying{false};  // the copier is inside a fetch
+std::atomic<bool> g_copier_up{false};  // the copier thread runs (else the poller fetches itself)
 std::thread g_copier;
 
 // Between requests: spin, then (20 ms after the last one) poll every 50 us, then every 1 ms
@@ -50,6 +51,7 @@ void idle(uint32_t& spins, std::chrono::steady_clock::time_point last_work) {
 void copier_loop() {
     auto last_work = std::chrono::steady_clock::now();
     uint32_t spins = 0;
+    g_copier_up.store(true);
     while (!g_stop.load(std::memory_order_relaxed)) {
         if (void* task = g_fetch.load(); task != nullptr) {
             g_copying.store(true);
@@ -62,6 +64,8 @@ void copier_loop() {
         }
         idle(spins, last_work);
     }
+    if (void* task = g_fetch.exchange(nullptr); task != nullptr) ft_host_task_fetch(task);  // never strand one
+    g_copier_up.store(false);
 }
 
 void loop() {
@@ -82,10 +86,14 @@ void loop() {
             std::atomic_thread_fence(std::memory_order_acquire);  // the GPU's copies landed before the doorbell
             *e.request = 0;
             if (ft_host_task_has_fetch(e.task)) {
-                // the copies start while the CPU experts run (the copier has long finished the
-                // previous layer's: the GPU waited for its word before this layer's doorbell)
-                while (g_fetch.load() != nullptr) cpu_relax();
-                g_fetch.store(e.task);
+                if (g_copier_up.load()) {
+                    // the copies start while the CPU experts run (the copier has long finished the
+                    // previous layer's: the GPU waited for its word before this layer's doorbell)
+                    while (g_fetch.load() != nullptr) cpu_relax();
+                    g_fetch.store(e.task);
+                } else {
+                    ft_host_task_fetch(e.task);  // no copier (yet): queue the copies here first
+                }
             }
             ft_host_task_run(e.task);
             if (e.ready != nullptr) {
