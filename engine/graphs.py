@@ -31,7 +31,7 @@ class GraphCache:
         self._seen: set[Hashable] = set()
         self._failed: set[Hashable] = set()
 
-    def run(self, key: Hashable, fn: Callable[[], None]) -> None:
+    def run(self, key: Hashable, fn: Callable[[], object]) -> None:
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()

@@ -45,6 +45,7 @@ plan: a new executor is how a new ratio applies.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,7 +171,8 @@ class DeviceStep:
             self._tasks[layer] = task
         return task
 
-    def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+    def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                 side: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         ex = self.ex
         if self._fused is not None:
             # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
@@ -199,16 +201,25 @@ class DeviceStep:
             assert self.side is not None
             self.side.wait_stream(main)
             launch_host_task(task, self.side)
+        side_out: list[torch.Tensor] = []
         if dma:
-            # the entries already in slots run while the copies fly; the fetched ones once the
-            # poller's word says the copies have landed
+            # the entries already in slots run while the copies fly, then the side work; the
+            # fetched entries once the copier's word says the copies have landed
             word = self._fetched[layer][1]
+
+            def between() -> None:
+                if side is not None:
+                    side_out.append(side())
+                wait_done(main, word)
+
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
-                                       lambda: wait_done(main, word))
+                                       between)
         else:
             kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
                                   ex.banks.w2, ex.slots.w13, ex.slots.w2)
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
+            if side is not None:  # before the wait for the CPU's answer, not after it
+                side_out.append(side())
         if self.cpu_branch == "doorbell":
             words = self._doorbells[layer][1]
             if ex.adapt:  # ready = 1 while this stream waits for the CPU's answer
@@ -221,12 +232,21 @@ class DeviceStep:
             main.wait_stream(self.side)
         # the GPU's rows in the reference's order plus the CPU's part, read from host memory
         kernels.combine_experts(rows, ids, self.out, self.out_h)
+        return side_out[0] if side_out else None
 
     def enqueue(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
         """The step queued as it is, capture-safe: for a caller that captures a larger graph, whose
         capture fixes the inputs' addresses (so they are read in place, not staged)."""
         self._enqueue(layer, x, ids, weights.to(self.w.dtype))
         return self.out
+
+    def enqueue_with_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int,
+                          side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`enqueue`, with `side()` queued where this stream would otherwise wait: during the
+        host-issued copies (fetch="dma"), else after the GPU's rows, before the wait for the CPU."""
+        shared = self._enqueue(layer, x, ids, weights.to(self.w.dtype), side)
+        assert shared is not None
+        return self.out, shared
 
     def step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
         """The step through this layer's own CUDA graph (eager, captured, replayed)."""

@@ -39,6 +39,7 @@ steps' host tasks could not (and applies the ratio correction).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -271,6 +272,13 @@ class CachedExpertExecutor:
         graph around it (engine/model/decode_graph.py). The result lives in the step's buffer."""
         step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
         return step.enqueue(x, ids, weights, moe_index)
+
+    def graph_step_with_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int,
+                             side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`graph_step` with `side()` (GPU work on other inputs: the shared expert) queued where the
+        step's stream would otherwise wait for the fetch or the CPU branch; returns (out, side())."""
+        step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
+        return step.enqueue_with_side(x, ids, weights, moe_index, side)
 
     def check(self, tokens: int | None = None) -> None:
         """After a forward pass of `tokens` tokens: raises `EngineError` if a decode step's CPU branch

@@ -24,6 +24,7 @@ check that it computes what the plain pass does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,9 +49,32 @@ def usable(decoder: Decoder, tokens: int) -> bool:
     return (supports is not None and supports(tokens)) or getattr(ex, "capture_safe", False)
 
 
+class _PassExperts:
+    """The routed experts as the captured pass calls them: the executor's capture-safe decode step
+    when it has one (`graph_step`), else its plain call; `with_side_work` queues other work that
+    needs only x (the shared expert) inside that step, while the GPU would wait for the CPU branch
+    or the fetch (`graph_step_with_side`), else runs it after."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.d = decoder  # read at call time: a benchmark swaps the executor for its dense pass
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        ex = self.d.executor
+        step = getattr(ex, "graph_step", None)
+        return step(x, ids, weights, moe_index) if step is not None else ex(x, ids, weights, moe_index)
+
+    def with_side_work(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int,
+                       side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        step = getattr(self.d.executor, "graph_step_with_side", None)
+        if step is not None:
+            return step(x, ids, weights, moe_index, side)
+        return self(x, ids, weights, moe_index), side()
+
+
 class DecodeGraphs:
     def __init__(self, decoder: Decoder, tokens: int) -> None:
         self.d = decoder
+        self._experts = _PassExperts(decoder)
         cfg, w = decoder.cfg, decoder.weights
         self.tokens = n = tokens
         dev = w.final_norm.device  # the embedding may live in host memory (engine/gpu/setup.py)
@@ -89,13 +113,6 @@ class DecodeGraphs:
             o = attention_core(q, k, v, d.cfg, self._batch, k_cache, v_cache)
         return attention_output(o, gate, lw.attention)
 
-    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
-        """The executor's call, or its capture-safe decode step when it has one."""
-        ex = self.d.executor
-        step = getattr(ex, "graph_step", None)
-        if step is not None:
-            return step(x, ids, weights, moe_index)
-        return ex(x, ids, weights, moe_index)
 
     def _pass(self) -> None:
         d = self.d

@@ -4,7 +4,10 @@ Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
 CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
 FREETOKEN_FUSED_ROUTER=0 keeps the torch ops). The shared expert's gate, product and sum run as
-one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in until measured on a GPU).
+one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in: no gain measured). An executor with
+`with_side_work(x, ids, weights, moe_index, side) -> (out, side())` (the whole-pass decode graph's)
+queues the shared expert inside the routed step, where the GPU would otherwise wait for the CPU
+branch or the fetch: the same kernels on the same inputs, so the same numbers.
 `feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
 `mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
@@ -42,16 +45,28 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
 
 def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: ExpertExecutor, moe_index: int) -> torch.Tensor:
     ids, weights = route(x, w.router, cfg.top_k, cfg.norm_topk_prob)
-    out = executor(x, ids, weights, moe_index)
-    if w.shared is not None:
-        shared = swiglu_mlp(x, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj)
-        assert w.shared_gate is not None
-        if x.is_cuda and fused_shared_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM:
-            from engine.model import fused_ops  # triton: imported where CUDA runs
+    if w.shared is None:
+        return executor(x, ids, weights, moe_index)
+    sw, gate = w.shared, w.shared_gate
+    assert gate is not None
+    fused = x.is_cuda and fused_shared_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM
 
-            return fused_ops.shared_gated_add(out, x, w.shared_gate, shared)
-        out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
-    return out
+    def shared_expert() -> torch.Tensor:
+        shared = swiglu_mlp(x, sw.gate_proj, sw.up_proj, sw.down_proj)
+        # unfused, the gated product needs only x as well: the same ops the sum below would run
+        return shared if fused else torch.sigmoid(F.linear(x, gate)) * shared
+
+    with_side = getattr(executor, "with_side_work", None)
+    if with_side is not None:
+        out, shared = with_side(x, ids, weights, moe_index, shared_expert)
+    else:
+        out = executor(x, ids, weights, moe_index)
+        shared = shared_expert()
+    if fused:
+        from engine.model import fused_ops  # triton: imported where CUDA runs
+
+        return fused_ops.shared_gated_add(out, x, gate, shared)
+    return out + shared
 
 
 def feed_forward(h: torch.Tensor, mixed: torch.Tensor, lw: LayerWeights, cfg: ModelConfig,

@@ -11,6 +11,7 @@ without one; run on the GPU machine):
   queue no host synchronisation;
 - the host-issued fetch (FREETOKEN_FETCH=dma) computes what the fetch kernel does, bit for bit;
 - the online ratio (FREETOKEN_ADAPT_RATIO=1) moves within its bounds and the outputs stay correct;
+- side work queued inside the step (the shared expert) changes no output, eager and captured;
 - an engine with the cache gives the same logits as with every expert resident, teacher-forced.
 """
 
@@ -146,6 +147,50 @@ def test_host_issued_fetch_equals_fetch_kernel(slots: int, ratio: float, graphs:
     if slots and ratio:
         assert int(na[2]) > 0  # something was fetched
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("fetch", ["kernel", "dma"])
+def test_side_work_inside_the_step_changes_nothing(fetch: str) -> None:
+    """graph_step_with_side (the shared expert queued inside the routed step, where the stream would
+    wait): the routed output equals graph_step's bit for bit, the side work's result is returned,
+    and both hold when the steps are captured into one graph and replayed."""
+    dtype = torch.bfloat16
+    banks = _banks(dtype)
+    side_w = torch.randn(H, H, dtype=dtype, device="cuda") / 16
+    outs: dict[str, list[torch.Tensor]] = {}
+    for mode in ("plain", "side"):
+        ex = create_cached_executor(banks, 10 * banks.expert_bytes, "cuda", 0.5, graphs=False, fetch=fetch)
+        got = outs.setdefault(mode, [])
+        for s in range(6):
+            x, ids, w = _routing(s, 1)
+            x, ids, w = x.to(dtype).cuda(), ids.cuda(), w.to(dtype).cuda()
+            for layer in range(L):
+                if mode == "plain":
+                    got.append(ex.graph_step(x, ids, w, layer).clone())
+                    got.append(x @ side_w)
+                else:
+                    out, side = ex.graph_step_with_side(x, ids, w, layer, lambda x=x: x @ side_w)
+                    got += [out.clone(), side]
+        ex.check()
+    assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["side"], strict=True))
+    # captured: one graph around a step with side work, replayed with new inputs
+    ex = create_cached_executor(banks, 10 * banks.expert_bytes, "cuda", 0.5, graphs=False, fetch=fetch)
+    x, ids, w = (t.cuda() for t in _routing(0, 1))
+    x, w = x.to(dtype), w.to(dtype)
+    ex.graph_step_with_side(x, ids, w, 0, lambda: x @ side_w)  # eager first (compiles, registers)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out, side = ex.graph_step_with_side(x, ids, w, 0, lambda: x @ side_w)
+    for s in range(1, 4):
+        nx, nids, nw = _routing(s, 1)
+        x.copy_(nx.to(dtype)), ids.copy_(nids), w.copy_(nw.to(dtype))
+        graph.replay()
+        ref = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False)
+        want = ref(x, ids, w, 0)
+        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2)
+        assert torch.equal(side, x @ side_w)
+    ex.check()
 
 
 @pytest.mark.parametrize("fetch", ["kernel", "dma"])
