@@ -172,7 +172,7 @@ class DeviceStep:
         return task
 
     def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                 side: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+                 side_work: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         ex = self.ex
         if self._fused is not None:
             # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
@@ -208,8 +208,8 @@ class DeviceStep:
             word = self._fetched[layer][1]
 
             def between() -> None:
-                if side is not None:
-                    side_out.append(side())
+                if side_work is not None:
+                    side_out.append(side_work())
                 wait_done(main, word)
 
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
@@ -218,8 +218,8 @@ class DeviceStep:
             kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
                                   ex.banks.w2, ex.slots.w13, ex.slots.w2)
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2)
-            if side is not None:  # before the wait for the CPU's answer, not after it
-                side_out.append(side())
+            if side_work is not None:  # before the wait for the CPU's answer, not after it
+                side_out.append(side_work())
         if self.cpu_branch == "doorbell":
             words = self._doorbells[layer][1]
             if ex.adapt:  # ready = 1 while this stream waits for the CPU's answer
@@ -241,10 +241,10 @@ class DeviceStep:
         return self.out
 
     def enqueue_with_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int,
-                          side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`enqueue`, with `side()` queued where this stream would otherwise wait: during the
+                          side_work: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`enqueue`, with `side_work()` queued where this stream would otherwise wait: during the
         host-issued copies (fetch="dma"), else after the GPU's rows, before the wait for the CPU."""
-        shared = self._enqueue(layer, x, ids, weights.to(self.w.dtype), side)
+        shared = self._enqueue(layer, x, ids, weights.to(self.w.dtype), side_work)
         assert shared is not None
         return self.out, shared
 

@@ -22,10 +22,6 @@ Contract:
 - `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h[, copy_src, copy_dst, copy_h])`: the CPU
   branch's inputs written into page-locked host buffers by one kernel (what were a select, a cast
   and three copies), and the copy list with them when the host issues the fetch (FREETOKEN_FETCH=dma).
-- `gather_rows(ids, table) -> [N, H]` on ids' device: table[ids] read from a page-locked host table
-  through its device mapping (the token embedding under a GPU memory cap: one row per token
-  crosses PCIe, inside the decode graph). Ids are validated by the engine; one out of range gives
-  a zero row here, never a read outside the table.
 """
 
 from __future__ import annotations
@@ -294,24 +290,3 @@ def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights
                           w_h, copy_src.contiguous(), copy_dst.contiguous(), copy_h, H=x.shape[1], K=k,
                           K_P=triton.next_power_of_2(k), BLOCK_H=1024, COPIES=copies,
                           COPIES_P=triton.next_power_of_2(max(copies, 1)), num_warps=4)
-
-
-@triton.jit
-def _gather_rows_kernel(ids_ptr, table_ptr, out_ptr, V, H, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    i = tl.load(ids_ptr + t)
-    ok = (i >= 0) & (i < V)
-    row = tl.load(table_ptr + i.to(tl.int64) * H + cols, mask=(cols < H) & ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + cols, row, mask=cols < H)
-
-
-def gather_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    flat = ids.reshape(-1).contiguous()
-    vocab, hidden = table.shape
-    out = torch.empty(flat.numel(), hidden, dtype=table.dtype, device=ids.device)
-    if flat.numel():
-        block = min(1024, triton.next_power_of_2(hidden))
-        _gather_rows_kernel[(flat.numel(), triton.cdiv(hidden, block))](flat, table, out, vocab, hidden, BLOCK=block,
-                                                                        num_warps=4)
-    return out.reshape(*ids.shape, hidden)

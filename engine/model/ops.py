@@ -82,10 +82,10 @@ def host_embedding_enabled() -> bool:
 
 def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """table[ids]. A table in page-locked host memory with ids on CUDA is read by one kernel through
-    its device mapping (engine/gpu/kernels.py `gather_rows`): a copy, bit-identical, no host sync."""
+    its device mapping (engine/gpu/host_rows.py `gather_rows`): a copy, bit-identical, no host sync."""
     if table.device == ids.device:
         return F.embedding(ids, table)
-    from engine.gpu.kernels import gather_rows  # triton: imported where CUDA runs
+    from engine.gpu.host_rows import gather_rows  # triton: imported where CUDA runs
 
     return gather_rows(ids, table)
 

@@ -1,5 +1,5 @@
 """The token embedding in page-locked host memory (engine/gpu/setup.py `host_embedding`, engine/model/ops.py
-`embed_tokens`, engine/gpu/kernels.py `gather_rows`):
+`embed_tokens`, engine/gpu/host_rows.py `gather_rows`):
 - `gather_rows` returns exactly F.embedding's rows for ids of any shape, hidden sizes that are not a
   power of two or span several programs, and a zero row (never a read outside the table) for an id out
   of range; on CUDA from a pinned host table, also replayed from a CUDA graph with new ids; on a CPU
@@ -22,7 +22,7 @@ from engine.gpu.budget import dense_bytes
 
 
 def check(table_device: str, ids_device: str) -> int:
-    from engine.gpu.kernels import gather_rows
+    from engine.gpu.host_rows import gather_rows
 
     cases = 0
     g = torch.Generator().manual_seed(7)
@@ -62,7 +62,7 @@ def test_dense_bytes_counts_a_tied_head_once_and_filters_by_device() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gather_rows_from_pinned_host_table_cuda() -> None:
     assert check("cpu", "cuda") == 27
-    from engine.gpu.kernels import gather_rows
+    from engine.gpu.host_rows import gather_rows
 
     table = torch.randn(1000, 2048).bfloat16().pin_memory()
     ids = torch.zeros(4, dtype=torch.long, device="cuda")
