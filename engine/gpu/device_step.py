@@ -1,7 +1,7 @@
 """The decode-sized MoE layer of the GPU expert cache, queued without one host synchronisation and
 captured in a CUDA graph per (layer, batch size).
 
-Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch, plan)` serves `executor` (a
+Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch, plan, fetch)` serves `executor` (a
 CachedExpertExecutor whose CPU side is the native executor) for batches of exactly `tokens` tokens
 routed to `k` experts each; `step(x, ids, weights, layer)` returns the layer's routed-expert output
 in a buffer the next call of this step overwrites (consume it before that, in stream order: the
@@ -24,8 +24,8 @@ is no fetch kernel: the hand-off kernel also writes the copy list into page-lock
 poller's copier thread queues the copies on a copy stream of this step (the copy engines: the
 bulk-copy rate, not the SMs' loads) and a stream write of 1 to a per-layer word while the poller
 runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile, waits for
-that word, then runs the fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to the host by `cpu_branch`:
-"doorbell" (default: a stream write the native poller thread answers, a stream wait for its
+that word, then runs the fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to
+the host by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream wait for its
 answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
 its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md
 has the measurement behind the default. While steps run, the native pool's idle workers spin for
@@ -38,8 +38,9 @@ in and replay: no per-layer Python beyond that. `enqueue` (for a caller capturin
 step) reads its inputs in place instead. A capture that fails is logged once and that layer
 stays eager (correct, slower). The page-locked staging buffers are shared by the layers of one
 batch size, which is safe because each layer's step has read the CPU's answer (and the CPU has
-read its inputs) before the next layer's hand-off can start. The ratio is baked into the captured
-plan: a new executor is how a new ratio applies.
+read its inputs) before the next layer's hand-off can start. The fused plan reads the ratio from
+the executor's device scalar (`ratio_device`), so a new ratio applies to captured steps too; the
+torch plan bakes it in.
 """
 
 from __future__ import annotations
@@ -123,9 +124,7 @@ class DeviceStep:
         self.fetch = resolve_fetch(fetch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
-        if self.fetch == "dma":
-            if self.cpu_branch != "doorbell":
-                raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
+        if self.fetch == "dma":  # the executor has checked that the branch is the doorbell
             from engine.gpu.host_fn import current_context
 
             self.copy_stream = torch.cuda.Stream(device=dev)
@@ -177,8 +176,8 @@ class DeviceStep:
         if self._fused is not None:
             # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
             # to captured steps too
-            ratio = ex.ratio_device if ex.ratio_device is not None else ex.ratio
-            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ratio, ex._counts)
+            assert ex.ratio_device is not None  # a CUDA executor's (device steps run on CUDA only)
+            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts)
         else:
             plan = plan_layer(ex.table, layer, ids, ex.ratio)
             ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
@@ -187,11 +186,9 @@ class DeviceStep:
         # the CPU's inputs leave before the fetch starts (PCIe reads would delay them), written into
         # the page-locked buffers by one kernel
         dma = self.fetch == "dma"
-        if dma:  # the copy list goes to the host with the CPU's inputs
-            kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, plan.copy_src[:self.copies],
-                             plan.copy_dst[:self.copies], self.copy_h)
-        else:
-            kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h)
+        # with dma the copy list goes to the host with the CPU's inputs
+        copy_list = (plan.copy_src[:self.copies], plan.copy_dst[:self.copies], self.copy_h) if dma else ()
+        kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, *copy_list)
         main = torch.cuda.current_stream()
         if self.cpu_branch == "doorbell":
             # everything on one stream: the ring follows the hand-off (its write fences the

@@ -290,13 +290,11 @@ class CachedExpertExecutor:
         successor is queued while it runs)."""
         if not self._steps or (tokens is not None and tokens > self.step_tokens):
             return
-        from native.ftnative import host_task_failures
+        from native.ftnative import host_task_failures, poll_lateness
 
         if self.table.device.type == "cuda":
             torch.cuda.current_stream(self.table.device).synchronize()
         if self.adapt and self.ratio_device is not None:
-            from native.ftnative import poll_lateness
-
             new = self._controller.observe(*poll_lateness())
             if new is not None:
                 self.ratio = new

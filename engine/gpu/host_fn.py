@@ -111,4 +111,4 @@ def clear(stream: torch.cuda.Stream, address: int) -> None:
 
 def wait_done(stream: torch.cuda.Stream, done_address: int) -> None:
     _check(_wait_value()(_stream(stream), done_address, 1, _WAIT_EQ), "cuStreamWaitValue32")
-    _check(_write_value()(_stream(stream), done_address, 0, 0), "cuStreamWriteValue32")
+    clear(stream, done_address)

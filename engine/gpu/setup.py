@@ -2,10 +2,11 @@
 
 Contract: `attach_expert_cache(decoder, opts, dtype)` moves an embedding table that is not also the
 LM head into page-locked host memory (`host_embedding`; FREETOKEN_HOST_EMBED=0 keeps it on the GPU),
-splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need
-60 GB more), resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for
-this machine in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them
-there and logs that it did: never a silent default), and replaces the decoder's executor with a
+splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host
+expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more),
+resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for this machine
+in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them there and
+logs that it did: never a silent default), and replaces the decoder's executor with a
 `CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA or when the cap is too small.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
+from engine.gpu.device_step import resolve_fetch
 from engine.gpu.executor import create_cached_executor
 from engine.model.decoder import Decoder
 from engine.model.ops import host_embedding_enabled
@@ -85,8 +87,6 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
                            threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
     threads = opts.threads or load_native().physical_cores()
-    from engine.gpu.device_step import resolve_fetch
-
     fetch = resolve_fetch(None)  # host-issued copies move at the bulk-copy rate, the fetch kernel at B_F
     path = Path(opts.calibration_file) if opts.calibration_file else None
     if path is not None:

@@ -272,7 +272,8 @@ def test_fused_switches_take_on_off_and_refuse_the_rest(monkeypatch: pytest.Monk
     from engine.weights.dummy import dummy_config, dummy_decoder
 
     switches = {"FREETOKEN_FUSED_OPS": ops.fused_ops_enabled, "FREETOKEN_FUSED_GDN": ops.fused_gdn_enabled,
-                "FREETOKEN_FUSED_ROUTER": ops.fused_router_enabled, "FREETOKEN_FUSED_SHARED": ops.fused_shared_enabled}
+                "FREETOKEN_FUSED_ROUTER": ops.fused_router_enabled, "FREETOKEN_FUSED_SHARED": ops.fused_shared_enabled,
+                "FREETOKEN_HOST_EMBED": ops.host_embedding_enabled}
     try:
         for name, read in switches.items():
             for raw, value in (("Yes", True), ("off", False), ("1", True), (" 0 ", False)):
