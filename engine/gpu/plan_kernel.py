@@ -140,8 +140,9 @@ def plan_layer_fused(state: CacheTable, layer: int, ids: torch.Tensor, ratio: fl
         raise ValueError(f"the fused plan serves up to {_MAX_SLOTS} slots and {_MAX_ENTRIES} routed entries")
     E, S, dev = state.experts, state.slots, state.device
     if isinstance(ratio, torch.Tensor):  # a float64 device scalar its owner may rewrite between steps
-        if ratio.dtype != torch.float64 or ratio.numel() != 1 or ratio.device != dev:
-            raise ValueError(f"a ratio tensor must be one float64 on {dev}")
+        # against a tensor's device: the table's own may read "cuda" where tensors read "cuda:0"
+        if ratio.dtype != torch.float64 or ratio.numel() != 1 or ratio.device != state.table_flat.device:
+            raise ValueError(f"a ratio tensor must be one float64 on {state.table_flat.device}")
         ratio_t = ratio
     else:
         ratio_t = _ratio_tensor(check_ratio(ratio), dev)

@@ -95,6 +95,8 @@ bench dec_q36_20L_12G_t1 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-me
     --temperature 1
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
+FREETOKEN_FETCH=dma bench dec_q36_20L_16G_dma 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB \
+    --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
 # the expert cache as the previous request left it (what a serving engine has; llama.cpp's resident
 # layers are always there): the kept experts are read in place
