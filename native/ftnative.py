@@ -266,6 +266,14 @@ def poll_served() -> int:
     return _ext.poll_served()
 
 
+def poll_copier_state() -> tuple[bool, bool, bool]:
+    """(up, pending, copying): the copier thread runs (until it does, the poller issues fetches
+    itself), a host-issued fetch was handed to it and not yet taken, and it is inside one
+    (native/src/poller.h); a diagnostic for a step that waits for its copies."""
+    up, pending, copying = _ext.poll_copier_state()
+    return bool(up), bool(pending), bool(copying)
+
+
 def poll_lateness() -> tuple[int, int]:
     """(CPU-late, GPU-late): doorbell runs so far whose CPU branch finished after the GPU's own branch
     of the layer, and before it; counted for tasks that serve a 3-word doorbell."""

@@ -156,6 +156,11 @@ class CachedExpertExecutor:
         self.fetch = resolve_fetch(fetch)  # and FREETOKEN_FETCH
         if self.fetch == "dma" and self.cpu_branch != "doorbell":
             raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
+        if self.fetch == "dma" and table.device.type == "cuda":
+            # seventh GPU session: unit steps with every slot refilled layer after layer stopped for
+            # good on the H200 (docs/gpu-tier.md, "Host-issued fetch"); the engine's own runs did not
+            log.warning("FREETOKEN_FETCH=dma is experimental: its GPU wait for the host-issued copies was seen to "
+                        "hang (docs/gpu-tier.md)")
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py; opt-in)
         self.adapt = env_switch("FREETOKEN_ADAPT_RATIO", False) if adapt is None else adapt
         if self.adapt and (self.cpu_branch != "doorbell" or self.plan != "fused"):

@@ -162,6 +162,11 @@ PYBIND11_MODULE(_ftnative, m) {
           py::call_guard<py::gil_scoped_release>());
     m.def("poll_stop", &poll_stop, py::call_guard<py::gil_scoped_release>());
     m.def("poll_served", &poll_served);
+    m.def("poll_copier_state", [] {
+        bool up = false, pending = false, copying = false;
+        poll_copier_state(&up, &pending, &copying);
+        return py::make_tuple(up, pending, copying);
+    }, "(the copier thread runs, a fetch handed to it and not yet taken, the copier inside a fetch).");
     m.def("host_task_busy_ns", &ft_host_task_busy_ns, "Nanoseconds inside host tasks so far, all tasks.");
     m.def("host_task_failures", &ft_host_task_failures, "Failed runs and fetches so far, all tasks.");
     m.def("host_task_fn", [] { return reinterpret_cast<uintptr_t>(&ft_host_task_run); },

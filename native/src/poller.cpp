@@ -163,6 +163,12 @@ void poll_stop() {
 
 int64_t poll_served() { return g_served.load(); }
 
+void poll_copier_state(bool* up, bool* pending, bool* copying) {
+    *up = g_copier_up.load();
+    *pending = g_fetch.load() != nullptr;
+    *copying = g_copying.load();
+}
+
 void poll_lateness(int64_t* cpu_late, int64_t* gpu_late) {
     *cpu_late = g_cpu_late.load(std::memory_order_relaxed);
     *gpu_late = g_gpu_late.load(std::memory_order_relaxed);

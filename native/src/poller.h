@@ -22,4 +22,9 @@ void poll_unregister(void* task);
 void poll_stop();  // joins the poller (restarted by the next registration)
 int64_t poll_served();
 
+// The copier's state: its thread running (until then the poller issues fetches itself), a fetch
+// handed over and not yet taken, and the copier inside one (a fetch that never ends shows as
+// copying for good).
+void poll_copier_state(bool* up, bool* pending, bool* copying);
+
 }  // namespace ft

@@ -10,6 +10,7 @@ static void* g_stream;
 static int g_copies;
 static int g_writes;
 static int g_fail_copy_at = -1; /* the n-th copy (from 0) returns an error */
+static volatile int g_hold; /* while set, a copy waits inside the call (a driver call that blocks) */
 
 int cuCtxSetCurrent(void* ctx) {
     g_ctx = ctx;
@@ -18,6 +19,7 @@ int cuCtxSetCurrent(void* ctx) {
 
 int cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t bytes, void* stream) {
     if (g_copies == g_fail_copy_at) return 700; /* CUDA_ERROR_ILLEGAL_ADDRESS */
+    while (g_hold) __sync_synchronize();
     g_copies++;
     g_stream = stream;
     memcpy((void*)(uintptr_t)dst, src, bytes);
@@ -36,3 +38,4 @@ void* fake_stream(void) { return g_stream; }
 int fake_copies(void) { return g_copies; }
 int fake_writes(void) { return g_writes; }
 void fake_fail_copy_at(int n) { g_fail_copy_at = n; }
+void fake_hold(int on) { g_hold = on; }

@@ -3,7 +3,8 @@ for the CUDA driver (tests/native/fake_cuda.c, built here with the C compiler an
 library path of a child process): for each copy-list entry with a bank row the two expert tensors'
 rows land in the listed slot, padding is skipped, the word is written after the copies (through the
 driver, on the task's stream, with the task's context made current), and through the doorbell the
-poller hands the fetch to its copier thread and runs the layer's CPU experts meanwhile; an entry outside the banks or slots, or a copy the driver
+poller hands the fetch to its copier thread and runs the layer's CPU experts meanwhile (a driver call
+that blocks shows in `poll_copier_state`, and the word waits for it); an entry outside the banks or slots, or a copy the driver
 refuses, fails the task (check() raises) and still writes the word, so the GPU's wait ends.
 The same on a GPU: tests/engine/gpu_cache/test_device_step_cuda.py."""
 
@@ -22,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 def _child() -> None:
     import ctypes
+    import time
 
     import torch
     from doorbell import doorbell_words, ring_and_wait, wait_word
@@ -71,6 +73,35 @@ def _child() -> None:
     assert torch.equal(s13[1], w13[3])
     assert torch.equal(out, ft.moe_layer(x, ids, w, bank))
     task2.check()
+    # the copier thread is started with the first fetching task; until it runs the poller fetches
+    # itself (and a held copy would hold the poller too)
+    deadline = time.monotonic() + 10
+    while not ft.poll_copier_state()[0] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ft.poll_copier_state() == (True, False, False)
+
+    # a driver call that blocks: the copier shows it is inside the fetch, and the word waits for it
+    fake.fake_hold(1)
+    try:  # released on failure too: the exit joins the copier
+        s13.fill_(-1.0)
+        word5 = torch.zeros(1, dtype=torch.int32)
+        copy5 = torch.tensor([2, 0], dtype=torch.int64)  # kept alive: the task holds its address only
+        task5 = task_with(copy5, word5)
+        words5 = doorbell_words()
+        task5.serve_doorbell(words5)
+        assert ring_and_wait(words5)  # the CPU experts are answered while the copy is held
+        deadline = time.monotonic() + 10
+        while ft.poll_copier_state() != (True, False, True) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ft.poll_copier_state() == (True, False, True) and int(word5[0]) == 0
+    finally:
+        fake.fake_hold(0)
+    assert wait_word(word5) and torch.equal(s13[0], w13[2])
+    deadline = time.monotonic() + 10
+    while ft.poll_copier_state() != (True, False, False) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ft.poll_copier_state() == (True, False, False)
+    task5.check()
 
     # an entry outside the slots: no copy, the task fails, the word is still written
     word3 = torch.zeros(1, dtype=torch.int32)

@@ -1,0 +1,120 @@
+"""Where the host-issued fetch (FREETOKEN_FETCH=dma) stops: the seventh GPU session saw
+`CachedExpertExecutor` device steps hang for good on the H200 when a layer refilled every slot the
+previous layer had just filled (3 slots, ratio 1.0, eager; 3 slots, ratio 0.5, captured), with the
+poller's answer written, the layer's fetched word still 0 and no failure recorded; 20 slots ran
+through. Each case runs in a child process under one environment and a watchdog; on a hang the
+child prints the per-layer words, whether the copy stream is idle (its copies and word write
+done) and whether the copier thread is inside a fetch, then exits.
+
+Variants, one hypothesis each:
+- plain: as the unit test (a blocking device-to-host read after every layer);
+- eager-modules: CUDA_MODULE_LOADING=EAGER (a kernel loaded lazily while the stream waits for the
+  copier may wait for the device under the driver's lock, which the copier's calls then need);
+- connections-32: CUDA_DEVICE_MAX_CONNECTIONS=32 (the copy stream sharing a hardware queue behind
+  the waiting stream);
+- polled: the host polls an event instead of the blocking read (a synchronous copy holding the lock).
+
+Usage on the GPU machine: python -m evals.gpu.dma_hang_probe [--watchdog-s 6]. Prints a table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+
+CASES = ((3, 1.0, False), (3, 0.5, True), (20, 1.0, False))
+VARIANTS = {
+    "plain": {},
+    "eager-modules": {"CUDA_MODULE_LOADING": "EAGER"},
+    "connections-32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+    "polled": {"FT_PROBE_POLLED": "1"},
+}
+L, E, K, H, INTER = 3, 16, 4, 256, 96  # tests/engine/gpu_cache/test_device_step_cuda.py's sizes
+
+
+def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
+    import torch
+
+    from engine.gpu.executor import create_cached_executor
+    from engine.gpu.setup import pin_in_place
+    from engine.weights.layout import ExpertBanks
+    from native.ftnative import poll_copier_state, poll_served
+
+    g = torch.Generator().manual_seed(0)
+    banks = ExpertBanks((torch.randn(L * E, 2 * INTER, H, generator=g) / 8).bfloat16(),
+                        (torch.randn(L * E, H, INTER, generator=g) / 6).bfloat16(), E)
+    assert pin_in_place(banks)
+    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, fetch="dma")
+    where = {"step": -1, "layer": -1}
+    polled = os.environ.get("FT_PROBE_POLLED") == "1"
+
+    def watchdog() -> None:
+        time.sleep(watchdog_s)
+        up, pending, copying = poll_copier_state()
+        print(f"HANG step {where['step']} layer {where['layer']} served {poll_served()} "
+              f"copier up {up} pending {pending} copying {copying}")
+        for tokens, step in ex._steps.items():
+            for layer in step._tasks:
+                print(f"  tokens {tokens} layer {layer}: fetched word {step._fetched[layer][0].tolist()} "
+                      f"doorbell {step._doorbells[layer][0].tolist()}")
+            print(f"  tokens {tokens}: copy stream idle {step.copy_stream.query()} copy list {step.copy_h.tolist()}")
+        sys.stdout.flush()
+        os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    for s in range(9):
+        n = 4 if s % 3 == 2 else 1
+        gs = torch.Generator().manual_seed(1000 + s)
+        ids = torch.stack([torch.randperm(E, generator=gs)[:K] for _ in range(n)]).cuda()
+        x = torch.randn(n, H, generator=gs).bfloat16().cuda()
+        w = torch.rand(n, K, generator=gs).bfloat16().cuda()
+        for layer in range(L):
+            where.update(step=s, layer=layer)
+            ex(x, ids, w, layer)
+            if polled:
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():
+                    time.sleep(50e-6)
+            ex._counts.tolist()
+    ex.check()
+    print("OK")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--watchdog-s", type=float, default=6.0)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        slots, ratio, graphs = args.child
+        child(int(slots), float(ratio), graphs == "1", args.watchdog_s)
+        return
+    rows = []
+    for variant, env in VARIANTS.items():
+        for slots, ratio, graphs in CASES:
+            cmd = [sys.executable, "-m", "evals.gpu.dma_hang_probe", "--watchdog-s", str(args.watchdog_s),
+                   "--child", str(slots), str(ratio), "1" if graphs else "0"]
+            try:
+                out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                                     timeout=args.watchdog_s + 60).stdout
+            except subprocess.TimeoutExpired:
+                out = "TIMEOUT (watchdog did not fire)"
+            lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "  ", "TIMEOUT"))]
+            print(f"== {variant} slots {slots} ratio {ratio} graphs {graphs}\n" + "\n".join(lines), flush=True)
+            result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "TIMEOUT"))), "no result")
+            idle = [ln.split("copy stream idle ")[1].split()[0] for ln in lines if "copy stream idle" in ln]
+            rows.append((variant, slots, ratio, graphs, result.replace("|", "/"), ",".join(idle)))
+    print("| variant | slots | ratio | graphs | result | copy streams idle |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
