@@ -210,11 +210,12 @@ class HostTask:
 
     def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
                     slots_w13: torch.Tensor, slots_w2: torch.Tensor, stream: int, context: int,
-                    word: torch.Tensor, word_device: int) -> None:
-        """Before each run from the doorbell, the poller queues this layer's fetches itself
-        (native/src/dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row
-        copy[i] of both banks into slot copy[n + i] of both slot tensors, as host-to-device copies on
-        `stream` (a CUstream of `context`), then a stream write of 1 to `word` (at `word_device`).
+                    word: torch.Tensor, word_device: int, host_word: bool = True) -> None:
+        """Before each run from the doorbell, the poller has this layer's fetches issued (native/src/
+        dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row copy[i] of both
+        banks into slot copy[n + i] of both slot tensors, as host-to-device copies on `stream` (a
+        CUstream of `context`); then `word` = 1: from the host once the stream has drained
+        (`host_word`), else by a stream write (at `word_device`) queued after the copies.
         Banks: page-locked host tensors [rows, ...]; slots: CUDA tensors [slots, ...] of the same row
         shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`."""
         if self._words is not None:
@@ -236,7 +237,7 @@ class HostTask:
         _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, banks_w13.data_ptr(),
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
                                  row_bytes[1], banks_w13.shape[0], slots_w13.shape[0], stream, context, word_device,
-                                 word.data_ptr())
+                                 word.data_ptr(), host_word)
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
 
     def fetch(self) -> None:

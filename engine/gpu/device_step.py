@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
 FETCHES = ("kernel", "dma")
+DMA_WORDS = ("host", "stream")  # how the host-issued fetch releases the GPU's wait (dma_fetch.h)
 CPU_BRANCH_SPIN_US = 2000  # native pool workers' idle spin while a GPU step drives them
 PLANS = ("torch", "fused")
 
@@ -88,6 +89,14 @@ def resolve_fetch(name: str | None) -> str:
     if fetch not in FETCHES:
         raise ConfigError(f"unknown expert fetch {fetch!r} (known: {', '.join(FETCHES)})")
     return fetch
+
+
+def resolve_dma_word(name: str | None = None) -> str:
+    """`name`, else FREETOKEN_DMA_WORD, else "host"; ConfigError for an unknown one."""
+    word = name or os.environ.get("FREETOKEN_DMA_WORD", "host")
+    if word not in DMA_WORDS:
+        raise ConfigError(f"unknown FREETOKEN_DMA_WORD {word!r} (known: {', '.join(DMA_WORDS)})")
+    return word
 
 
 class DeviceStep:
@@ -160,7 +169,8 @@ class DeviceStep:
                 fetched = torch.zeros(1, dtype=torch.int32, pin_memory=True)
                 address = device_address(fetched)
                 task.serve_fetch(self.copy_h, ex.banks.w13, ex.banks.w2, ex.slots.w13, ex.slots.w2,
-                                 self.copy_stream.cuda_stream, self._context, fetched, address)
+                                 self.copy_stream.cuda_stream, self._context, fetched, address,
+                                 host_word=ex.dma_word == "host")
                 self._fetched[layer] = (fetched, address)
             if self.cpu_branch == "doorbell":
                 # a third word when the ratio adapts: the GPU's "my branch is done" (adapt.py)

@@ -49,7 +49,13 @@ import torch.nn.functional as F
 from engine.errors import ConfigError, EngineError
 from engine.gpu.adapt import RatioController
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.device_step import DeviceStep, resolve_cpu_branch, resolve_fetch, resolve_plan
+from engine.gpu.device_step import (
+    DeviceStep,
+    resolve_cpu_branch,
+    resolve_dma_word,
+    resolve_fetch,
+    resolve_plan,
+)
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
@@ -156,9 +162,11 @@ class CachedExpertExecutor:
         self.fetch = resolve_fetch(fetch)  # and FREETOKEN_FETCH
         if self.fetch == "dma" and self.cpu_branch != "doorbell":
             raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
+        # how the copier releases the GPU's wait: FREETOKEN_DMA_WORD=host (default) / stream
+        self.dma_word = resolve_dma_word() if self.fetch == "dma" else "host"
         if self.fetch == "dma" and table.device.type == "cuda":
-            # seventh GPU session: unit steps with every slot refilled layer after layer stopped for
-            # good on the H200 (docs/gpu-tier.md, "Host-issued fetch"); the engine's own runs did not
+            # seventh GPU session: unit steps with the stream-written word stopped for good on the
+            # H200 (docs/gpu-tier.md, "Host-issued fetch"); the host-written word is not yet GPU-run
             log.warning("FREETOKEN_FETCH=dma is experimental: its GPU wait for the host-issued copies was seen to "
                         "hang (docs/gpu-tier.md)")
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py; opt-in)

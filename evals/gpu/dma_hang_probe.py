@@ -2,23 +2,29 @@
 `CachedExpertExecutor` device steps hang for good on the H200 when a layer refilled every slot the
 previous layer had just filled (3 slots, ratio 1.0, eager; 3 slots, ratio 0.5, captured), with the
 poller's answer written, the layer's fetched word still 0 and no failure recorded; 20 slots ran
-through. Each case runs in a child process under one environment and a watchdog; on a hang the
-child prints the per-layer words, whether the copy stream is idle (its copies and word write
-done) and whether the copier thread is inside a fetch, then exits.
+through. The copier then set the word by a stream write queued after its copies
+(FREETOKEN_DMA_WORD=stream): a wait on another stream's work that CUDA cannot see, which the
+driver's documentation warns may deadlock. Since then the default is the host-written word (the
+copier polls its stream until the copies have landed, then stores 1, as the poller answers).
+Each case runs in a child process under one environment and a watchdog; on a hang the child
+prints the per-layer words, whether the copy stream is idle, the copier's state and every
+thread's stack (a blocking read: the device is stuck; a launch: the driver), then exits.
 
 Variants, one hypothesis each:
-- plain: as the unit test (a blocking device-to-host read after every layer);
-- eager-modules: CUDA_MODULE_LOADING=EAGER (a kernel loaded lazily while the stream waits for the
-  copier may wait for the device under the driver's lock, which the copier's calls then need);
-- connections-32: CUDA_DEVICE_MAX_CONNECTIONS=32 (the copy stream sharing a hardware queue behind
-  the waiting stream);
-- polled: the host polls an event instead of the blocking read (a synchronous copy holding the lock).
+- host-word: the default;
+- stream-word: as in the seventh session (expected to hang);
+- stream-word, eager-modules: CUDA_MODULE_LOADING=EAGER (a kernel loaded lazily while the stream
+  waits may need the device idle under the driver's lock, which the copier's calls then need);
+- stream-word, connections-32: CUDA_DEVICE_MAX_CONNECTIONS=32 (the copy stream behind the waiting
+  stream in one hardware queue);
+- stream-word, polled: the host polls an event instead of a blocking read after each layer.
 
 Usage on the GPU machine: python -m evals.gpu.dma_hang_probe [--watchdog-s 6]. Prints a table."""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import subprocess
 import sys
@@ -27,10 +33,11 @@ import time
 
 CASES = ((3, 1.0, False), (3, 0.5, True), (20, 1.0, False))
 VARIANTS = {
-    "plain": {},
-    "eager-modules": {"CUDA_MODULE_LOADING": "EAGER"},
-    "connections-32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
-    "polled": {"FT_PROBE_POLLED": "1"},
+    "host-word": {"FREETOKEN_DMA_WORD": "host"},
+    "stream-word": {"FREETOKEN_DMA_WORD": "stream"},
+    "stream-word, eager-modules": {"FREETOKEN_DMA_WORD": "stream", "CUDA_MODULE_LOADING": "EAGER"},
+    "stream-word, connections-32": {"FREETOKEN_DMA_WORD": "stream", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+    "stream-word, polled": {"FREETOKEN_DMA_WORD": "stream", "FT_PROBE_POLLED": "1"},
 }
 L, E, K, H, INTER = 3, 16, 4, 256, 96  # tests/engine/gpu_cache/test_device_step_cuda.py's sizes
 
@@ -61,6 +68,9 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
                 print(f"  tokens {tokens} layer {layer}: fetched word {step._fetched[layer][0].tolist()} "
                       f"doorbell {step._doorbells[layer][0].tolist()}")
             print(f"  tokens {tokens}: copy stream idle {step.copy_stream.query()} copy list {step.copy_h.tolist()}")
+        sys.stdout.flush()
+        # where the main thread waits: a blocking read (the device is stuck) or a launch (the driver)
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
         sys.stdout.flush()
         os._exit(3)
 
@@ -105,7 +115,7 @@ def main() -> None:
                                      timeout=args.watchdog_s + 60).stdout
             except subprocess.TimeoutExpired:
                 out = "TIMEOUT (watchdog did not fire)"
-            lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "  ", "TIMEOUT"))]
+            lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "  ", "TIMEOUT", "Thread", "Current"))]
             print(f"== {variant} slots {slots} ratio {ratio} graphs {graphs}\n" + "\n".join(lines), flush=True)
             result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "TIMEOUT"))), "no result")
             idle = [ln.split("copy stream idle ")[1].split()[0] for ln in lines if "copy stream idle" in ln]

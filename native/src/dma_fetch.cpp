@@ -1,6 +1,8 @@
 // See dma_fetch.h.
 #include "dma_fetch.h"
 
+#include "pool.h"  // cpu_relax
+
 #include <dlfcn.h>
 
 #include <atomic>
@@ -13,11 +15,14 @@ using CUresult = int;
 using MemcpyHtoDAsync = CUresult (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
 using WriteValue32 = CUresult (*)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
 using CtxSetCurrent = CUresult (*)(void* ctx);
+using StreamQuery = CUresult (*)(void* stream);
+constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY: the stream still has work
 
 struct Driver {
     MemcpyHtoDAsync memcpy_htod = nullptr;
     WriteValue32 write_value = nullptr;
     CtxSetCurrent set_current = nullptr;
+    StreamQuery query = nullptr;
     std::string error;
 };
 
@@ -37,8 +42,9 @@ const Driver& driver() {
         d.memcpy_htod = reinterpret_cast<MemcpyHtoDAsync>(sym("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"));
         d.write_value = reinterpret_cast<WriteValue32>(sym("cuStreamWriteValue32_v2", "cuStreamWriteValue32"));
         d.set_current = reinterpret_cast<CtxSetCurrent>(sym("cuCtxSetCurrent", "cuCtxSetCurrent"));
-        if (d.memcpy_htod == nullptr || d.write_value == nullptr || d.set_current == nullptr)
-            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuStreamWriteValue32 / cuCtxSetCurrent";
+        d.query = reinterpret_cast<StreamQuery>(sym("cuStreamQuery", "cuStreamQuery"));
+        if (d.memcpy_htod == nullptr || d.write_value == nullptr || d.set_current == nullptr || d.query == nullptr)
+            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuStreamWriteValue32 / cuCtxSetCurrent / cuStreamQuery";
     });
     return d;
 }
@@ -75,6 +81,16 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                                   reinterpret_cast<const void*>(f.bank2 + static_cast<uint64_t>(row) * f.bytes2),
                                   f.bytes2, f.stream);
             if (r != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r);
+        }
+        if (f.host_word) {
+            // the copies have landed when the stream has drained; then the host's store releases
+            // the GPU's GEMVs, as the poller's answer does (no stream waits on another's memop)
+            CUresult r;
+            while ((r = d.query(f.stream)) == kNotReady) cpu_relax();
+            if (r != 0) return "cuStreamQuery failed with CUDA driver error " + std::to_string(r);
+            std::atomic_thread_fence(std::memory_order_release);
+            *f.word_host = 1;
+            return {};
         }
         // after the copies in stream order: the GPU's wait on this word releases its GEMVs
         if (const CUresult r = d.write_value(f.stream, f.word_device, 1, 0); r != 0)

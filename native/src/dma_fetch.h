@@ -2,9 +2,13 @@
 // doorbell rings, the poller hands the layer's fetch to its copier thread (poller.h) and runs the
 // layer's CPU experts; the copier reads the copy list (bank row, slot) from page-locked memory,
 // queues each fetched expert's two host-to-device copies on a copy stream (the copy engines move
-// host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it) and a stream
-// write of 1 to a page-locked word that the GPU's stream waits on. The CUDA driver is opened with dlopen on first use: the library builds and
-// loads on machines without CUDA, and only a task that is given a fetch needs the driver.
+// host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it), then sets a
+// page-locked word that the GPU's stream waits on to 1: by default from the host once the copy
+// stream has drained (polled with cuStreamQuery), or (host_word false) as a stream write queued
+// after the copies. The second hands the GPU's wait a dependency on another stream's work that
+// CUDA cannot see, which its documentation warns may deadlock; on the H200 (seventh session) unit
+// steps with it stopped for good. The CUDA driver is opened with dlopen on first use: the library
+// builds and loads on machines without CUDA, and only a task that is given a fetch needs the driver.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +27,11 @@ struct DmaFetch {
     void* context = nullptr;  // CUcontext the stream belongs to (made current on the poller thread)
     uint64_t word_device = 0;  // the page-locked word the GPU waits on: its device address
     volatile uint32_t* word_host = nullptr;  // and its host address (written directly on failure)
+    bool host_word = true;  // the word set from the host after the copies, else by a stream write
 };
 
-// Queues the copies and the word's write; returns "" or the reason it could not. On a failure the
+// Queues the copies and sets the word (host_word: waits for the copies first); returns "" or the
+// reason it could not. On a failure the
 // caller records it, then calls dma_fetch_release, which writes the word from the host so the GPU
 // never waits forever (the slots may hold stale rows: the step raises the recorded failure, which
 // is in place before the GPU can go on).

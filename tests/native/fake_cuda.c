@@ -1,6 +1,7 @@
 /* A stand-in for libcuda.so.1 with the three driver calls native/src/dma_fetch.cpp makes, for
    tests on machines without a GPU (tests/native/test_dma_fetch.py): "device" addresses are host
-   addresses, an asynchronous copy is a memcpy, a stream write a store. It records the calls so
+   addresses, an asynchronous copy is a memcpy, a stream write a store, a stream query answers
+   "not ready" as often as the test asks, then done. It records the calls so
    the test can check what the poller asked of the driver. */
 #include <stdint.h>
 #include <string.h>
@@ -10,7 +11,8 @@ static void* g_stream;
 static int g_copies;
 static int g_writes;
 static int g_fail_copy_at = -1; /* the n-th copy (from 0) returns an error */
-static volatile int g_hold; /* while set, a copy waits inside the call (a driver call that blocks) */
+static volatile int g_hold;
+static int g_queries, g_pending; /* cuStreamQuery calls; answers "not ready" this many times first */ /* while set, a copy waits inside the call (a driver call that blocks) */
 
 int cuCtxSetCurrent(void* ctx) {
     g_ctx = ctx;
@@ -33,9 +35,21 @@ int cuStreamWriteValue32_v2(void* stream, uint64_t addr, uint32_t value, unsigne
     return 0;
 }
 
+int cuStreamQuery(void* stream) {
+    g_queries++;
+    g_stream = stream;
+    if (g_pending > 0) {
+        g_pending--;
+        return 600; /* CUDA_ERROR_NOT_READY */
+    }
+    return 0;
+}
+
 void* fake_ctx(void) { return g_ctx; }
 void* fake_stream(void) { return g_stream; }
 int fake_copies(void) { return g_copies; }
 int fake_writes(void) { return g_writes; }
 void fake_fail_copy_at(int n) { g_fail_copy_at = n; }
 void fake_hold(int on) { g_hold = on; }
+int fake_queries(void) { return g_queries; }
+void fake_pending(int n) { g_pending = n; }

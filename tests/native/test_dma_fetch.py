@@ -1,8 +1,8 @@
 """The poller's host-issued fetch (native/src/dma_fetch.cpp, FREETOKEN_FETCH=dma) against a stand-in
 for the CUDA driver (tests/native/fake_cuda.c, built here with the C compiler and found first on the
 library path of a child process): for each copy-list entry with a bank row the two expert tensors'
-rows land in the listed slot, padding is skipped, the word is written after the copies (through the
-driver, on the task's stream, with the task's context made current), and through the doorbell the
+rows land in the listed slot, padding is skipped, the word is set after the copies (from the host
+once the task's stream has drained, or by a stream write on it; with the task's context made current), and through the doorbell the
 poller hands the fetch to its copier thread and runs the layer's CPU experts meanwhile (a driver call
 that blocks shows in `poll_copier_state`, and the word waits for it); an entry outside the banks or slots, or a copy the driver
 refuses, fails the task (check() raises) and still writes the word, so the GPU's wait ends.
@@ -43,17 +43,17 @@ def _child() -> None:
     x, ids, w = torch.randn(1, hidden, generator=g), torch.tensor([[1, 4]]), torch.rand(1, 2)
     out = torch.zeros(1, hidden)
 
-    def task_with(copy: torch.Tensor, word: torch.Tensor) -> ft.HostTask:
+    def task_with(copy: torch.Tensor, word: torch.Tensor, host_word: bool = True) -> ft.HostTask:
         task = ft.HostTask(x, ids, w, bank, out)
         ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), copy.numel() // 2, w13.data_ptr(), w2.data_ptr(),
                                     s13.data_ptr(), s2.data_ptr(), w13[0].numel() * 4, w2[0].numel() * 4, rows,
-                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr())
+                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr(), host_word)
         return task
 
-    # direct: rows 5 -> slot 2, 0 -> slot 0, padding
+    # direct, the word by a stream write: rows 5 -> slot 2, 0 -> slot 0, padding
     copy = torch.tensor([5, -1, 0, 2, 0, 0], dtype=torch.int64)
     word = torch.zeros(1, dtype=torch.int32)
-    task = task_with(copy, word)
+    task = task_with(copy, word, host_word=False)
     task.fetch()
     task.check()
     assert torch.equal(s13[2], w13[5]) and torch.equal(s2[2], w2[5])
@@ -61,6 +61,18 @@ def _child() -> None:
     assert bool((s13[1] == -1).all()) and bool((s2[1] == -1).all())  # untouched
     assert int(word[0]) == 1 and fake.fake_copies() == 4 and fake.fake_writes() == 1
     assert fake.fake_ctx() == 0xC0DE and fake.fake_stream() == 0xABC0
+    assert fake.fake_queries() == 0  # nothing waits for the copies here
+
+    # direct, the word from the host (default): set only once the stream has drained
+    s13.fill_(-1.0)
+    copy1 = torch.tensor([4, 1], dtype=torch.int64)
+    word1 = torch.zeros(1, dtype=torch.int32)
+    task1 = task_with(copy1, word1)
+    fake.fake_pending(3)  # three "not ready" answers, then done
+    task1.fetch()
+    task1.check()
+    assert torch.equal(s13[1], w13[4]) and int(word1[0]) == 1
+    assert fake.fake_queries() == 4 and fake.fake_writes() == 1  # polled until drained; no stream write
 
     # through the doorbell: the poller fetches, then runs the CPU experts
     s13.fill_(-1.0)

@@ -260,6 +260,10 @@ def test_unknown_cpu_branch_plan_or_fetch_is_refused_at_construction(monkeypatch
     monkeypatch.delenv("FREETOKEN_PLAN")
     with pytest.raises(ConfigError, match="unknown expert fetch 'copy'"):
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="copy")
+    monkeypatch.setenv("FREETOKEN_DMA_WORD", "kernel")
+    with pytest.raises(ConfigError, match="unknown FREETOKEN_DMA_WORD 'kernel'"):
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma")
+    monkeypatch.delenv("FREETOKEN_DMA_WORD")
     with pytest.raises(ConfigError, match="needs the doorbell"):  # the host node cannot call the driver
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma",
                                cpu_branch="hostfunc")
