@@ -210,14 +210,19 @@ class HostTask:
 
     def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
                     slots_w13: torch.Tensor, slots_w2: torch.Tensor, stream: int, context: int,
-                    word: torch.Tensor, word_device: int, host_word: bool = True) -> None:
+                    word: torch.Tensor, word_device: int, host_word: bool = True,
+                    deadline_ms: int = 5000) -> None:
         """Before each run from the doorbell, the poller has this layer's fetches issued (native/src/
         dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row copy[i] of both
         banks into slot copy[n + i] of both slot tensors, as host-to-device copies on `stream` (a
         CUstream of `context`); then `word` = 1: from the host once the stream has drained
-        (`host_word`), else by a stream write (at `word_device`) queued after the copies.
+        (`host_word`), else by a stream write (at `word_device`) queued after the copies. With
+        `host_word`, copies that have not landed after `deadline_ms` fail the task and release the
+        GPU's wait (the step's check raises) instead of holding the step for good.
         Banks: page-locked host tensors [rows, ...]; slots: CUDA tensors [slots, ...] of the same row
         shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`."""
+        if deadline_ms <= 0:
+            _fail(f"deadline_ms must be positive, got {deadline_ms}")
         if self._words is not None:
             _fail("serve_fetch must come before serve_doorbell (the poller reads the fetch unlocked)")
         if not (copy.dtype == torch.int64 and copy.is_contiguous() and copy.is_pinned() and copy.numel() % 2 == 0
@@ -237,7 +242,7 @@ class HostTask:
         _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, banks_w13.data_ptr(),
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
                                  row_bytes[1], banks_w13.shape[0], slots_w13.shape[0], stream, context, word_device,
-                                 word.data_ptr(), host_word)
+                                 word.data_ptr(), host_word, deadline_ms)
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
 
     def fetch(self) -> None:

@@ -19,7 +19,8 @@ Variants, one hypothesis each:
   stream in one hardware queue);
 - stream-word, polled: the host polls an event instead of a blocking read after each layer.
 
-Usage on the GPU machine: python -m evals.gpu.dma_hang_probe [--watchdog-s 6]. Prints a table."""
+With the host-written word, copies that never land fail the fetch after 5 s (FAILED, not HANG).
+Usage on the GPU machine: python -m evals.gpu.dma_hang_probe [--watchdog-s 8]. Prints a table."""
 
 from __future__ import annotations
 
@@ -75,22 +76,27 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
         os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    for s in range(9):
-        n = 4 if s % 3 == 2 else 1
-        gs = torch.Generator().manual_seed(1000 + s)
-        ids = torch.stack([torch.randperm(E, generator=gs)[:K] for _ in range(n)]).cuda()
-        x = torch.randn(n, H, generator=gs).bfloat16().cuda()
-        w = torch.rand(n, K, generator=gs).bfloat16().cuda()
-        for layer in range(L):
-            where.update(step=s, layer=layer)
-            ex(x, ids, w, layer)
-            if polled:
-                done = torch.cuda.Event()
-                done.record()
-                while not done.query():
-                    time.sleep(50e-6)
-            ex._counts.tolist()
-    ex.check()
+    try:
+        for s in range(9):
+            n = 4 if s % 3 == 2 else 1
+            gs = torch.Generator().manual_seed(1000 + s)
+            ids = torch.stack([torch.randperm(E, generator=gs)[:K] for _ in range(n)]).cuda()
+            x = torch.randn(n, H, generator=gs).bfloat16().cuda()
+            w = torch.rand(n, K, generator=gs).bfloat16().cuda()
+            for layer in range(L):
+                where.update(step=s, layer=layer)
+                ex(x, ids, w, layer)
+                if polled:
+                    done = torch.cuda.Event()
+                    done.record()
+                    while not done.query():
+                        time.sleep(50e-6)
+                ex._counts.tolist()
+                ex.check()  # a failed fetch raises at the layer it failed
+    except Exception as e:  # a fetch that failed (the host-written word's deadline) is reported, not hung
+        print(f"FAILED step {where['step']} layer {where['layer']}: {e}")
+        sys.stdout.flush()
+        os._exit(4)
     print("OK")
     sys.stdout.flush()
     os._exit(0)
@@ -98,7 +104,7 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--watchdog-s", type=float, default=6.0)
+    ap.add_argument("--watchdog-s", type=float, default=8.0)  # past the host word's 5 s deadline
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -115,9 +121,9 @@ def main() -> None:
                                      timeout=args.watchdog_s + 60).stdout
             except subprocess.TimeoutExpired:
                 out = "TIMEOUT (watchdog did not fire)"
-            lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "  ", "TIMEOUT", "Thread", "Current"))]
+            lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "FAILED", "  ", "TIMEOUT", "Thread", "Current"))]
             print(f"== {variant} slots {slots} ratio {ratio} graphs {graphs}\n" + "\n".join(lines), flush=True)
-            result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "TIMEOUT"))), "no result")
+            result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "FAILED", "TIMEOUT"))), "no result")
             idle = [ln.split("copy stream idle ")[1].split()[0] for ln in lines if "copy stream idle" in ln]
             rows.append((variant, slots, ratio, graphs, result.replace("|", "/"), ",".join(idle)))
     print("| variant | slots | ratio | graphs | result | copy streams idle |")

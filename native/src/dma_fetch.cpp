@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 
 namespace ft {
@@ -85,8 +86,13 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
         if (f.host_word) {
             // the copies have landed when the stream has drained; then the host's store releases
             // the GPU's GEMVs, as the poller's answer does (no stream waits on another's memop)
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.deadline_ms);
             CUresult r;
-            while ((r = d.query(f.stream)) == kNotReady) cpu_relax();
+            for (uint32_t spins = 0; (r = d.query(f.stream)) == kNotReady; ++spins) {
+                cpu_relax();
+                if ((spins & 1023) == 1023 && std::chrono::steady_clock::now() > deadline)
+                    return "the host-issued copies did not land within " + std::to_string(f.deadline_ms) + " ms";
+            }
             if (r != 0) return "cuStreamQuery failed with CUDA driver error " + std::to_string(r);
             std::atomic_thread_fence(std::memory_order_release);
             *f.word_host = 1;

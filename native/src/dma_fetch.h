@@ -28,6 +28,9 @@ struct DmaFetch {
     uint64_t word_device = 0;  // the page-locked word the GPU waits on: its device address
     volatile uint32_t* word_host = nullptr;  // and its host address (written directly on failure)
     bool host_word = true;  // the word set from the host after the copies, else by a stream write
+    // host_word: copies not landed after this long fail the fetch (and release the GPU) rather
+    // than hold the step for good; a layer's copies take milliseconds at most
+    int64_t deadline_ms = 5000;
 };
 
 // Queues the copies and sets the word (host_word: waits for the copies first); returns "" or the

@@ -74,7 +74,7 @@ uintptr_t host_task_create(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out
 void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t bank13, uintptr_t bank2,
                          uintptr_t slot13, uintptr_t slot2, int64_t bytes13, int64_t bytes2, int64_t rows,
                          int64_t slots, uintptr_t stream, uintptr_t context, uintptr_t word_device,
-                         uintptr_t word_host, bool host_word) {
+                         uintptr_t word_host, bool host_word, int64_t deadline_ms) {
     auto f = std::make_unique<DmaFetch>();
     f->copy = reinterpret_cast<const int64_t*>(copy);
     f->n = n;
@@ -91,6 +91,7 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
     f->word_device = word_device;
     f->word_host = reinterpret_cast<volatile uint32_t*>(word_host);
     f->host_word = host_word;
+    f->deadline_ms = deadline_ms;
     reinterpret_cast<HostTask*>(task)->fetch = std::move(f);
 }
 

@@ -43,11 +43,13 @@ def _child() -> None:
     x, ids, w = torch.randn(1, hidden, generator=g), torch.tensor([[1, 4]]), torch.rand(1, 2)
     out = torch.zeros(1, hidden)
 
-    def task_with(copy: torch.Tensor, word: torch.Tensor, host_word: bool = True) -> ft.HostTask:
+    def task_with(copy: torch.Tensor, word: torch.Tensor, host_word: bool = True,
+                  deadline_ms: int = 5000) -> ft.HostTask:
         task = ft.HostTask(x, ids, w, bank, out)
         ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), copy.numel() // 2, w13.data_ptr(), w2.data_ptr(),
                                     s13.data_ptr(), s2.data_ptr(), w13[0].numel() * 4, w2[0].numel() * 4, rows,
-                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr(), host_word)
+                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr(), host_word,
+                                    deadline_ms)
         return task
 
     # direct, the word by a stream write: rows 5 -> slot 2, 0 -> slot 0, padding
@@ -73,6 +75,23 @@ def _child() -> None:
     task1.check()
     assert torch.equal(s13[1], w13[4]) and int(word1[0]) == 1
     assert fake.fake_queries() == 4 and fake.fake_writes() == 1  # polled until drained; no stream write
+
+    # copies that never land (the stream never drains): after the deadline the task fails and the
+    # word is released, so the GPU's wait ends and the step's check raises
+    word6 = torch.zeros(1, dtype=torch.int32)
+    copy6 = torch.tensor([1, 2], dtype=torch.int64)
+    task6 = task_with(copy6, word6, deadline_ms=100)
+    fake.fake_pending(1 << 30)
+    t0 = time.monotonic()
+    task6.fetch()
+    waited = time.monotonic() - t0
+    fake.fake_pending(0)
+    assert int(word6[0]) == 1 and 0.1 <= waited < 5, waited
+    try:
+        task6.check()
+        raise AssertionError("copies that never landed did not fail the task")
+    except RuntimeError as e:
+        assert "did not land within 100 ms" in str(e), str(e)
 
     # through the doorbell: the poller fetches, then runs the CPU experts
     s13.fill_(-1.0)

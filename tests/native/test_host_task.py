@@ -155,7 +155,7 @@ def test_host_issued_fetch_without_a_driver_fails_loudly_and_releases_the_gpu(ft
     word = torch.zeros(1, dtype=torch.int32)
     ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), 2, bank.w13.data_ptr(), bank.w2.data_ptr(), 0, 0,
                                 bank.w13[0].numel() * 4, bank.w2[0].numel() * 4, 6, 1, 0, 0, 0, word.data_ptr(),
-                                True)
+                                True, 5000)
     words = doorbell_words()
     task.serve_doorbell(words)
     assert ring_and_wait(words) and wait_word(word)  # the copier thread issues the fetch
@@ -169,6 +169,9 @@ def test_serve_fetch_checks_its_buffers(ft):
     task = ft.HostTask(torch.randn(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), bank,
                        torch.empty(1, 32))
     word = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="deadline_ms must be positive, got 0"):
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0,
+                         deadline_ms=0)
     with pytest.raises(ValueError, match="page-locked int64"):  # not page-locked (and no CUDA here)
         task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)
     words = torch.zeros(2, dtype=torch.int32)
