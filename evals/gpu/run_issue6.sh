@@ -36,12 +36,16 @@ esac
 # not the run's; the Triton-interpreter tests are left to the CPU machine (slow here)
 : > "$OUT/gpu_tests.log"
 end=$(( $(date +%s) + ${TEST_S:-300} ))
+# a test that hangs (a GPU wait nothing answers) ends its file with every thread's stack in the log,
+# where pytest-timeout is installed (the GPU machine's image has it)
+PER_TEST=()
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "${TEST_TIMEOUT_S:-120}" --timeout-method=thread)
 for t in "${SEL[@]+"${SEL[@]}"}"; do
     left=$(( end - $(date +%s) ))
     [ "$left" -gt 5 ] || { echo "$t: not run (TEST_S)" | tee -a "$OUT/gpu_tests.log"; continue; }
-    timeout "$left" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -k "not interpreter" "$t" 2>&1 \
+    timeout "$left" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -k "not interpreter" ${PER_TEST[@]+"${PER_TEST[@]}"} "$t" 2>&1 \
         | grep -v "^\[W" > "$OUT/t.log"
-    { echo "== $t"; grep -E "^(FAILED|ERROR|E  )|passed|failed|Fatal|Aborted" "$OUT/t.log" | tail -12; } \
+    { echo "== $t"; grep -E "^(FAILED|ERROR|E  )|passed|failed|Fatal|Aborted|Timeout|, in test_" "$OUT/t.log" | tail -12; } \
         | tee -a "$OUT/gpu_tests.log"
 done
 [ "${BENCH:-1}" = 0 ] && exit 0
