@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
              "bandwidth_gbps", "bound_note"}
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
-                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "dense_ms", "bound_ms",
+                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "dense_ms", "dense_ms_reps", "bound_ms",
                            "measured_over_bound"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
@@ -264,6 +265,7 @@ def test_bench_decode_and_prefill_json(tmp_path: Path) -> None:
     assert set(r) >= DECODE_KEYS and r["bench"] == "decode" and r["weights"] == "dummy"
     assert r["shape"] == "tiny-qwen3" and r["layers"] == 3 and r["tokens"] == 8 and len(r["tok_s_reps"]) == 2
     assert r["tok_s"] > 0 and r["ms_per_token"] > 0 and r["dense_ms"] > 0 and r["load_s"] > 0
+    assert len(r["dense_ms_reps"]) == 2 and r["dense_ms"] == statistics.median(r["dense_ms_reps"])
     assert r["misses_per_token"] == 2 * 3 and r["hit_rate"] is None  # no expert cache: every expert from host
     assert r["gpu_memory"] is None and r["peak_gpu_bytes"] is None and r["cpu_threads"] == 1
     if native:
