@@ -116,14 +116,18 @@ def main() -> None:
         for slots, ratio, graphs in CASES:
             cmd = [sys.executable, "-m", "evals.gpu.dma_hang_probe", "--watchdog-s", str(args.watchdog_s),
                    "--child", str(slots), str(ratio), "1" if graphs else "0"]
+            err = ""
             try:
-                out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
-                                     timeout=args.watchdog_s + 60).stdout
+                proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                                      timeout=args.watchdog_s + 60)
+                out, err = proc.stdout, proc.stderr
             except subprocess.TimeoutExpired:
                 out = "TIMEOUT (watchdog did not fire)"
             lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "HANG", "FAILED", "  ", "TIMEOUT", "Thread", "Current"))]
             print(f"== {variant} slots {slots} ratio {ratio} graphs {graphs}\n" + "\n".join(lines), flush=True)
-            result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "FAILED", "TIMEOUT"))), "no result")
+            crash = next((ln for ln in reversed(err.splitlines()) if ln.strip()), "")
+            result = next((ln for ln in lines if ln.startswith(("OK", "HANG", "FAILED", "TIMEOUT"))),
+                          f"no result: {crash}")
             idle = [ln.split("copy stream idle ")[1].split()[0] for ln in lines if "copy stream idle" in ln]
             rows.append((variant, slots, ratio, graphs, result.replace("|", "/"), ",".join(idle)))
     print("| variant | slots | ratio | graphs | result | copy streams idle |")
