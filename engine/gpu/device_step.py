@@ -22,9 +22,10 @@ so the CPU experts run while the GPU fetches and computes: six kernels and three
 operations per layer, on one stream. With fetch="dma" (FREETOKEN_FETCH=dma; doorbell only) there
 is no fetch kernel: the hand-off kernel also writes the copy list into page-locked memory; the
 poller's copier thread queues the copies on a copy stream of this step (the copy engines: the
-bulk-copy rate, not the SMs' loads) and a stream write of 1 to a per-layer word while the poller
-runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile, waits for
-that word, then runs the fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to
+bulk-copy rate, not the SMs' loads) and sets a per-layer word once they have landed (from the host
+after the copy stream drains; FREETOKEN_DMA_WORD=stream: a stream write after them) while the
+poller runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile,
+waits for that word, then runs the fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to
 the host by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream wait for its
 answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
 its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md

@@ -55,7 +55,7 @@ thread_local void* t_current = nullptr;  // the context made current on this thr
 }  // namespace
 
 void dma_fetch_release(const DmaFetch& f) noexcept {
-    std::atomic_thread_fence(std::memory_order_release);  // the caller's record of the failure first
+    std::atomic_thread_fence(std::memory_order_release);  // the copies' completion / the failure's record first
     if (f.word_host != nullptr) *f.word_host = 1;
 }
 
@@ -96,8 +96,7 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                     return "the host-issued copies did not land within " + std::to_string(f.deadline_ms) + " ms";
             }
             if (r != 0) return "cuStreamQuery failed with CUDA driver error " + std::to_string(r);
-            std::atomic_thread_fence(std::memory_order_release);
-            *f.word_host = 1;
+            dma_fetch_release(f);
             return {};
         }
         // after the copies in stream order: the GPU's wait on this word releases its GEMVs

@@ -33,11 +33,11 @@ struct DmaFetch {
     int64_t deadline_ms = 5000;
 };
 
-// Queues the copies and sets the word (host_word: waits for the copies first); returns "" or the
-// reason it could not. On a failure the
-// caller records it, then calls dma_fetch_release, which writes the word from the host so the GPU
-// never waits forever (the slots may hold stale rows: the step raises the recorded failure, which
-// is in place before the GPU can go on).
+// Queues the copies and sets the word (host_word: waits for the copies, then dma_fetch_release);
+// returns "" or the reason it could not. On a failure the caller records it, then calls
+// dma_fetch_release, which writes the word from the host so the GPU never waits forever (the
+// slots may hold stale rows: the step raises the recorded failure, which is in place before the
+// GPU can go on).
 std::string dma_fetch_issue(const DmaFetch& f) noexcept;
 void dma_fetch_release(const DmaFetch& f) noexcept;
 
