@@ -193,6 +193,10 @@ class CachedExpertExecutor:
     @property
     def stats(self) -> CacheStats:
         """Counts over all calls so far (reads the device counters: a host sync)."""
+        if self._counts.is_cuda:
+            # the stream first: a read to pageable memory while a step waits for a host-issued
+            # fetch holds a driver lock the copier's copies need (a deadlock on the H200)
+            torch.cuda.current_stream(self._counts.device).synchronize()
         hits, misses, fetched = self._counts.tolist()
         return CacheStats(self._calls, hits, misses, fetched)
 

@@ -47,19 +47,40 @@ else
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-seen=" "
+# FETCHES="kernel dma" runs ours once per fetch path (FREETOKEN_FETCH) against the same llama.cpp
+# run, each into $OUT/ours_<fetch>/ with its own summary; unset: one run as the environment says
+run_ours() {  # $1: the directory ours writes to
+local out=$1 seen=" " p cap
 for p in $PAIRS; do
     cap=${p#*:}
     case "$seen" in *" $cap "*) continue ;; esac  # two -ncmoe for one cap: ours runs once
     seen="$seen$cap "
     timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
-        --cpu-threads 8 --tokens 128 --reps 3 --json > "$OUT/dec_ours_$cap.json" 2> "$OUT/dec_ours_$cap.err"
+        --cpu-threads 8 --tokens 128 --reps 3 --json > "$out/dec_ours_$cap.json" 2> "$out/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
     [ "$PROMPTS" = 0 ] && continue  # decode only (llama-bench runs no prompt test for -p 0 either)
     timeout "${PRE_S:-100}" $F bench prefill "${MODEL[@]}" --gpu-memory "$cap" \
-        --cpu-threads 8 --prompt-tokens "$PROMPTS" --chunk 8192 --json > "$OUT/pre_ours_$cap.json" 2> "$OUT/pre_ours_$cap.err"
+        --cpu-threads 8 --prompt-tokens "$PROMPTS" --chunk 8192 --json > "$out/pre_ours_$cap.json" 2> "$out/pre_ours_$cap.err"
     echo "prefill $cap: exit $? at $(( $(date +%s) - t0 )) s"
 done
+}
+if [ -z "${FETCHES:-}" ]; then
+    run_ours "$OUT"
+else
+    for fetch in $FETCHES; do
+        mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
+        echo "== ours with FREETOKEN_FETCH=$fetch"
+        FREETOKEN_FETCH=$fetch run_ours "$OUT/ours_$fetch"
+    done
+fi
 rm -f "$GGUF"
-python3 -m evals.gpu.summary "$OUT"
-python3 -m evals.gpu.side_by_side "$OUT" $PAIRS
+if [ -z "${FETCHES:-}" ]; then
+    python3 -m evals.gpu.summary "$OUT"
+    python3 -m evals.gpu.side_by_side "$OUT" $PAIRS
+else
+    for fetch in $FETCHES; do
+        echo "== FREETOKEN_FETCH=$fetch"
+        python3 -m evals.gpu.summary "$OUT/ours_$fetch"
+        python3 -m evals.gpu.side_by_side "$OUT/ours_$fetch" $PAIRS
+    done
+fi

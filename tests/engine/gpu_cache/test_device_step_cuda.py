@@ -93,18 +93,20 @@ def test_slot_experts_match_reference_and_ignore_slot_placement(dtype: torch.dty
 
 def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list[torch.Tensor], list[int]]:
     """Outputs of `steps` decode steps over all layers, and how many entries ran on the CPU in each."""
-    outs, on_cpu = [], []
+    outs, counts = [], [ex._counts.clone()]
     for s in range(steps):
         n = 4 if s % 3 == 2 else 1
-        x, ids, w = _routing(s, n)
+        x, ids, w = (t.cuda() for t in _routing(s, n))
+        x, w = x.to(dtype), w.to(dtype)
         for layer in range(L):
-            before = ex._counts.clone()
-            out = ex(x.to(dtype).cuda(), ids.cuda(), w.to(dtype).cuda(), layer).clone()
-            d = (ex._counts - before).tolist()
-            outs.append(out)
-            on_cpu.append(d[1] - d[2])  # misses not fetched
+            outs.append(ex(x, ids, w, layer).clone())
+            counts.append(ex._counts.clone())
+    # read back only after check() has synchronised, as the engine does: a read to pageable memory
+    # while a step waits for a host-issued fetch holds a driver lock the copier's copies need (the
+    # eighth session's deadlock on the H200, evals/gpu/dma_hang_probe.py)
     ex.check()
-    return outs, on_cpu
+    d = torch.diff(torch.stack(counts), dim=0).tolist()
+    return outs, [m - f for _, m, f in d]  # misses not fetched
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -143,7 +145,12 @@ def test_host_issued_fetch_equals_fetch_kernel(slots: int, ratio: float, graphs:
                      ex.slots.w13.clone(), ex.slots.w2.clone()))
     (a, ca, ta, oa, na, wa, va), (b, cb, tb, ob, nb, wb, vb) = runs
     assert ca == cb and torch.equal(ta, tb) and torch.equal(oa, ob) and torch.equal(na, nb)
-    assert torch.equal(wa, wb) and torch.equal(va, vb)  # the slots hold the same rows
+    # every slot the table calls filled holds its expert's bank rows in both (a slot never filled
+    # keeps what the allocator left there: not compared)
+    owned = ((ob >= 0) & (ob < L * E)).cpu()
+    rows = ob.cpu()[owned]
+    for w13, w2 in ((wa, va), (wb, vb)):
+        assert torch.equal(w13.cpu()[owned], banks.w13[rows]) and torch.equal(w2.cpu()[owned], banks.w2[rows])
     if slots and ratio:
         assert int(na[2]) > 0  # something was fetched
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -186,6 +193,7 @@ def test_side_work_inside_the_step_changes_nothing(fetch: str) -> None:
         nx, nids, nw = _routing(s, 1)
         x.copy_(nx.to(dtype)), ids.copy_(nids), w.copy_(nw.to(dtype))
         graph.replay()
+        ex.check()  # synchronised before any read (see _run)
         ref = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False)
         want = ref(x, ids, w, 0)
         # the CPU rounds once at the end, the GPU after every op: this file's bf16 bound (a few ulps
