@@ -19,7 +19,7 @@ decoder's residual add does). Per call, on the current stream:
           from host memory) -> out
 
 so the CPU experts run while the GPU fetches and computes: six kernels and three stream memory
-operations per layer, on one stream. With fetch="dma" (FREETOKEN_FETCH=dma; doorbell only) there
+operations per layer, on one stream. With fetch="dma" (the default with the doorbell) there
 is no fetch kernel: the hand-off kernel also writes the copy list into page-locked memory; the
 poller's copier thread queues the copies on a copy stream of this step (the copy engines: the
 bulk-copy rate, not the SMs' loads) and sets a per-layer word once they have landed (from the host
@@ -84,9 +84,12 @@ def resolve_cpu_branch(name: str | None) -> str:
     return branch
 
 
-def resolve_fetch(name: str | None) -> str:
-    """`name`, else FREETOKEN_FETCH, else "kernel"; ConfigError for an unknown one."""
-    fetch = name or os.environ.get("FREETOKEN_FETCH", "kernel")
+def resolve_fetch(name: str | None, cpu_branch: str = "doorbell") -> str:
+    """`name`, else FREETOKEN_FETCH, else "dma" with the doorbell CPU branch (its poller issues the
+    copies) and "kernel" with host nodes; ConfigError for an unknown one. The host-issued fetch is
+    the default since the eighth GPU session (docs/gpu-tier.md): 6 % faster than the fetch kernel
+    in every same-call A/B."""
+    fetch = name or os.environ.get("FREETOKEN_FETCH") or ("dma" if cpu_branch == "doorbell" else "kernel")
     if fetch not in FETCHES:
         raise ConfigError(f"unknown expert fetch {fetch!r} (known: {', '.join(FETCHES)})")
     return fetch
@@ -131,7 +134,7 @@ class DeviceStep:
         # a host node blocks its stream while the task runs: "hostfunc" gets a stream of its own
         self.side = torch.cuda.Stream(device=dev) if self.cpu_branch == "hostfunc" else None
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
-        self.fetch = resolve_fetch(fetch)
+        self.fetch = resolve_fetch(fetch, self.cpu_branch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
         if self.fetch == "dma":  # the executor has checked that the branch is the doorbell

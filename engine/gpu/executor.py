@@ -159,16 +159,14 @@ class CachedExpertExecutor:
         self.graphs = graphs
         self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
         self.plan = resolve_plan(plan)  # likewise FREETOKEN_PLAN
-        self.fetch = resolve_fetch(fetch)  # and FREETOKEN_FETCH
+        self.fetch = resolve_fetch(fetch, self.cpu_branch)  # and FREETOKEN_FETCH
         if self.fetch == "dma" and self.cpu_branch != "doorbell":
             raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
-        # how the copier releases the GPU's wait: FREETOKEN_DMA_WORD=host (default) / stream
+        # how the copier releases the GPU's wait: FREETOKEN_DMA_WORD=host (default) / stream.
+        # With fetch="dma", nothing may read device memory into pageable host memory while a step is
+        # queued (such a read holds a driver lock the copier's copies need: a deadlock, eighth GPU
+        # session): the scheduler reads only after check() has synchronised, and so does `stats`.
         self.dma_word = resolve_dma_word() if self.fetch == "dma" else "host"
-        if self.fetch == "dma" and table.device.type == "cuda":
-            # seventh GPU session: unit steps with the stream-written word stopped for good on the
-            # H200 (docs/gpu-tier.md, "Host-issued fetch"); the host-written word is not yet GPU-run
-            log.warning("FREETOKEN_FETCH=dma is experimental: its GPU wait for the host-issued copies was seen to "
-                        "hang (docs/gpu-tier.md)")
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py; opt-in)
         self.adapt = env_switch("FREETOKEN_ADAPT_RATIO", False) if adapt is None else adapt
         if self.adapt and (self.cpu_branch != "doorbell" or self.plan != "fused"):
