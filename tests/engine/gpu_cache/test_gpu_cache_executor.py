@@ -273,6 +273,24 @@ def test_unknown_cpu_branch_plan_or_fetch_is_refused_at_construction(monkeypatch
                                    adapt=True, **bad)
 
 
+def test_default_fetch_is_host_issued_with_the_doorbell_and_the_kernel_with_host_nodes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("FREETOKEN_FETCH", raising=False)
+    monkeypatch.delenv("FREETOKEN_CPU_BRANCH", raising=False)
+    banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        return create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), **kw)
+
+    assert make().fetch == "dma"
+    assert make(cpu_branch="hostfunc").fetch == "kernel"  # a host node cannot call the driver
+    monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "hostfunc")
+    assert make().fetch == "kernel"
+    monkeypatch.delenv("FREETOKEN_CPU_BRANCH")
+    monkeypatch.setenv("FREETOKEN_FETCH", "kernel")
+    assert make().fetch == "kernel"
+    assert make(fetch="dma").fetch == "dma"  # the argument before the environment
+
+
 def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
     """A forward that fails after the streamer took its buffers (here: at the third MoE layer of the
     first chunk) fails that request with a clear error; the next forward gives the buffers back, the
