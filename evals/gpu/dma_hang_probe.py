@@ -17,9 +17,15 @@ Variants, one hypothesis each:
   waits may need the device idle under the driver's lock, which the copier's calls then need);
 - stream-word, connections-32: CUDA_DEVICE_MAX_CONNECTIONS=32 (the copy stream behind the waiting
   stream in one hardware queue);
-- stream-word, polled: the host polls an event instead of a blocking read after each layer.
+- stream-word, polled: the host polls an event instead of a blocking read after each layer;
+- host-word, polled: the engine's way (the host reads only after the step is done).
 
 With the host-written word, copies that never land fail the fetch after 5 s (FAILED, not HANG).
+Found in the eighth session (before host-word, polled existed): host-word and stream-word hung
+alike; stream-word, polled ran every case. The child's `ex._counts.tolist()` after each layer reads device memory into pageable
+memory while the step still waits for the copier: that read holds a driver lock until the GPU is
+done, and the copier's cuMemcpyHtoDAsync needs it (the copier is stuck inside the driver, so the
+deadline cannot end it). docs/gpu-tier.md states the rule the engine keeps.
 Usage on the GPU machine: python -m evals.gpu.dma_hang_probe [--watchdog-s 8]. Prints a table."""
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ VARIANTS = {
     "stream-word, eager-modules": {"FREETOKEN_DMA_WORD": "stream", "CUDA_MODULE_LOADING": "EAGER"},
     "stream-word, connections-32": {"FREETOKEN_DMA_WORD": "stream", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
     "stream-word, polled": {"FREETOKEN_DMA_WORD": "stream", "FT_PROBE_POLLED": "1"},
+    "host-word, polled": {"FREETOKEN_DMA_WORD": "host", "FT_PROBE_POLLED": "1"},
 }
 L, E, K, H, INTER = 3, 16, 4, 256, 96  # tests/engine/gpu_cache/test_device_step_cuda.py's sizes
 
