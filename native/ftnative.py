@@ -280,6 +280,19 @@ def poll_copier_state() -> tuple[bool, bool, bool]:
     return bool(up), bool(pending), bool(copying)
 
 
+TIMELINE_FIELDS = ("served", "cpu_ns", "gaps", "gap_ns", "fetches", "fetch_ns", "fetch_late")
+
+
+def poll_timeline() -> dict[str, int]:
+    """Sums since start (take deltas): `served` doorbell requests and `cpu_ns`, the poller's time from
+    seeing each doorbell to writing its answer (the CPU branch, the hand-off to the copier included);
+    `gaps` / `gap_ns`, the intervals from an answer to the next registered task's doorbell (a decode
+    step's layer l to l + 1: the GPU's part alone); `fetches` host-issued fetches, `fetch_ns` from
+    their doorbell until the copier was done (with the host-written word: the copies landed) and
+    `fetch_late` those done after the poller's answer (native/src/poller.h)."""
+    return dict(zip(TIMELINE_FIELDS, (int(v) for v in _ext.poll_timeline()), strict=True))
+
+
 def poll_lateness() -> tuple[int, int]:
     """(CPU-late, GPU-late): doorbell runs so far whose CPU branch finished after the GPU's own branch
     of the layer, and before it; counted for tasks that serve a 3-word doorbell."""

@@ -20,6 +20,11 @@ def main(out: Path) -> None:
                   f"(CPU branch {r.get('cpu_branch_ms_per_token', 0):.2f} ms), "
                   f"dense {r['dense_ms']:.1f} ms, bound {r['bound_ms']} ms, measured/bound {r['measured_over_bound']}, "
                   f"peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}")
+            if (lt := r.get("layer_timeline")) and lt.get("gpu_gap_us") is not None:
+                fetch = "" if lt.get("fetch_us") is None else \
+                    f", fetch {lt['fetch_us']:.0f} us ({100 * lt['fetch_late_share']:.0f} % after the CPU)"
+                print(f"{path.stem}: per layer CPU {lt['cpu_us']:.0f} us + GPU alone {lt['gpu_gap_us']:.0f} us{fetch}, "
+                      f"x {lt['layers_per_token']:.1f} layers; {r.get('step_rest_ms') or 0:.2f} ms/token outside")
         elif r.get("bench") == "prefill":
             for run in r["runs"]:
                 print(f"{path.stem} {run['prompt_tokens']}: TTFT {run['ttft_s']:.2f} s, {run['prefill_tok_s']:.0f} tok/s, "

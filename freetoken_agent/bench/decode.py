@@ -30,14 +30,23 @@ Method:
   timed token (GPU decode steps hand their CPU misses over as host tasks), measured in situ, while
   the PCIe fetches run beside it: set against ms_per_token it says how much of a token the CPU
   side holds the critical path; 0 where no step hands work to the host.
+- layer_timeline (null where no decode step served the doorbell): per served request, i.e. per
+  MoE layer of a timed step, from the native poller's clock: cpu_us (doorbell seen -> answer
+  written: the CPU experts and the hand-off to the copier), gpu_gap_us (an answer -> the next
+  layer's doorbell: the GPU alone, i.e. the wait for the answer, the combine, the fetched experts'
+  GEMVs if the copies came last, the next layer's attention, router, plan and hand-off), fetch_us
+  (doorbell -> the host-issued copies landed; null with the fetch kernel) and fetch_late_share
+  (fetches that landed after the CPU's answer), layers_per_token. A token is about
+  layers_per_token x (cpu_us + gpu_gap_us) plus what runs before the first MoE layer and after the
+  last (step_rest_ms): set gpu_gap_us against dense_ms / layers to see the hand-offs' cost.
 
 JSON keys (one object): the facts of `ModelBench.facts()` (weights, seed, routing, shape, family,
 layers, experts, top_k, hidden, expert_inter, dtype, device, gpu, cpu, cpu_threads, torch_threads,
 executor, gpu_memory, gpu_budget, peak_gpu_bytes, expert_bytes, expert_bank_bytes, dense_bytes,
 load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, temperature, tok_s, tok_s_reps,
 ms_per_token, distinct_tokens, hit_rate, hits_per_token, misses_per_token, fetched_per_token,
-cpu_misses_per_token, cpu_branch_ms_per_token, dense_ms, dense_ms_reps, bound_ms, bandwidth_gbps, measured_over_bound,
-bound_note.
+cpu_misses_per_token, cpu_branch_ms_per_token, layer_timeline, step_rest_ms, dense_ms, dense_ms_reps, bound_ms,
+bandwidth_gbps, measured_over_bound, bound_note.
 """
 
 from __future__ import annotations
@@ -99,13 +108,29 @@ def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
         fetched = routed if bench.device.type == "cuda" else 0
         return {"hit_rate": None, "hits_per_token": 0.0, "misses_per_token": float(routed),
                 "fetched_per_token": float(fetched), "cpu_misses_per_token": float(routed - fetched),
-                "cpu_branch_ms_per_token": cpu_branch_ms}
+                "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": None}
     total = {k: sum(d[k] for d in deltas if d is not None) for k in ("hits", "misses", "fetched")}
     seen = total["hits"] + total["misses"]
     return {"hit_rate": total["hits"] / seen if seen else None, "hits_per_token": total["hits"] / steps,
             "misses_per_token": total["misses"] / steps, "fetched_per_token": total["fetched"] / steps,
             "cpu_misses_per_token": (total["misses"] - total["fetched"]) / steps,
-            "cpu_branch_ms_per_token": cpu_branch_ms}
+            "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": _timeline(timings, steps)}
+
+
+def _timeline(timings: list[Timing], steps: int) -> dict[str, float] | None:
+    """Per served doorbell request (one MoE layer of one decode step) over the timed tokens: the
+    poller's share, the GPU's part alone between consecutive layers and the host-issued fetches'
+    latency (native poll_timeline); None where no step served the doorbell."""
+    pairs = [(t.timeline_first, t.timeline_end) for t in timings]
+    if any(a is None or b is None for a, b in pairs):
+        return None
+    d = {k: sum(b[k] - a[k] for a, b in pairs) for k in pairs[0][0]}  # type: ignore[index, union-attr]
+    if not d["served"]:
+        return None
+    return {"layers_per_token": d["served"] / steps, "cpu_us": d["cpu_ns"] / d["served"] / 1e3,
+            "gpu_gap_us": d["gap_ns"] / d["gaps"] / 1e3 if d["gaps"] else None,
+            "fetch_us": d["fetch_ns"] / d["fetches"] / 1e3 if d["fetches"] else None,
+            "fetch_late_share": d["fetch_late"] / d["fetches"] if d["fetches"] else None}
 
 
 def _decode_s(t: Timing) -> float:
@@ -141,11 +166,15 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     if bandwidth:
         expert_bytes = bench.engine.decoder.weights.experts.expert_bytes
         bound_ms = dense_ms + per_token["misses_per_token"] * expert_bytes / (bandwidth * 1e9) * 1e3
+    lt = per_token["layer_timeline"]
+    step_rest_ms = None
+    if lt is not None and lt["gpu_gap_us"] is not None:
+        step_rest_ms = ms - lt["layers_per_token"] * (lt["cpu_us"] + lt["gpu_gap_us"]) / 1e3
     return {
         "bench": "decode", **bench.facts(), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
         "reps": args.reps, "temperature": args.temperature, "tok_s": median(rates), "tok_s_reps": rates,
         "ms_per_token": ms, "distinct_tokens": median([len(set(t.output)) / len(t.output) for t in timings]),
-        **per_token, "dense_ms": dense_ms, "dense_ms_reps": dense_reps, "bound_ms": bound_ms, "bandwidth_gbps": bandwidth,
+        **per_token, "step_rest_ms": step_rest_ms, "dense_ms": dense_ms, "dense_ms_reps": dense_reps, "bound_ms": bound_ms, "bandwidth_gbps": bandwidth,
         "measured_over_bound": ms / bound_ms if bound_ms else None, "bound_note": note,
     }
 
@@ -169,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
                  "bound ms", "measured/bound"],
                 [[r["tok_s"], r["ms_per_token"], r["hit_rate"], r["misses_per_token"], r["fetched_per_token"],
                   r["cpu_misses_per_token"], r["dense_ms"], r["bound_ms"], r["measured_over_bound"]]])
+    if (lt := r["layer_timeline"]) is not None and lt["gpu_gap_us"] is not None:
+        fetch = "" if lt["fetch_us"] is None else (f", copies landed {lt['fetch_us']:.0f} us after the doorbell "
+                                                    f"({100 * lt['fetch_late_share']:.0f} % after the CPU's answer)")
+        print(f"per MoE layer: CPU branch {lt['cpu_us']:.0f} us, then the GPU alone {lt['gpu_gap_us']:.0f} us{fetch}; "
+              f"{r['step_rest_ms']:.2f} ms per token outside the layers' chain")
     if r["bound_ms"] is None:
         print(f"bound: {r['bound_note']}")
     else:

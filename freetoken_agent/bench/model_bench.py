@@ -70,6 +70,8 @@ class Timing:
     output: list[int]
     host_ns_first: int = 0  # native host-task time (the CPU branch of decode steps) at the first token
     host_ns_end: int = 0
+    timeline_first: dict[str, int] | None = None  # the doorbell poller's sums (native poll_timeline)
+    timeline_end: dict[str, int] | None = None
 
 
 def host_task_ns() -> int:
@@ -80,6 +82,16 @@ def host_task_ns() -> int:
         return host_task_busy_ns()
     except (ImportError, AttributeError, RuntimeError):
         return 0
+
+
+def poll_timeline() -> dict[str, int] | None:
+    """The doorbell poller's sums so far (native `poll_timeline`); None where the extension is not built."""
+    try:
+        from native.ftnative import poll_timeline as read
+
+        return read()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def delta(a: Any, b: Any) -> dict[str, int] | None:
@@ -189,6 +201,7 @@ class ModelBench:
             if token is None:
                 marks["end"] = self.stats()
                 marks["host_end"] = host_task_ns()
+                marks["timeline_end"] = poll_timeline()
                 done.set()
                 return
             marks["count"] += 1
@@ -197,6 +210,7 @@ class ModelBench:
                 marks["first"] = now
                 marks["first_stats"] = self.stats()
                 marks["host_first"] = host_task_ns()
+                marks["timeline_first"] = poll_timeline()
 
         before = self.stats()
         submitted = time.perf_counter()
@@ -205,7 +219,8 @@ class ModelBench:
         handle.result()
         done.wait()
         return Timing(submitted, marks["first"], marks["last"], marks["count"], before, marks["first_stats"],
-                      marks["end"], list(handle.output_ids), marks["host_first"], marks["host_end"])
+                      marks["end"], list(handle.output_ids), marks["host_first"], marks["host_end"],
+                      marks["timeline_first"], marks["timeline_end"])
 
     def close(self) -> None:
         self.engine.close()

@@ -164,6 +164,10 @@ PYBIND11_MODULE(_ftnative, m) {
           py::call_guard<py::gil_scoped_release>());
     m.def("poll_stop", &poll_stop, py::call_guard<py::gil_scoped_release>());
     m.def("poll_served", &poll_served);
+    m.def("poll_timeline", [] {
+        const PollTimeline t = poll_timeline();
+        return py::make_tuple(t.served, t.cpu_ns, t.gaps, t.gap_ns, t.fetches, t.fetch_ns, t.fetch_late);
+    }, "(served, cpu_ns, gaps, gap_ns, fetches, fetch_ns, fetch_late): sums since start (poller.h).");
     m.def("poll_copier_state", [] {
         bool up = false, pending = false, copying = false;
         poll_copier_state(&up, &pending, &copying);

@@ -34,6 +34,27 @@ std::atomic<void*> g_fetch{nullptr};  // the task whose fetch waits for the copi
 std::atomic<bool> g_copying{false};  // the copier is inside a fetch
 std::atomic<bool> g_copier_up{false};  // the copier thread runs (else the poller fetches itself)
 std::thread g_copier;
+// The timeline (poll_timeline): sums over served requests and fetches, read as deltas. A layer's
+// wall time is the poller's share (doorbell seen -> answer written), then the GPU's alone (answer
+// -> the next layer's doorbell seen: the wait for the answer's visibility, the combine, the fetched
+// experts' GEMVs if the copies were late, the next layer's dense part, plan and hand-off).
+std::atomic<int64_t> g_cpu_ns{0};
+std::atomic<int64_t> g_gap_ns{0}, g_gaps{0};  // counted only from one entry to the next registered one
+std::atomic<int64_t> g_fetch_ns{0}, g_fetches{0}, g_fetch_late{0};  // doorbell seen -> the copier done
+std::atomic<int64_t> g_fetch_t0{0}, g_fetch_seq{0};  // the handed fetch's doorbell time and request number
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+// A fetch issued (and, with the host-written word, landed) `t0` after its doorbell; late when the
+// poller had already answered request `seq` (the CPU branch finished first).
+void count_fetch(int64_t t0, int64_t seq) {
+    g_fetch_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    g_fetches.fetch_add(1, std::memory_order_relaxed);
+    if (g_served.load() > seq) g_fetch_late.fetch_add(1, std::memory_order_relaxed);
+}
 
 // Between requests: spin, then (20 ms after the last one) poll every 50 us, then every 1 ms
 // (decode steps come every few hundred microseconds).
@@ -54,9 +75,11 @@ void copier_loop() {
     g_copier_up.store(true);
     while (!g_stop.load(std::memory_order_relaxed)) {
         if (void* task = g_fetch.load(); task != nullptr) {
+            const int64_t t0 = g_fetch_t0.load(), seq = g_fetch_seq.load();
             g_copying.store(true);
             g_fetch.store(nullptr);
             ft_host_task_fetch(task);
+            count_fetch(t0, seq);
             g_copying.store(false);
             last_work = std::chrono::steady_clock::now();
             spins = 0;
@@ -73,26 +96,39 @@ void loop() {
     int seen_version = -1;
     auto last_work = std::chrono::steady_clock::now();
     uint32_t spins = 0;
+    constexpr size_t kNone = static_cast<size_t>(-1);
+    size_t last_served = kNone;  // index in `local` of the last request answered, and when
+    int64_t last_answer = 0;
     while (!g_stop.load(std::memory_order_relaxed)) {
         if (const int v = g_version.load(std::memory_order_acquire); v != seen_version) {
             std::lock_guard<std::mutex> lock(g_mutex);
             local = g_entries;
             seen_version = g_version.load();
             g_picked.store(seen_version, std::memory_order_release);
+            last_served = kNone;
         }
         bool any = false;
-        for (const Entry& e : local) {
+        for (size_t i = 0; i < local.size(); ++i) {
+            const Entry& e = local[i];
             if (*e.request == 0) continue;
             std::atomic_thread_fence(std::memory_order_acquire);  // the GPU's copies landed before the doorbell
             *e.request = 0;
+            const int64_t seen = now_ns();
+            if (last_served != kNone && i == last_served + 1) {  // a step's next layer (registered in order)
+                g_gap_ns.fetch_add(seen - last_answer, std::memory_order_relaxed);
+                g_gaps.fetch_add(1, std::memory_order_relaxed);
+            }
             if (ft_host_task_has_fetch(e.task)) {
                 if (g_copier_up.load()) {
                     // the copies start while the CPU experts run (the copier has long finished the
                     // previous layer's: the GPU waited for its word before this layer's doorbell)
                     while (g_fetch.load() != nullptr) cpu_relax();
+                    g_fetch_t0.store(seen);
+                    g_fetch_seq.store(g_served.load());
                     g_fetch.store(e.task);
                 } else {
                     ft_host_task_fetch(e.task);  // no copier (yet): queue the copies here first
+                    count_fetch(seen, g_served.load());
                 }
             }
             ft_host_task_run(e.task);
@@ -104,7 +140,10 @@ void loop() {
             }
             std::atomic_thread_fence(std::memory_order_release);  // the output is written before done
             *e.done = 1;
-            g_served.fetch_add(1, std::memory_order_relaxed);
+            last_answer = now_ns();
+            last_served = i;
+            g_cpu_ns.fetch_add(last_answer - seen, std::memory_order_relaxed);
+            g_served.fetch_add(1);  // after done: a copier still copying this layer's experts counts late
             any = true;
         }
         if (any) {
@@ -167,6 +206,18 @@ void poll_copier_state(bool* up, bool* pending, bool* copying) {
     *up = g_copier_up.load();
     *pending = g_fetch.load() != nullptr;
     *copying = g_copying.load();
+}
+
+PollTimeline poll_timeline() {
+    PollTimeline t;
+    t.served = g_served.load();
+    t.cpu_ns = g_cpu_ns.load();
+    t.gaps = g_gaps.load();
+    t.gap_ns = g_gap_ns.load();
+    t.fetches = g_fetches.load();
+    t.fetch_ns = g_fetch_ns.load();
+    t.fetch_late = g_fetch_late.load();
+    return t;
 }
 
 void poll_lateness(int64_t* cpu_late, int64_t* gpu_late) {

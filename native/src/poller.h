@@ -27,4 +27,14 @@ int64_t poll_served();
 // copying for good).
 void poll_copier_state(bool* up, bool* pending, bool* copying);
 
+// Sums since start, for deltas: served requests and the poller's time from seeing a doorbell to
+// writing the answer; `gaps` answer-to-next-doorbell intervals between consecutively registered
+// tasks (a step's layer l to l + 1: the GPU's part alone); fetches handed to the copier (or issued
+// by the poller), the time from their doorbell until the copier was done (with the host-written
+// word: until the copies had landed), and how many finished after the poller had answered.
+struct PollTimeline {
+    int64_t served = 0, cpu_ns = 0, gaps = 0, gap_ns = 0, fetches = 0, fetch_ns = 0, fetch_late = 0;
+};
+PollTimeline poll_timeline();
+
 }  // namespace ft

@@ -40,7 +40,8 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
              "bandwidth_gbps", "bound_note"}
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
-                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "dense_ms", "dense_ms_reps", "bound_ms",
+                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "layer_timeline", "step_rest_ms", "dense_ms",
+                           "dense_ms_reps", "bound_ms",
                            "measured_over_bound"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
@@ -333,3 +334,25 @@ def test_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
     assert both.returncode == 2 and "not allowed with" in both.stderr
     missing = run_cli("bench", "prefill", "--model", str(tmp_path / "nowhere"), "--device", "cpu", cache=tmp_path)
     assert missing.returncode != 0 and "no config.json" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_layer_timeline_is_per_served_layer_over_the_timed_tokens() -> None:
+    """bench decode's layer_timeline: the poller's sums between the first and the last token of each
+    rep, summed over reps and divided per served request / gap / fetch; null without doorbell work."""
+    from freetoken_agent.bench.decode import _timeline
+    from freetoken_agent.bench.model_bench import Timing
+
+    def timing(first: dict[str, int] | None, end: dict[str, int] | None) -> Timing:
+        return Timing(0.0, 0.0, 1.0, 5, None, None, None, [], 0, 0, first, end)
+
+    zero = dict.fromkeys(("served", "cpu_ns", "gaps", "gap_ns", "fetches", "fetch_ns", "fetch_late"), 0)
+    a = {**zero, "served": 8, "cpu_ns": 8_000_000, "gaps": 6, "gap_ns": 1_200_000, "fetches": 4, "fetch_ns": 2_000_000,
+         "fetch_late": 1}
+    b = {**zero, "served": 16, "cpu_ns": 24_000_000, "gaps": 12, "gap_ns": 1_800_000}  # another rep: no fetch
+    got = _timeline([timing(zero, a), timing(zero, b)], steps=8)
+    assert got == {"layers_per_token": 3.0, "cpu_us": 32_000_000 / 24 / 1e3, "gpu_gap_us": 3_000_000 / 18 / 1e3,
+                   "fetch_us": 500.0, "fetch_late_share": 0.25}
+    assert _timeline([timing(zero, zero)], steps=4) is None  # nothing served (the CPU engine)
+    assert _timeline([timing(None, a)], steps=4) is None  # no extension
+    no_gap = _timeline([timing(zero, {**zero, "served": 2, "cpu_ns": 10})], steps=1)
+    assert no_gap is not None and no_gap["gpu_gap_us"] is None and no_gap["fetch_us"] is None

@@ -112,6 +112,7 @@ def _child() -> None:
     assert ft.poll_copier_state() == (True, False, False)
 
     # a driver call that blocks: the copier shows it is inside the fetch, and the word waits for it
+    before = ft.poll_timeline()
     fake.fake_hold(1)
     try:  # released on failure too: the exit joins the copier
         s13.fill_(-1.0)
@@ -125,6 +126,7 @@ def _child() -> None:
         while ft.poll_copier_state() != (True, False, True) and time.monotonic() < deadline:
             time.sleep(0.001)
         assert ft.poll_copier_state() == (True, False, True) and int(word5[0]) == 0
+        time.sleep(0.05)
     finally:
         fake.fake_hold(0)
     assert wait_word(word5) and torch.equal(s13[0], w13[2])
@@ -133,6 +135,11 @@ def _child() -> None:
         time.sleep(0.001)
     assert ft.poll_copier_state() == (True, False, False)
     task5.check()
+    # the timeline: one fetch, done after the poller's answer (late), held 50 ms or more
+    after = ft.poll_timeline()
+    d = {k: after[k] - before[k] for k in after}
+    assert d["served"] == 1 and d["fetches"] == 1 and d["fetch_late"] == 1, d
+    assert 0.05e9 <= d["fetch_ns"] < 10e9 and 0 < d["cpu_ns"] < d["fetch_ns"], d
 
     # an entry outside the slots: no copy, the task fails, the word is still written
     word3 = torch.zeros(1, dtype=torch.int32)

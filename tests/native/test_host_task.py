@@ -5,6 +5,7 @@ it). Both must give exactly what a call with only the kept entries gives."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -199,3 +200,30 @@ def test_doorbell_with_a_ready_word_counts_which_branch_finished_last(ft):
     other = ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank, torch.zeros(1, 32))
     with pytest.raises(ValueError, match="2 or 3"):
         other.serve_doorbell(doorbell_words(4))
+
+
+def test_timeline_counts_the_gpu_part_between_consecutive_layers_only(ft):
+    """poll_timeline: every served doorbell adds the poller's time; an answer-to-doorbell interval
+    counts as a gap only from one task to the next registered one (a step's layer l to l + 1),
+    not from a task to itself or back to an earlier one (a new step, or anything between)."""
+    bank = _bank(6, 32, 16, torch.float32)
+    tasks, words = [], []
+    for _ in range(2):  # layer 0, layer 1, registered in this order
+        tasks.append(ft.HostTask(torch.randn(1, 32), torch.tensor([[0, 5]]), torch.rand(1, 2), bank,
+                                 torch.zeros(1, 32)))
+        words.append(doorbell_words())
+        tasks[-1].serve_doorbell(words[-1])
+    before = ft.poll_timeline()
+    assert ring_and_wait(words[0])
+    time.sleep(0.03)  # "the GPU's part" between layer 0's answer and layer 1's doorbell
+    assert ring_and_wait(words[1])
+    mid = ft.poll_timeline()
+    assert ring_and_wait(words[1]) and ring_and_wait(words[0])  # 1 -> 1 and 1 -> 0: no gap
+    after = ft.poll_timeline()
+    d1 = {k: mid[k] - before[k] for k in mid}
+    assert d1["served"] == 2 and d1["gaps"] == 1 and d1["cpu_ns"] > 0, d1
+    assert 0.03e9 <= d1["gap_ns"] < 5e9, d1
+    d2 = {k: after[k] - mid[k] for k in after}
+    assert d2["served"] == 2 and d2["gaps"] == 0 and d2["gap_ns"] == 0 and d2["fetches"] == 0, d2
+    for t in tasks:
+        t.check()
