@@ -44,6 +44,34 @@ def byte_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+def gpu_memory_size(text: str) -> int | None:
+    """--gpu-memory: 'auto' -> None (resolved by `resolve_gpu_memory`), 'off' -> 0, else a `byte_size`."""
+    word = text.strip().lower()
+    if word == "auto":
+        return None
+    return 0 if word == "off" else byte_size(text)
+
+
+def resolve_gpu_memory(value: int | None, device: str) -> int:
+    """The engine's GPU cap from --gpu-memory: `value` when given; for 'auto', what is free on a CUDA
+    device less a margin (engine/gpu/budget.py, said on stderr), 0 (no expert cache) elsewhere."""
+    if value is not None:
+        return value
+    if not device.startswith("cuda"):
+        return 0
+    import sys
+
+    import torch
+
+    from engine.gpu.budget import auto_gpu_memory, auto_margin
+
+    cap = auto_gpu_memory(device)
+    total = torch.cuda.mem_get_info(torch.device(device))[1]
+    print(f"--gpu-memory auto: {cap / 2**30:.2f} GiB (free on {device} less {auto_margin(total) / 2**30:.2f} GiB)",
+          file=sys.stderr)
+    return cap
+
+
 def positive_int_list(text: str) -> list[int]:
     """'1024,4096' -> [1024, 4096]: a comma list of integers >= 1."""
     items = [t.strip() for t in text.split(",")]
@@ -61,9 +89,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, .
                    help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--gpu-memory", type=byte_size, default=0,
+    p.add_argument("--gpu-memory", type=gpu_memory_size, default=None, metavar="SIZE|auto|off",
                    help="cap on the engine's whole GPU footprint, e.g. 24GiB; the room left after dense weights, "
-                        "KV cache, states and workspace holds a GPU expert cache (CUDA only)")
+                        "KV cache, states and workspace holds a GPU expert cache (CUDA only). Default auto: what "
+                        "is free on the device less a margin (5 %%, at least 1 GiB); off (or 0): no expert cache")
     p.add_argument("--fetch-ratio", type=float, default=-1.0,
                    help="share of cache misses fetched over PCIe, the rest run on the CPU (default: from the "
                         "stored calibration of this machine, measured at first start)")

@@ -16,6 +16,7 @@ from engine.errors import RequestError
 from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from freetoken_agent.argtypes import resolve_gpu_memory
 from freetoken_agent.calibrate import calibration_path
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
@@ -40,7 +41,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     with load_progress("loading weights") as progress:
         opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                             gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                             gpu_memory=resolve_gpu_memory(args.gpu_memory, args.device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
                              calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
     print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)

@@ -15,7 +15,7 @@ import sys
 from engine.engine import Engine
 from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
-from freetoken_agent.argtypes import add_engine_arguments, positive_int
+from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
 from freetoken_agent.calibrate import calibration_path
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=args.gpu_memory, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
                          calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
                          max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
                          host_checkpoint_slots=args.host_checkpoint_slots)

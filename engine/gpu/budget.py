@@ -11,6 +11,9 @@ attention and MoE intermediates, the Gated DeltaNet temporaries of hybrid models
 chunk's last tokens), the attention temporaries of the longest context the KV pool holds, and a
 fixed margin for the allocator and CUDA graphs; the benchmarks report the measured peak next to
 the cap.
+`auto_gpu_memory(device)` is the cap when none is given: what this process could use on the device
+(free memory plus what its allocator already holds), less `auto_margin(total)` for other processes,
+the CUDA context and fragmentation; 0 off CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from engine.options import EngineOptions
 from engine.weights.layout import ExpertBanks
 
 MARGIN = 256 * 2**20  # allocator fragmentation, cuBLAS workspaces, graph pools
+
+
+def auto_margin(total: int) -> int:
+    """What an automatic cap leaves of a device of `total` bytes: 5 %, at least 1 GiB."""
+    return max(2**30, total // 20)
+
+
+def auto_gpu_memory(device: torch.device | str) -> int:
+    """The automatic `--gpu-memory`: free bytes on `device` plus the bytes this process's allocator
+    already reserves there (its dense weights, when loaded first), less `auto_margin`; 0 for a
+    non-CUDA device or when nothing would be left."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, free + torch.cuda.memory_reserved(device) - auto_margin(total))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from freetoken_agent.argtypes import add_engine_arguments, positive_int
+from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
 from freetoken_agent.bench.shapes import MODEL_SHAPES, SHAPES
 
 
@@ -119,6 +119,7 @@ class ModelBench:
             raise ConfigError("--device cuda: no CUDA device is available here (use --device cpu)")
         if args.gpu_memory and args.device != "cuda":
             raise ConfigError("--gpu-memory caps the GPU's memory: it needs --device cuda")
+        args.gpu_memory = resolve_gpu_memory(args.gpu_memory, args.device)
         if args.threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {args.threads}")
         self.args, self.shape = args, SHAPES[args.shape]
