@@ -1,7 +1,7 @@
 """The HTTP server: one FastAPI app over one chat service, every protocol mounted.
 
 Contract: `create_app(state)` serves `/v1/chat/completions`, `/v1/responses`, `/v1/messages`,
-`/v1/messages/count_tokens`, `/v1/models`, `/v1/models/{id}`, `/v1/sessions`, `/v1/sessions/{id}`,
+`/v1/messages/count_tokens`, `/v1/models`, `/v1/models/{id}`, `/v1/sessions`, `/v1/sessions/{id}`, `/v1/memory`,
 `/health` and `/metrics`. With an
 API key, every route but `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`
 (constant-time compare). Any error, including a bug, is answered in the caller's protocol shape
@@ -21,7 +21,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from adapters import anthropic_messages, openai_chat, openai_responses, sessions
+from adapters import anthropic_messages, memory, openai_chat, openai_responses, sessions
 from adapters.common import ApiError, anthropic_error_body, openai_error_body
 from adapters.state import AppState
 from engine.errors import CapacityError, EngineError
@@ -162,4 +162,5 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
     app.include_router(sessions.router)
+    app.include_router(memory.router)
     return app

@@ -9,7 +9,9 @@ is the one-call convenience iterator.
 Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and inspected with
 `checkpoints(session)` / `checkpoint_budget()`; `reset_cache()` empties the prefix cache. With
 `opts.gpu_memory` on CUDA, routed experts run through the GPU expert cache (engine/gpu/setup.py) and
-`gpu_budget` says how the cap was split. The engine knows nothing of text, chat formats or HTTP.
+`gpu_budget` says how the cap was split; `memory_report()` reads it with the device's free memory and
+`set_gpu_memory(total)` rebuilds the expert cache under a new cap between two steps
+(engine/gpu/elastic.py). The engine knows nothing of text, chat formats or HTTP.
 """
 
 from __future__ import annotations
@@ -218,6 +220,31 @@ class Engine:
                 "budget": {"dense": b.dense, "kv": b.kv, "states": b.states, "workspace": b.workspace,
                            "experts": b.experts},
                 "expert_cache": dict(self._cache_stats) if self._cache_stats else None}
+
+
+    def memory_report(self) -> dict[str, object]:
+        """GET /v1/memory: the device, its free and total bytes (CUDA), and `gpu_report()` (None
+        without an expert cache). Safe from any thread."""
+        out: dict[str, object] = {"device": self.opts.device, "gpu_memory": self.gpu_report()}
+        if torch.device(self.opts.device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(torch.device(self.opts.device))
+            out.update(device_free_bytes=free, device_total_bytes=total)
+        return out
+
+    def set_gpu_memory(self, total: int) -> dict[str, object]:
+        """Rebuilds the GPU expert cache under a new cap (engine/gpu/elastic.py) at the next safe
+        point: between two steps, running requests keep their KV cache and states and go on with an
+        empty expert cache. ConfigError (nothing changed) for an engine without a cache or a cap too
+        small for its fixed parts. Returns the new `memory_report()`."""
+        if self.gpu_budget is None:
+            raise ConfigError("this engine has no GPU expert cache to resize (start it with --gpu-memory on CUDA)")
+        from engine.gpu.elastic import rebuild_expert_cache
+
+        with self._step_lock:
+            self.gpu_budget = rebuild_expert_cache(self.decoder, self.opts, self.dtype, total)
+            self._cache_stats, self._cache_stats_at = {}, 0.0
+            torch.cuda.reset_peak_memory_stats(self.opts.device)  # the peak beside the new cap
+        return self.memory_report()
 
 
 def _apply_threads(opts: EngineOptions) -> None:
