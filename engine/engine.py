@@ -16,6 +16,7 @@ Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from engine.request import Request, RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
 from engine.scheduler import Scheduler
 from engine.weights.loader import Progress
+
+log = logging.getLogger("freetoken.engine")
 
 
 class Engine:
@@ -68,10 +71,14 @@ class Engine:
         self.gpu_budget = None
         self._cache_stats: dict[str, float] = {}
         self._cache_stats_at = 0.0
+        self._stop_follow = threading.Event()
         if opts.gpu_memory:
             from engine.gpu.setup import attach_expert_cache
 
             self.gpu_budget = attach_expert_cache(decoder, opts, self.dtype)
+            if opts.follow_free_memory:
+                threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,),
+                                 name="freetoken-memory", daemon=True).start()
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.scheduler = Scheduler(decoder, opts, self.dtype)
         self._cv = threading.Condition()
@@ -159,6 +166,7 @@ class Engine:
             raise handle.error
 
     def close(self) -> None:
+        self._stop_follow.set()
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -243,8 +251,39 @@ class Engine:
         with self._step_lock:
             self.gpu_budget = rebuild_expert_cache(self.decoder, self.opts, self.dtype, total)
             self._cache_stats, self._cache_stats_at = {}, 0.0
-            torch.cuda.reset_peak_memory_stats(self.opts.device)  # the peak beside the new cap
+            if torch.device(self.opts.device).type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.opts.device)  # the peak beside the new cap
         return self.memory_report()
+
+    def follow_free_memory(self, probe: Callable[[], tuple[int, int, int]] | None = None) -> bool:
+        """One look at the device's free memory (`probe()` -> (free, reserved, total) bytes; default
+        the CUDA device's): rebuilds the expert cache under `follow_target`'s cap when it moved
+        enough; True if it did. A cap the fixed parts cannot take is logged, not raised."""
+        from engine.gpu.elastic import cuda_probe, follow_target
+
+        if self.gpu_budget is None:
+            return False
+        banks = self.decoder.weights.experts
+        free, reserved, total = (probe or (lambda: cuda_probe(self.opts.device)))()
+        target = follow_target(self.gpu_budget, banks.expert_bytes, banks.w13.shape[0], free, reserved, total)
+        if target is None:
+            return False
+        before = self.gpu_budget.total
+        try:
+            self.set_gpu_memory(target)
+        except ConfigError as e:
+            log.warning("free GPU memory changed, but the expert cache could not follow: %s", e)
+            return False
+        log.warning("free GPU memory changed: the engine's cap %.2f -> %.2f GiB (expert cache rebuilt)",
+                    before / 2**30, target / 2**30)
+        return True
+
+    def _follow_loop(self, every: float) -> None:
+        while not self._stop_follow.wait(every):
+            try:
+                self.follow_free_memory()
+            except Exception:  # a failed look must not end the watching
+                log.exception("looking at the GPU's free memory failed")
 
 
 def _apply_threads(opts: EngineOptions) -> None:

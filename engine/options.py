@@ -36,13 +36,16 @@ class EngineOptions:
     fetch_ratio: float = -1.0  # share of misses fetched over PCIe; < 0 = from the calibration (measured if none)
     calibration_file: str = ""  # where measured bandwidths are stored per machine
     cuda_graphs: bool = True  # capture the expert cache's decode-sized MoE steps (engine/gpu/device_step.py)
+    # seconds between looks at the device's free memory, the expert cache following it (engine/gpu/elastic.py);
+    # 0 = the cap stays as set (the CLI turns it on for --gpu-memory auto)
+    follow_free_memory: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "max_running", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
-        if self.gpu_memory < 0 or self.fetch_ratio > 1:
-            raise ConfigError("gpu_memory must be >= 0 and fetch_ratio <= 1")
+        if self.gpu_memory < 0 or self.fetch_ratio > 1 or self.follow_free_memory < 0:
+            raise ConfigError("gpu_memory and follow_free_memory must be >= 0 and fetch_ratio <= 1")
         for name in ("state_slots", "checkpoint_slots", "host_checkpoint_slots"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"engine option {name} must be >= 0, got {getattr(self, name)}")

@@ -23,6 +23,9 @@ from freetoken_agent.service import ChatService
 from freetoken_agent.sessions import AnchorPolicy, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer
 
+# --gpu-memory auto: how often the server looks at the device's free memory, the expert cache following it
+FOLLOW_S = 5.0
+
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI, Anthropic and Responses protocols)")
@@ -64,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
+                         follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
                          calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
                          max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
                          host_checkpoint_slots=args.host_checkpoint_slots)

@@ -13,6 +13,13 @@ captured passes on the swap), and the old slot pool is freed before the new one 
 shrink is usually asked for because another program needs the memory). If the new pool cannot be
 allocated, the old size is restored and `ConfigError` says so. The caller holds the engine between
 steps: nothing queued or running on the device.
+`follow_target(budget, expert_bytes, experts, free, reserved, total)` is where an engine that follows
+the device's free memory (`opts.follow_free_memory`, the CLI's `--gpu-memory auto`) moves its cap:
+what `auto_gpu_memory` would give now (free plus what this process holds, less the margin), within
+one expert slot and every expert, or None when that is less than `MIN_CHANGE` (or an eighth of all
+experts' bytes, for a model whose experts are smaller) away from the cap in force (each rebuild
+empties the cache: small swings are not worth one). `cuda_probe(device)` reads
+(free, reserved, total) bytes.
 """
 
 from __future__ import annotations
@@ -24,13 +31,31 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
+from engine.gpu.budget import GpuBudget, auto_margin, dense_bytes, split_gpu_memory
 from engine.gpu.executor import CachedExpertExecutor, create_cached_executor
 from engine.model.decoder import Decoder
 from engine.options import EngineOptions
 from engine.weights.layout import ExpertBanks
 
 log = logging.getLogger("freetoken.engine")
+
+MIN_CHANGE = 2**30  # bytes: a smaller move of the free memory leaves the cache as it is
+
+
+def cuda_probe(device: torch.device | str) -> tuple[int, int, int]:
+    """(free, reserved by this process, total) bytes of a CUDA device."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return free, torch.cuda.memory_reserved(torch.device(device)), total
+
+
+def follow_target(budget: GpuBudget, expert_bytes: int, experts: int, free: int, reserved: int,
+                  total: int) -> int | None:
+    fixed = budget.total - budget.experts
+    lowest, highest = fixed + expert_bytes, fixed + experts * expert_bytes
+    target = min(max(free + reserved - auto_margin(total), lowest), highest)
+    if abs(target - min(budget.total, highest)) < min(MIN_CHANGE, experts * expert_bytes // 8):
+        return None
+    return target
 
 
 def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype, total: int) -> GpuBudget:

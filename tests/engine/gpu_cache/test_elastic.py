@@ -16,8 +16,8 @@ import torch
 from checkpoints import TinySpec, qwen3_moe_text
 
 from engine.errors import ConfigError
-from engine.gpu.budget import dense_bytes, split_gpu_memory
-from engine.gpu.elastic import rebuild_expert_cache
+from engine.gpu.budget import GpuBudget, auto_margin, dense_bytes, split_gpu_memory
+from engine.gpu.elastic import MIN_CHANGE, follow_target, rebuild_expert_cache
 from engine.gpu.executor import CachedExpertExecutor, create_cached_executor
 from engine.moe.executor import TorchExpertExecutor
 from engine.sampling import SamplingParams
@@ -86,6 +86,49 @@ def test_an_engine_without_a_cache_says_so(tiny_checkpoint, make_engine) -> None
         rebuild_expert_cache(engine.decoder, engine.opts, engine.dtype, 2**30)
     assert engine.memory_report() == {"device": "cpu", "gpu_memory": None}
     assert _run(engine)[0]  # still serving
+
+
+def test_follow_target_moves_only_by_a_gibibyte_or_more_within_one_slot_and_every_expert() -> None:
+    gib, eb = 2**30, 2**28  # 256 MiB experts, 64 of them: 16 GiB for every expert
+    budget = GpuBudget(total=10 * gib, dense=2 * gib, kv=gib, states=0, workspace=gib, experts=6 * gib)
+    fixed, total = 4 * gib, 80 * gib
+    margin = auto_margin(total)
+
+    def target(free: int, reserved: int = 10 * gib) -> int | None:
+        return follow_target(budget, eb, 64, free, reserved, total)
+
+    assert target(margin) is None  # what we hold, and nothing free: the cap stays
+    assert target(margin + MIN_CHANGE - 1) is None  # a small swing: no rebuild
+    assert target(margin + 3 * gib) == 13 * gib  # room freed elsewhere: grow
+    assert target(margin - 2 * gib) == 8 * gib  # another program took memory: shrink
+    assert target(0, 0) == fixed + eb  # at most down to one slot
+    assert target(100 * gib) == fixed + 64 * eb  # at most every expert
+    full = GpuBudget(total=40 * gib, dense=2 * gib, kv=gib, states=0, workspace=gib, experts=36 * gib)
+    assert follow_target(full, eb, 64, 50 * gib, 40 * gib, total) is None  # past every expert already
+
+
+def test_engine_follows_the_free_memory_it_is_shown(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint(SPEC)
+    ref_tokens, _ = _run(make_engine(Path(path), executor="torch"))
+    engine = make_engine(Path(path), executor="torch")
+    banks = engine.decoder.weights.experts
+    engine.decoder.executor = create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5,
+                                                     TorchExpertExecutor(banks))
+    fixed = _fixed_bytes(engine)
+    # what attach_expert_cache records on CUDA; a CPU slot pool stands in for the device's here
+    engine.gpu_budget = split_gpu_memory(fixed + 4 * banks.expert_bytes, engine.cfg, engine.opts, engine.dtype,
+                                         dense_bytes(engine.decoder.weights, torch.device("cpu")), banks.expert_bytes)
+    total = 64 * 2**30
+    held = engine.gpu_budget.total
+    # another program frees memory: the cap grows to every expert (the tiny model's are small)
+    assert engine.follow_free_memory(lambda: (auto_margin(total) + MIN_CHANGE, held, total))
+    assert engine.decoder.executor.slots.slots == banks.w13.shape[0]
+    assert _run(engine)[0] == ref_tokens
+    assert not engine.follow_free_memory(lambda: (auto_margin(total) + MIN_CHANGE, held, total))  # settled
+    # it takes memory back: the cap shrinks to one slot, the engine keeps serving the same tokens
+    assert engine.follow_free_memory(lambda: (0, held, total))
+    assert engine.decoder.executor.slots.slots == 1 and engine.gpu_budget.total == fixed + banks.expert_bytes
+    assert _run(engine)[0] == ref_tokens
 
 
 @pytest.mark.gpu
