@@ -76,9 +76,6 @@ class Engine:
             from engine.gpu.setup import attach_expert_cache
 
             self.gpu_budget = attach_expert_cache(decoder, opts, self.dtype)
-            if opts.follow_free_memory:
-                threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,),
-                                 name="freetoken-memory", daemon=True).start()
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.scheduler = Scheduler(decoder, opts, self.dtype)
         self._cv = threading.Condition()
@@ -87,6 +84,9 @@ class Engine:
         self._next_id = 0
         self._inbox: deque[Request] = deque()
         self._step_lock = threading.Lock()  # held while a step runs: lets inspection see a settled state
+        if self.gpu_budget is not None and opts.follow_free_memory:
+            threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,), name="freetoken-memory",
+                             daemon=True).start()
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -228,7 +228,6 @@ class Engine:
                 "budget": {"dense": b.dense, "kv": b.kv, "states": b.states, "workspace": b.workspace,
                            "experts": b.experts},
                 "expert_cache": dict(self._cache_stats) if self._cache_stats else None}
-
 
     def memory_report(self) -> dict[str, object]:
         """GET /v1/memory: the device, its free and total bytes (CUDA), and `gpu_report()` (None
