@@ -1,15 +1,19 @@
 """`GET /v1/memory` and `POST /v1/memory`: read and change the GPU budget split at runtime (DESIGN.md).
 
 Contract: GET returns `{"object": "memory", "device", "gpu_memory": {cap_bytes, peak_allocated_bytes,
-budget: {dense, kv, states, workspace, experts}, expert_cache} | null, "device_free_bytes",
-"device_total_bytes"}` (the last two on CUDA). POST takes `{"gpu_memory": SIZE}` (bytes, or a string
-such as "20GiB", or "auto": what the device has free plus what the engine holds, less the margin
-`serve` uses) and rebuilds the expert cache under that cap at the engine's next safe point (between
-two steps; running requests go on), answering as GET does. The KV pages, state slots and workspace
-keep their sizes: the expert slots take the difference. Errors in the caller's protocol shape: 400
-for a body that is not a size, for a cap too small for the fixed parts, for an engine without an
-expert cache (a CPU engine, or `--gpu-memory off`); nothing changes then. Authentication is the
-app's, as for every /v1 route.
+budget: {dense, kv, states, workspace, experts}, expert_cache} | null, "pools": {kv_tokens,
+checkpoint_slots, host_checkpoint_slots}, "device_free_bytes", "device_total_bytes"}` (the last two
+on CUDA). POST takes any of:
+- `"gpu_memory"`: bytes, a string such as "20GiB", or "auto" (what the device has free plus what the
+  engine holds, less the margin `serve` uses): the expert cache is rebuilt under that cap at the
+  engine's next safe point (between two steps; running requests go on);
+- `"kv_tokens"`, `"checkpoint_slots"`, `"host_checkpoint_slots"`: the KV pool and the recurrent-state
+  checkpoint slots resized, only while no request is queued or running (every cached prefix and
+  checkpoint is dropped); the expert slots take the difference under the same cap;
+pools first, then the cap; it answers as GET does. Errors in the caller's protocol shape, nothing
+changed: 400 for a value that is not a size or a count, a cap too small for the fixed parts, a cap
+on an engine without an expert cache (a CPU engine, or `--gpu-memory off`); 409 for pools while
+requests run. Authentication is the app's, as for every /v1 route.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from fastapi import APIRouter, Request
 
 from adapters.common import ApiError
 from adapters.state import AppState
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineError
 
 router = APIRouter()
+POOLS = {"kv_tokens": 1, "checkpoint_slots": 0, "host_checkpoint_slots": 0}  # field -> smallest value
 
 
 def _state(request: Request) -> AppState:
@@ -38,10 +43,38 @@ def get_memory(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/memory")
 def set_memory(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    engine = _state(request).service.engine
+    pools = {name: _count(body, name, low) for name, low in POOLS.items() if name in body}
+    total = _cap(body, engine.opts.device) if "gpu_memory" in body else None
+    if not pools and total is None:
+        raise ApiError(400, f"nothing to change: give gpu_memory or one of {', '.join(POOLS)}")
+    report: dict[str, Any] = {}
+    try:
+        if pools:
+            report = engine.set_pools(**pools)
+    except ConfigError as e:
+        raise ApiError(400, str(e), param=next(iter(pools))) from None
+    except EngineError as e:
+        raise ApiError(409, str(e), code="engine_busy") from None
+    if total is not None:
+        try:
+            report = engine.set_gpu_memory(total)
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="gpu_memory") from None
+    return {"object": "memory", **report}
+
+
+def _count(body: dict[str, Any], name: str, low: int) -> int:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ApiError(400, f"{name}: expected an integer >= {low}, got {value!r}", param=name)
+    return value
+
+
+def _cap(body: dict[str, Any], device: str) -> int:
     from freetoken_agent.argtypes import gpu_memory_size
 
-    engine = _state(request).service.engine
-    value = body.get("gpu_memory")
+    value = body["gpu_memory"]
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ApiError(400, "gpu_memory: expected a size in bytes or a string such as \"20GiB\" or \"auto\"",
                        param="gpu_memory")
@@ -52,12 +85,8 @@ def set_memory(request: Request, body: dict[str, Any]) -> dict[str, Any]:
     if total is None:
         from engine.gpu.budget import auto_gpu_memory
 
-        total = auto_gpu_memory(engine.opts.device)
+        total = auto_gpu_memory(device)
     if total <= 0:
         raise ApiError(400, "gpu_memory: must be positive (an engine keeps its expert cache; restart with "
                             "--gpu-memory off to run without one)", param="gpu_memory")
-    try:
-        report = engine.set_gpu_memory(total)
-    except ConfigError as e:
-        raise ApiError(400, str(e), param="gpu_memory") from None
-    return {"object": "memory", **report}
+    return total

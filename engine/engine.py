@@ -11,7 +11,9 @@ Recurrent-state checkpoints are requested with anchors (engine/anchors.py) and i
 `opts.gpu_memory` on CUDA, routed experts run through the GPU expert cache (engine/gpu/setup.py) and
 `gpu_budget` says how the cap was split; `memory_report()` reads it with the device's free memory and
 `set_gpu_memory(total)` rebuilds the expert cache under a new cap between two steps
-(engine/gpu/elastic.py). The engine knows nothing of text, chat formats or HTTP.
+(engine/gpu/elastic.py); `set_pools(kv_tokens, checkpoint_slots, ...)` resizes the KV pool and the
+checkpoint slots while idle; with `opts.follow_free_memory` a watcher thread moves the cap with the
+device's free memory. The engine knows nothing of text, chat formats or HTTP.
 """
 
 from __future__ import annotations
@@ -186,13 +188,14 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
-        # Only this thread touches the scheduler; other threads meet it at the inbox, so a long
-        # step never blocks submit() or close().
-        sched = self.scheduler
+        # Only this thread steps the scheduler; other threads meet it at the inbox, so a long step
+        # never blocks submit() or close() (set_pools() swaps it only while nothing is queued or runs).
         while True:
             with self._cv:
-                while not self._inbox and not sched.has_work and not self._closed:
+                # read each round: set_pools() may replace it while the engine is idle
+                while not self._inbox and not self.scheduler.has_work and not self._closed:
                     self._cv.wait()
+                sched = self.scheduler
                 while self._inbox:
                     sched.add(self._inbox.popleft())
                 closed = self._closed
@@ -232,7 +235,10 @@ class Engine:
     def memory_report(self) -> dict[str, object]:
         """GET /v1/memory: the device, its free and total bytes (CUDA), and `gpu_report()` (None
         without an expert cache). Safe from any thread."""
-        out: dict[str, object] = {"device": self.opts.device, "gpu_memory": self.gpu_report()}
+        o = self.opts
+        out: dict[str, object] = {"device": o.device, "gpu_memory": self.gpu_report(),
+                                  "pools": {"kv_tokens": o.kv_tokens, "checkpoint_slots": o.checkpoint_slots,
+                                            "host_checkpoint_slots": o.host_checkpoint_slots}}
         if torch.device(self.opts.device).type == "cuda":
             free, total = torch.cuda.mem_get_info(torch.device(self.opts.device))
             out.update(device_free_bytes=free, device_total_bytes=total)
@@ -252,6 +258,46 @@ class Engine:
             self._cache_stats, self._cache_stats_at = {}, 0.0
             if torch.device(self.opts.device).type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.opts.device)  # the peak beside the new cap
+        return self.memory_report()
+
+    def set_pools(self, kv_tokens: int | None = None, checkpoint_slots: int | None = None,
+                  host_checkpoint_slots: int | None = None) -> dict[str, object]:
+        """Resizes the KV pool (tokens) and the recurrent-state checkpoint slots (device, host) while
+        no request is queued or running (their KV and states live there): every cached prefix and
+        checkpoint is dropped. With an expert cache the cap stays and the expert slots take the
+        difference. Raises EngineError while busy, ConfigError for a size the cap (or the options'
+        rules) cannot take; nothing changes then. Returns the new `memory_report()`."""
+        import dataclasses
+
+        changes = {k: v for k, v in (("kv_tokens", kv_tokens), ("checkpoint_slots", checkpoint_slots),
+                                     ("host_checkpoint_slots", host_checkpoint_slots)) if v is not None}
+        opts = dataclasses.replace(self.opts, **changes)  # the options' own checks first
+        with self._cv, self._step_lock:
+            if self._inbox or self.scheduler.has_work:
+                raise EngineError("cannot resize the KV pool or checkpoint slots while requests are queued or running")
+            if self.gpu_budget is not None:
+                from engine.gpu.budget import dense_bytes, split_gpu_memory
+
+                banks = self.decoder.weights.experts
+                split_gpu_memory(self.gpu_budget.total, self.cfg, opts, self.dtype,
+                                 dense_bytes(self.decoder.weights, torch.device(opts.device)), banks.expert_bytes)
+            # the old pools go first (a shrink is usually asked for because memory is short); the
+            # engine thread is parked on the condition we hold, others see an idle stand-in meanwhile
+            old_opts, self.scheduler = self.opts, _Idle()  # type: ignore[assignment]
+            self.decoder.drop_graphs()  # captured passes hold the old pools' tensors
+            _return_memory()
+            try:
+                self.scheduler = Scheduler(self.decoder, opts, self.dtype)
+            except torch.OutOfMemoryError as e:
+                _return_memory()
+                self.scheduler = Scheduler(self.decoder, old_opts, self.dtype)
+                raise ConfigError(f"the new pools could not be allocated on {opts.device} ({e}); the previous "
+                                  f"sizes were restored") from None
+            self.opts = opts
+            if self.gpu_budget is not None:
+                from engine.gpu.elastic import rebuild_expert_cache
+
+                self.gpu_budget = rebuild_expert_cache(self.decoder, opts, self.dtype, self.gpu_budget.total)
         return self.memory_report()
 
     def follow_free_memory(self, probe: Callable[[], tuple[int, int, int]] | None = None) -> bool:
@@ -283,6 +329,24 @@ class Engine:
                 self.follow_free_memory()
             except Exception:  # a failed look must not end the watching
                 log.exception("looking at the GPU's free memory failed")
+
+
+class _Idle:
+    """What other threads see as the scheduler while set_pools() swaps it: nothing queued or running."""
+
+    has_work = False
+
+    def __init__(self) -> None:
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+
+
+def _return_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _apply_threads(opts: EngineOptions) -> None:

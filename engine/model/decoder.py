@@ -50,7 +50,12 @@ class Decoder:
     @executor.setter
     def executor(self, executor: ExpertExecutor) -> None:
         self._executor = executor
-        self._graphs.clear()  # captured passes hold the old executor's kernels
+        self.drop_graphs()  # captured passes hold the old executor's kernels
+
+    def drop_graphs(self) -> None:
+        """Forgets every captured decode pass (they hold the executor's and the pools' tensors): the
+        next decode steps capture anew."""
+        self._graphs.clear()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:

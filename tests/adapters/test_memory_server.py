@@ -1,4 +1,5 @@
-"""`GET /v1/memory` and `POST /v1/memory` through real servers (CPU engines here: no GPU expert cache,
+"""`GET /v1/memory` and `POST /v1/memory` through real servers (CPU engines here: the KV pool resized
+while idle with the same replies after, a 409 while a request runs; no GPU expert cache,
 which both routes say in the caller's protocol shape); the resize itself is tested on the engine
 (tests/engine/gpu_cache/test_elastic.py, CPU and `gpu`). Bad bodies are 400s that change nothing,
 the server keeps serving, and the routes need the API key like every /v1 route."""
@@ -12,12 +13,40 @@ from server_fixture import ServerProcess, assert_openai_error
 def test_get_reports_the_device_and_no_cache(q3: ServerProcess) -> None:
     r = httpx.get(q3.url("/v1/memory"), timeout=30)
     assert r.status_code == 200, r.text
-    assert r.json() == {"object": "memory", "device": "cpu", "gpu_memory": None}
+    body = r.json()
+    assert body["object"] == "memory" and body["device"] == "cpu" and body["gpu_memory"] is None
+    assert set(body["pools"]) == {"kv_tokens", "checkpoint_slots", "host_checkpoint_slots"}
+
+
+def test_post_resizes_the_pools_and_the_answers_stay(q3: ServerProcess) -> None:
+    """A smaller KV pool, then the old size back: the same greedy reply each time; a count that is
+    not one is a 400, nothing changed."""
+    def reply() -> str:
+        r = httpx.post(q3.url("/v1/chat/completions"), timeout=120, json={
+            "model": "freetoken-demo", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "count"}]})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    before = httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]
+    first = reply()
+    try:  # the server is shared: its pools go back whatever happens here
+        r = httpx.post(q3.url("/v1/memory"), json={"kv_tokens": 4096}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["pools"]["kv_tokens"] == 4096
+        assert reply() == first
+        for bad in ({"kv_tokens": 0}, {"kv_tokens": "many"}, {"checkpoint_slots": -1}, {"kv_tokens": 1.5}):
+            err = assert_openai_error(httpx.post(q3.url("/v1/memory"), json=bad, timeout=30), 400)
+            assert err["param"] == next(iter(bad)), err
+        assert httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]["kv_tokens"] == 4096
+    finally:
+        r = httpx.post(q3.url("/v1/memory"), json={"kv_tokens": before["kv_tokens"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["pools"] == before
+    assert reply() == first
 
 
 def test_post_without_a_cache_or_with_a_bad_size_is_a_400(q3: ServerProcess) -> None:
     cases = [({"gpu_memory": "8GiB"}, "no GPU expert cache"), ({"gpu_memory": "lots"}, "not a size: 'lots'"),
-             ({"gpu_memory": True}, "expected a size"), ({}, "expected a size"),
+             ({"gpu_memory": True}, "expected a size"), ({"gpu_memory": None}, "expected a size"),
              ({"gpu_memory": 0}, "must be positive"), ({"gpu_memory": "off"}, "must be positive")]
     for body, message in cases:
         r = httpx.post(q3.url("/v1/memory"), json=body, timeout=30)
@@ -26,6 +55,7 @@ def test_post_without_a_cache_or_with_a_bad_size_is_a_400(q3: ServerProcess) -> 
     r = httpx.post(q3.url("/v1/memory"), content=b"not json", headers={"content-type": "application/json"},
                    timeout=30)
     assert_openai_error(r, 400)
+    assert_openai_error(httpx.post(q3.url("/v1/memory"), json={}, timeout=30), 400)  # nothing to change
     assert httpx.get(q3.url("/v1/memory"), timeout=30).json()["gpu_memory"] is None  # nothing changed
     assert httpx.get(q3.url("/health"), timeout=30).status_code == 200
 
@@ -35,3 +65,25 @@ def test_memory_routes_need_the_key(locked: ServerProcess) -> None:
     assert_openai_error(httpx.post(locked.url("/v1/memory"), json={"gpu_memory": "1GiB"}, timeout=30), 401)
     r = httpx.get(locked.url("/v1/memory"), headers=locked.headers(), timeout=30)
     assert r.status_code == 200 and r.json()["object"] == "memory"
+
+
+def test_pools_while_a_request_runs_are_a_409(endless: ServerProcess) -> None:
+    import time
+
+    body = {"max_tokens": 4000, "stream": True,
+            "messages": [{"role": "user", "content": "go on"}]}
+    with httpx.Client(timeout=120) as client, client.stream("POST", endless.url("/v1/chat/completions"),
+                                                             json={**body, "model": _model(endless)}) as stream:
+        chunks = stream.iter_lines()
+        next(chunks)  # generating now
+        deadline = time.monotonic() + 30
+        while httpx.get(endless.url("/health"), timeout=30).json()["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = assert_openai_error(httpx.post(endless.url("/v1/memory"), json={"kv_tokens": 1024}, timeout=60), 409)
+        assert "while requests are queued or running" in err["message"] and err["code"] == "engine_busy"
+    before = httpx.get(endless.url("/v1/memory"), timeout=30).json()["pools"]
+    assert before["kv_tokens"] != 1024  # unchanged
+
+
+def _model(server: ServerProcess) -> str:
+    return str(httpx.get(server.url("/v1/models"), timeout=30).json()["data"][0]["id"])

@@ -84,8 +84,43 @@ def test_an_engine_without_a_cache_says_so(tiny_checkpoint, make_engine) -> None
         engine.set_gpu_memory(2**30)
     with pytest.raises(ConfigError, match="no GPU expert cache"):
         rebuild_expert_cache(engine.decoder, engine.opts, engine.dtype, 2**30)
-    assert engine.memory_report() == {"device": "cpu", "gpu_memory": None}
+    o = engine.opts
+    assert engine.memory_report() == {"device": "cpu", "gpu_memory": None, "pools": {
+        "kv_tokens": o.kv_tokens, "checkpoint_slots": o.checkpoint_slots, "host_checkpoint_slots": o.host_checkpoint_slots}}
     assert _run(engine)[0]  # still serving
+
+
+def test_pools_resize_while_idle_and_the_outputs_stay(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """set_pools: a smaller KV pool and fewer checkpoint slots while idle; the engine generates the
+    same tokens and logits, a prompt longer than the new pool is refused, and the pool grows back;
+    bad sizes and a busy engine are refused with nothing changed."""
+    from engine.errors import EngineError, RequestError
+
+    path, _ = tiny_checkpoint(SPEC)
+    engine = make_engine(Path(path), executor="torch", kv_tokens=256, checkpoint_slots=4)
+    ref_tokens, ref_logits = _run(engine)
+    report = engine.set_pools(kv_tokens=64, checkpoint_slots=1)
+    assert report["pools"] == {"kv_tokens": 64, "checkpoint_slots": 1, "host_checkpoint_slots": 128}
+    assert engine.scheduler.kv.k.shape[1] == 64 and engine.opts.checkpoint_slots == 1
+    tokens, logits = _run(engine)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RequestError):
+        engine.submit(list(range(1, 80)), PARAMS)  # longer than the pool now holds
+    engine.set_pools(kv_tokens=512)
+    assert engine.opts.kv_tokens == 512 and engine.opts.checkpoint_slots == 1
+    assert _run(engine)[0] == ref_tokens
+    assert len(engine.submit(list(range(1, 80)), PARAMS).result(timeout=120)) == PARAMS.max_tokens
+
+    with pytest.raises(ConfigError, match="kv_tokens must be >= 1"):
+        engine.set_pools(kv_tokens=0)
+    assert engine.opts.kv_tokens == 512
+    slow = SamplingParams(max_tokens=400, ignore_eos=True)
+    handle = engine.submit(PROMPT, slow)
+    with pytest.raises(EngineError, match="while requests are queued or running"):
+        engine.set_pools(kv_tokens=128)
+    handle.result(timeout=120)
+    assert engine.opts.kv_tokens == 512
 
 
 def test_follow_target_moves_only_by_a_gibibyte_or_more_within_one_slot_and_every_expert() -> None:
