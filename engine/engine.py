@@ -275,12 +275,18 @@ class Engine:
         with self._cv, self._step_lock:
             if self._inbox or self.scheduler.has_work:
                 raise EngineError("cannot resize the KV pool or checkpoint slots while requests are queued or running")
+            experts_first = False
             if self.gpu_budget is not None:
                 from engine.gpu.budget import dense_bytes, split_gpu_memory
+                from engine.gpu.elastic import rebuild_expert_cache
 
                 banks = self.decoder.weights.experts
-                split_gpu_memory(self.gpu_budget.total, self.cfg, opts, self.dtype,
-                                 dense_bytes(self.decoder.weights, torch.device(opts.device)), banks.expert_bytes)
+                new = split_gpu_memory(self.gpu_budget.total, self.cfg, opts, self.dtype,
+                                       dense_bytes(self.decoder.weights, torch.device(opts.device)), banks.expert_bytes)
+                # larger pools under the same cap: the expert slots make room before the pools grow
+                experts_first = new.experts < self.gpu_budget.experts
+                if experts_first:
+                    self.gpu_budget = rebuild_expert_cache(self.decoder, opts, self.dtype, self.gpu_budget.total)
             # the old pools go first (a shrink is usually asked for because memory is short); the
             # engine thread is parked on the condition we hold, others see an idle stand-in meanwhile
             old_opts, self.scheduler = self.opts, _Idle()  # type: ignore[assignment]
@@ -291,12 +297,12 @@ class Engine:
             except torch.OutOfMemoryError as e:
                 _return_memory()
                 self.scheduler = Scheduler(self.decoder, old_opts, self.dtype)
+                if experts_first:  # the split of the pools that stay
+                    self.gpu_budget = rebuild_expert_cache(self.decoder, old_opts, self.dtype, self.gpu_budget.total)
                 raise ConfigError(f"the new pools could not be allocated on {opts.device} ({e}); the previous "
                                   f"sizes were restored") from None
             self.opts = opts
-            if self.gpu_budget is not None:
-                from engine.gpu.elastic import rebuild_expert_cache
-
+            if self.gpu_budget is not None and not experts_first:
                 self.gpu_budget = rebuild_expert_cache(self.decoder, opts, self.dtype, self.gpu_budget.total)
         return self.memory_report()
 

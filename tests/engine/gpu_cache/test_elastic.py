@@ -32,10 +32,13 @@ def _run(engine) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-d
     return h.result(timeout=120), torch.stack(h.logits)
 
 
-def _fixed_bytes(engine) -> int:  # type: ignore[no-untyped-def]
-    """What a cap must hold before its first expert slot (dense, KV, states, workspace)."""
+def _fixed_bytes(engine, **opts: int) -> int:  # type: ignore[no-untyped-def]
+    """What a cap must hold before its first expert slot (dense, KV, states, workspace), with the
+    engine's options or these changes to them."""
+    import dataclasses
+
     banks = engine.decoder.weights.experts
-    b = split_gpu_memory(2**40, engine.cfg, engine.opts, engine.dtype,
+    b = split_gpu_memory(2**40, engine.cfg, dataclasses.replace(engine.opts, **opts), engine.dtype,
                          dense_bytes(engine.decoder.weights, torch.device("cpu")), banks.expert_bytes)
     return b.total - b.experts
 
@@ -164,6 +167,28 @@ def test_engine_follows_the_free_memory_it_is_shown(tiny_checkpoint, make_engine
     assert engine.follow_free_memory(lambda: (0, held, total))
     assert engine.decoder.executor.slots.slots == 1 and engine.gpu_budget.total == fixed + banks.expert_bytes
     assert _run(engine)[0] == ref_tokens
+
+
+def test_larger_pools_under_a_cap_take_their_room_from_the_expert_slots(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint(SPEC)
+    engine = make_engine(Path(path), executor="torch", kv_tokens=128)
+    ref_tokens, _ = _run(engine)
+    banks = engine.decoder.weights.experts
+    engine.decoder.executor = create_cached_executor(banks, 12 * banks.expert_bytes, "cpu", 0.5,
+                                                     TorchExpertExecutor(banks))
+    dense = dense_bytes(engine.decoder.weights, torch.device("cpu"))
+    # what attach_expert_cache records on CUDA; a CPU slot pool stands in for the device's here
+    engine.gpu_budget = split_gpu_memory(_fixed_bytes(engine, kv_tokens=256) + 4 * banks.expert_bytes, engine.cfg,
+                                         engine.opts, engine.dtype, dense, banks.expert_bytes)
+    cap, kv_before, experts_before = engine.gpu_budget.total, engine.gpu_budget.kv, engine.gpu_budget.experts
+    engine.set_pools(kv_tokens=256)
+    b = engine.gpu_budget
+    assert b.total == cap and b.kv == 2 * kv_before and b.experts == 4 * banks.expert_bytes < experts_before
+    assert engine.decoder.executor.slots.slots == 4
+    assert _run(engine)[0] == ref_tokens
+    with pytest.raises(ConfigError, match="too small"):  # no room left for one expert slot
+        engine.set_pools(kv_tokens=10**6)
+    assert engine.opts.kv_tokens == 256 and engine.gpu_budget == b  # nothing changed
 
 
 @pytest.mark.gpu
