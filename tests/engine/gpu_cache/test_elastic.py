@@ -2,8 +2,11 @@
 steps. On the CPU (DESIGN.md: the slot pool is then a CPU tensor) a tiny engine keeps generating
 exactly the reference tokens and logits across a rebuild, the new pool has the slots the new cap
 leaves after the fixed parts, the old executor is let go (its memory can return to the device), a
-cap too small for the fixed parts changes nothing, and an engine without a cache says so. The same
-on a CUDA device, through `Engine.set_gpu_memory` and the peak under the new cap: the `gpu` test."""
+cap too small for the fixed parts changes nothing, and an engine without a cache says so. The
+watcher follows the free memory it is shown (a stand-in probe), between one slot and every expert.
+`set_pools` resizes the KV pool while idle (same outputs; refused while busy), and under a cap the
+expert slots give up the room. The same on a CUDA device, through `Engine.set_gpu_memory` and the
+peak under the new cap: the `gpu` test (not yet run on the H200)."""
 
 from __future__ import annotations
 
