@@ -155,6 +155,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         state.metrics.running.set(len(state.service.engine.scheduler.running))
+        state.metrics.observe_engine(state.service.engine)
         return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 

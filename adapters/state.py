@@ -37,6 +37,27 @@ class Metrics:
         self.decode_rate = Gauge("freetoken_decode_tokens_per_second", "Decode rate of the last finished request",
                                  registry=r)
         self.running = Gauge("freetoken_running_generations", "Generations in flight", registry=r)
+        self.kv_tokens = Gauge("freetoken_kv_pool_tokens", "Tokens the KV pool holds", registry=r)
+        # with a GPU expert cache only (engine.gpu_report())
+        self.gpu_bytes = Gauge("freetoken_gpu_memory_bytes", "The GPU cap, its split and the measured peak",
+                               ["part"], registry=r)
+        self.expert_hit_rate = Gauge("freetoken_expert_cache_hit_rate", "GPU expert cache hits / lookups so far",
+                                     registry=r)
+
+    def observe_engine(self, engine: Any) -> None:
+        """Sets the engine gauges from `memory_report()` (safe from any thread)."""
+        report = engine.memory_report()
+        self.kv_tokens.set(report["pools"]["kv_tokens"])
+        gpu = report["gpu_memory"]
+        if gpu is None:
+            return
+        self.gpu_bytes.labels("cap").set(gpu["cap_bytes"])
+        self.gpu_bytes.labels("peak").set(gpu["peak_allocated_bytes"])
+        for part, value in gpu["budget"].items():
+            self.gpu_bytes.labels(part).set(value)
+        cache = gpu["expert_cache"] or {}
+        if cache.get("hit_rate") is not None:
+            self.expert_hit_rate.set(cache["hit_rate"])
 
 
 @dataclass

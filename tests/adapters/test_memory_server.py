@@ -87,3 +87,26 @@ def test_pools_while_a_request_runs_are_a_409(endless: ServerProcess) -> None:
 
 def _model(server: ServerProcess) -> str:
     return str(httpx.get(server.url("/v1/models"), timeout=30).json()["data"][0]["id"])
+
+
+def test_metrics_carry_the_pools_and_the_gpu_split(q3: ServerProcess) -> None:
+    kv = httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]["kv_tokens"]
+    text = httpx.get(q3.url("/metrics"), timeout=30).text
+    assert f"freetoken_kv_pool_tokens {float(kv)}" in text
+    assert "freetoken_gpu_memory_bytes{" not in text  # a CPU engine: no cap, no split
+
+    from adapters.state import Metrics
+
+    class Cached:  # what an engine with a GPU expert cache reports (Engine.memory_report)
+        def memory_report(self) -> dict[str, object]:
+            return {"device": "cuda", "pools": {"kv_tokens": 4096}, "gpu_memory": {
+                "cap_bytes": 100, "peak_allocated_bytes": 90,
+                "budget": {"dense": 10, "kv": 20, "states": 5, "workspace": 15, "experts": 50},
+                "expert_cache": {"hits": 3, "misses": 1, "fetched": 1, "hit_rate": 0.75}}}
+
+    m = Metrics()
+    m.observe_engine(Cached())
+    got = {s.labels.get("part", s.name): s.value for metric in m.registry.collect() for s in metric.samples
+           if s.name in ("freetoken_gpu_memory_bytes", "freetoken_expert_cache_hit_rate", "freetoken_kv_pool_tokens")}
+    assert got == {"cap": 100, "peak": 90, "dense": 10, "kv": 20, "states": 5, "workspace": 15, "experts": 50,
+                   "freetoken_expert_cache_hit_rate": 0.75, "freetoken_kv_pool_tokens": 4096}
