@@ -249,11 +249,9 @@ class Engine:
         point: between two steps, running requests keep their KV cache and states and go on with an
         empty expert cache. ConfigError (nothing changed) for an engine without a cache or a cap too
         small for its fixed parts. Returns the new `memory_report()`."""
-        if self.gpu_budget is None:
-            raise ConfigError("this engine has no GPU expert cache to resize (start it with --gpu-memory on CUDA)")
         from engine.gpu.elastic import rebuild_expert_cache
 
-        with self._step_lock:
+        with self._step_lock:  # rebuild_expert_cache refuses an engine without a cache
             self.gpu_budget = rebuild_expert_cache(self.decoder, self.opts, self.dtype, total)
             self._cache_stats, self._cache_stats_at = {}, 0.0
             if torch.device(self.opts.device).type == "cuda":
@@ -272,13 +270,14 @@ class Engine:
         changes = {k: v for k, v in (("kv_tokens", kv_tokens), ("checkpoint_slots", checkpoint_slots),
                                      ("host_checkpoint_slots", host_checkpoint_slots)) if v is not None}
         opts = dataclasses.replace(self.opts, **changes)  # the options' own checks first
+        from engine.gpu.elastic import rebuild_expert_cache, release_device_memory
+
         with self._cv, self._step_lock:
             if self._inbox or self.scheduler.has_work:
                 raise EngineError("cannot resize the KV pool or checkpoint slots while requests are queued or running")
             experts_first = False
             if self.gpu_budget is not None:
                 from engine.gpu.budget import dense_bytes, split_gpu_memory
-                from engine.gpu.elastic import rebuild_expert_cache
 
                 banks = self.decoder.weights.experts
                 new = split_gpu_memory(self.gpu_budget.total, self.cfg, opts, self.dtype,
@@ -291,11 +290,11 @@ class Engine:
             # engine thread is parked on the condition we hold, others see an idle stand-in meanwhile
             old_opts, self.scheduler = self.opts, _Idle()  # type: ignore[assignment]
             self.decoder.drop_graphs()  # captured passes hold the old pools' tensors
-            _return_memory()
+            release_device_memory()
             try:
                 self.scheduler = Scheduler(self.decoder, opts, self.dtype)
             except torch.OutOfMemoryError as e:
-                _return_memory()
+                release_device_memory()
                 self.scheduler = Scheduler(self.decoder, old_opts, self.dtype)
                 if experts_first:  # the split of the pools that stay
                     self.gpu_budget = rebuild_expert_cache(self.decoder, old_opts, self.dtype, self.gpu_budget.total)
@@ -310,12 +309,13 @@ class Engine:
         """One look at the device's free memory (`probe()` -> (free, reserved, total) bytes; default
         the CUDA device's): rebuilds the expert cache under `follow_target`'s cap when it moved
         enough; True if it did. A cap the fixed parts cannot take is logged, not raised."""
-        from engine.gpu.elastic import cuda_probe, follow_target
+        from engine.gpu.budget import device_memory
+        from engine.gpu.elastic import follow_target
 
         if self.gpu_budget is None:
             return False
         banks = self.decoder.weights.experts
-        free, reserved, total = (probe or (lambda: cuda_probe(self.opts.device)))()
+        free, reserved, total = (probe or (lambda: device_memory(self.opts.device)))()
         target = follow_target(self.gpu_budget, banks.expert_bytes, banks.w13.shape[0], free, reserved, total)
         if target is None:
             return False
@@ -345,14 +345,6 @@ class _Idle:
     def __init__(self) -> None:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-
-
-def _return_memory() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _apply_threads(opts: EngineOptions) -> None:

@@ -61,12 +61,10 @@ def resolve_gpu_memory(value: int | None, device: str) -> int:
         return 0
     import sys
 
-    import torch
+    from engine.gpu.budget import auto_cap, auto_margin, device_memory
 
-    from engine.gpu.budget import auto_gpu_memory, auto_margin
-
-    cap = auto_gpu_memory(device)
-    total = torch.cuda.mem_get_info(torch.device(device))[1]
+    free, reserved, total = device_memory(device)
+    cap = auto_cap(free, reserved, total)
     print(f"--gpu-memory auto: {cap / 2**30:.2f} GiB (free on {device} less {auto_margin(total) / 2**30:.2f} GiB)",
           file=sys.stderr)
     return cap

@@ -44,9 +44,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _fetch() -> str:
     """The fetch path the engine would take here (FREETOKEN_FETCH / _CPU_BRANCH): its ratio is the one shown."""
-    from engine.gpu.device_step import resolve_cpu_branch, resolve_fetch
+    from engine.gpu.device_step import resolve_fetch
 
-    return resolve_fetch(None, resolve_cpu_branch(None))
+    return resolve_fetch(None)
 
 
 def _ratios(cal) -> dict[str, Any]:  # type: ignore[no-untyped-def]

@@ -11,9 +11,9 @@ attention and MoE intermediates, the Gated DeltaNet temporaries of hybrid models
 chunk's last tokens), the attention temporaries of the longest context the KV pool holds, and a
 fixed margin for the allocator and CUDA graphs; the benchmarks report the measured peak next to
 the cap.
-`auto_gpu_memory(device)` is the cap when none is given: what this process could use on the device
-(free memory plus what its allocator already holds), less `auto_margin(total)` for other processes,
-the CUDA context and fragmentation; 0 off CUDA.
+`auto_gpu_memory(device)` is the cap when none is given: `auto_cap` of `device_memory(device)`, what
+this process could use on the device (free memory plus what its allocator already holds), less
+`auto_margin(total)` for other processes, the CUDA context and fragmentation; 0 off CUDA.
 """
 
 from __future__ import annotations
@@ -37,15 +37,22 @@ def auto_margin(total: int) -> int:
     return max(2**30, total // 20)
 
 
-def auto_gpu_memory(device: torch.device | str) -> int:
-    """The automatic `--gpu-memory`: free bytes on `device` plus the bytes this process's allocator
-    already reserves there (its dense weights, when loaded first), less `auto_margin`; 0 for a
-    non-CUDA device or when nothing would be left."""
+def device_memory(device: torch.device | str) -> tuple[int, int, int]:
+    """(free, reserved by this process's allocator, total) bytes of a CUDA device."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return 0
     free, total = torch.cuda.mem_get_info(device)
-    return max(0, free + torch.cuda.memory_reserved(device) - auto_margin(total))
+    return free, torch.cuda.memory_reserved(device), total
+
+
+def auto_cap(free: int, reserved: int, total: int) -> int:
+    """What this process could use (free plus what its allocator already holds: its dense weights,
+    when loaded first) less `auto_margin`; 0 when nothing would be left."""
+    return max(0, free + reserved - auto_margin(total))
+
+
+def auto_gpu_memory(device: torch.device | str) -> int:
+    """The automatic `--gpu-memory`: `auto_cap` of the device now; 0 for a non-CUDA device."""
+    return auto_cap(*device_memory(device)) if torch.device(device).type == "cuda" else 0
 
 
 @dataclass(frozen=True)

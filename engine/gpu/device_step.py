@@ -84,12 +84,14 @@ def resolve_cpu_branch(name: str | None) -> str:
     return branch
 
 
-def resolve_fetch(name: str | None, cpu_branch: str = "doorbell") -> str:
+def resolve_fetch(name: str | None, cpu_branch: str | None = None) -> str:
     """`name`, else FREETOKEN_FETCH, else "dma" with the doorbell CPU branch (its poller issues the
-    copies) and "kernel" with host nodes; ConfigError for an unknown one. The host-issued fetch is
+    copies) and "kernel" with host nodes (`cpu_branch`, else `resolve_cpu_branch(None)`); ConfigError
+    for an unknown one. The host-issued fetch is
     the default since the eighth GPU session (docs/gpu-tier.md): 6 % faster than the fetch kernel
     in every same-call A/B."""
-    fetch = name or os.environ.get("FREETOKEN_FETCH") or ("dma" if cpu_branch == "doorbell" else "kernel")
+    branch = cpu_branch or resolve_cpu_branch(None)
+    fetch = name or os.environ.get("FREETOKEN_FETCH") or ("dma" if branch == "doorbell" else "kernel")
     if fetch not in FETCHES:
         raise ConfigError(f"unknown expert fetch {fetch!r} (known: {', '.join(FETCHES)})")
     return fetch

@@ -18,8 +18,8 @@ the device's free memory (`opts.follow_free_memory`, the CLI's `--gpu-memory aut
 what `auto_gpu_memory` would give now (free plus what this process holds, less the margin), within
 one expert slot and every expert, or None when that is less than `MIN_CHANGE` (or an eighth of all
 experts' bytes, for a model whose experts are smaller) away from the cap in force (each rebuild
-empties the cache: small swings are not worth one). `cuda_probe(device)` reads
-(free, reserved, total) bytes.
+empties the cache: small swings are not worth one). `release_device_memory()` collects what
+nothing references any more and hands torch's cached blocks back to the device.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.gpu.budget import GpuBudget, auto_margin, dense_bytes, split_gpu_memory
+from engine.gpu.budget import GpuBudget, auto_cap, dense_bytes, split_gpu_memory
 from engine.gpu.executor import CachedExpertExecutor, create_cached_executor
 from engine.model.decoder import Decoder
 from engine.options import EngineOptions
@@ -42,17 +42,11 @@ log = logging.getLogger("freetoken.engine")
 MIN_CHANGE = 2**30  # bytes: a smaller move of the free memory leaves the cache as it is
 
 
-def cuda_probe(device: torch.device | str) -> tuple[int, int, int]:
-    """(free, reserved by this process, total) bytes of a CUDA device."""
-    free, total = torch.cuda.mem_get_info(torch.device(device))
-    return free, torch.cuda.memory_reserved(torch.device(device)), total
-
-
 def follow_target(budget: GpuBudget, expert_bytes: int, experts: int, free: int, reserved: int,
                   total: int) -> int | None:
     fixed = budget.total - budget.experts
     lowest, highest = fixed + expert_bytes, fixed + experts * expert_bytes
-    target = min(max(free + reserved - auto_margin(total), lowest), highest)
+    target = min(max(auto_cap(free, reserved, total), lowest), highest)
     if abs(target - min(budget.total, highest)) < min(MIN_CHANGE, experts * expert_bytes // 8):
         return None
     return target
@@ -74,7 +68,7 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
     try:
         new = _build(banks, budget.experts, device, keep)
     except torch.OutOfMemoryError as e:
-        _release_partial()
+        release_device_memory()
         decoder.executor = _build(banks, old_bytes, device, keep)
         raise ConfigError(f"--gpu-memory {total / 2**30:.2f} GiB: the {budget.experts / 2**30:.2f} GiB of expert "
                           f"slots could not be allocated on {device} ({e}); the previous "
@@ -97,10 +91,10 @@ def _release(decoder: Decoder, old: CachedExpertExecutor) -> None:
         torch.cuda.synchronize(old.table.device)
     decoder.executor = old.cpu_executor  # clears the captured passes that reference the old pool
     old.close()
-    _release_partial()
+    release_device_memory()
 
 
-def _release_partial() -> None:
+def release_device_memory() -> None:
     gc.collect()  # the old steps' host tasks unregister from the poller as they are collected
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
-from engine.gpu.device_step import resolve_cpu_branch, resolve_fetch
+from engine.gpu.device_step import resolve_fetch
 from engine.gpu.executor import create_cached_executor
 from engine.model.decoder import Decoder
 from engine.model.ops import host_embedding_enabled
@@ -87,7 +87,7 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
                            threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
     threads = opts.threads or load_native().physical_cores()
-    fetch = resolve_fetch(None, resolve_cpu_branch(None))  # host-issued copies move at the bulk-copy rate, the fetch kernel at B_F
+    fetch = resolve_fetch(None)  # host-issued copies move at the bulk-copy rate, the fetch kernel at B_F
     path = Path(opts.calibration_file) if opts.calibration_file else None
     if path is not None:
         cal = load(path, machine_key(spec, threads, True))

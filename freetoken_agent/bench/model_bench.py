@@ -74,24 +74,24 @@ class Timing:
     timeline_end: dict[str, int] | None = None
 
 
+def _native_reading(name: str, default: Any) -> Any:
+    """`native.ftnative.<name>()`, or `default` where the extension is not built."""
+    try:
+        from native import ftnative
+
+        return getattr(ftnative, name)()
+    except (ImportError, AttributeError, RuntimeError):
+        return default
+
+
 def host_task_ns() -> int:
     """The native CPU branch's time inside host tasks so far (0 where the extension is not built)."""
-    try:
-        from native.ftnative import host_task_busy_ns
-
-        return host_task_busy_ns()
-    except (ImportError, AttributeError, RuntimeError):
-        return 0
+    return int(_native_reading("host_task_busy_ns", 0))
 
 
 def poll_timeline() -> dict[str, int] | None:
     """The doorbell poller's sums so far (native `poll_timeline`); None where the extension is not built."""
-    try:
-        from native.ftnative import poll_timeline as read
-
-        return read()
-    except (ImportError, AttributeError, RuntimeError):
-        return None
+    return _native_reading("poll_timeline", None)  # type: ignore[no-any-return]
 
 
 def delta(a: Any, b: Any) -> dict[str, int] | None:
