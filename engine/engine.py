@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from engine.anchors import Anchor, DecodeAnchor, anchors_from
+from engine.cache.pools import KVPool, StatePool
+from engine.config import ModelConfig
 from engine.errors import ConfigError, EngineError, RequestError
 from engine.model.decoder import Decoder
 from engine.model.load import load_decoder, parse_dtype
@@ -275,6 +277,7 @@ class Engine:
         with self._cv, self._step_lock:
             if self._inbox or self.scheduler.has_work:
                 raise EngineError("cannot resize the KV pool or checkpoint slots while requests are queued or running")
+            _check_host_room(self.cfg, self.opts, opts, self.dtype)
             experts_first = False
             if self.gpu_budget is not None:
                 from engine.gpu.budget import dense_bytes, split_gpu_memory
@@ -293,7 +296,7 @@ class Engine:
             release_device_memory()
             try:
                 self.scheduler = Scheduler(self.decoder, opts, self.dtype)
-            except torch.OutOfMemoryError as e:
+            except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, an allocator's RuntimeError on the CPU
                 release_device_memory()
                 self.scheduler = Scheduler(self.decoder, old_opts, self.dtype)
                 if experts_first:  # the split of the pools that stay
@@ -335,6 +338,30 @@ class Engine:
                 self.follow_free_memory()
             except Exception:  # a failed look must not end the watching
                 log.exception("looking at the GPU's free memory failed")
+
+
+def _pool_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes on the engine's device, bytes in host memory) of the KV pool and the state slots."""
+    state = StatePool.bytes_per_slot(cfg, dtype) if cfg.is_hybrid else 0
+    device = KVPool.bytes_per_slot(cfg, dtype) * opts.kv_tokens + state * opts.device_state_slots
+    return device, state * opts.host_checkpoint_slots
+
+
+def _check_host_room(cfg: ModelConfig, old: EngineOptions, new: EngineOptions, dtype: torch.dtype) -> None:
+    """ConfigError when the new pools need more host memory than is free now plus what the old ones
+    free (a CPU engine's pools are all in host memory): a count far too large is refused before
+    anything is dropped, not left to the allocator (or the kernel's OOM killer)."""
+    import os
+
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such figure here: the allocator decides
+        return
+    on_host = torch.device(new.device).type == "cpu"
+    (dev_old, host_old), (dev_new, host_new) = _pool_bytes(cfg, old, dtype), _pool_bytes(cfg, new, dtype)
+    need = host_new - host_old + (dev_new - dev_old if on_host else 0)
+    if need > free:
+        raise ConfigError(f"the new pools need {need / 2**30:.2f} GiB more host memory, {free / 2**30:.2f} GiB are free")
 
 
 class _Idle:

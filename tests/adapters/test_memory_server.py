@@ -34,7 +34,8 @@ def test_post_resizes_the_pools_and_the_answers_stay(q3: ServerProcess) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["pools"]["kv_tokens"] == 4096
         assert reply() == first
-        for bad in ({"kv_tokens": 0}, {"kv_tokens": "many"}, {"checkpoint_slots": -1}, {"kv_tokens": 1.5}):
+        for bad in ({"kv_tokens": 0}, {"kv_tokens": "many"}, {"checkpoint_slots": -1}, {"kv_tokens": 1.5},
+                    {"kv_tokens": 10**13}):  # the last: more than the host holds
             err = assert_openai_error(httpx.post(q3.url("/v1/memory"), json=bad, timeout=30), 400)
             assert err["param"] == next(iter(bad)), err
         assert httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]["kv_tokens"] == 4096

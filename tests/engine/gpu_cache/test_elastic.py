@@ -120,7 +120,9 @@ def test_pools_resize_while_idle_and_the_outputs_stay(tiny_checkpoint, make_engi
 
     with pytest.raises(ConfigError, match="kv_tokens must be >= 1"):
         engine.set_pools(kv_tokens=0)
-    assert engine.opts.kv_tokens == 512
+    with pytest.raises(ConfigError, match="more host memory"):  # refused before anything is dropped
+        engine.set_pools(kv_tokens=10**13)
+    assert engine.opts.kv_tokens == 512 and _run(engine)[0] == ref_tokens
     slow = SamplingParams(max_tokens=400, ignore_eos=True)
     handle = engine.submit(PROMPT, slow)
     with pytest.raises(EngineError, match="while requests are queued or running"):
