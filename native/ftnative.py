@@ -129,11 +129,14 @@ def moe_layer(
     out: torch.Tensor | None = None,
     id_offset: int = 0,
     skip_negative: bool = False,
+    split: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """See the module docstring. x, out: [T, H] bf16/float32 with contiguous rows (any row stride);
     ids: [T, k] int64 contiguous, bank row = id + id_offset; weights: [T, k] float32 contiguous;
     out is overwritten. With `skip_negative`, entries whose id is < 0 are left out (computed
-    elsewhere: the GPU's share of a split layer) and cost no weight reads."""
+    elsewhere: the GPU's share of a split layer) and cost no weight reads. `split` = (bank row,
+    first): that expert's intermediate rows [first, I) only (bf16 / f32 weights; `first` a multiple
+    of 16 in (0, I)), the split expert whose other rows run on the GPU."""
     if type(experts) is not ExpertWeights:
         _fail(f"experts must be a native.formats.ExpertWeights, got {type(experts).__name__}")
     _check_rows("x", x, None, _ACT)
@@ -151,7 +154,9 @@ def moe_layer(
     else:
         _check_rows("out", out, x.shape, _ACT)
     if t_count:
-        _ext.moe_layer(*_layer_args(x, out, ids, weights, experts), id_offset, skip_negative)
+        pair = None if split is None else torch.tensor(split, dtype=torch.int64)
+        _ext.moe_layer(*_layer_args(x, out, ids, weights, experts), id_offset, skip_negative,
+                       0 if pair is None else pair.data_ptr())
     return out
 
 
@@ -211,7 +216,7 @@ class HostTask:
     def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
                     slots_w13: torch.Tensor, slots_w2: torch.Tensor, stream: int, context: int,
                     word: torch.Tensor, word_device: int, host_word: bool = True,
-                    deadline_ms: int = 5000) -> None:
+                    deadline_ms: int = 5000, scratch: int = -1) -> None:
         """Before each run from the doorbell, the poller has this layer's fetches issued (native/src/
         dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row copy[i] of both
         banks into slot copy[n + i] of both slot tensors, as host-to-device copies on `stream` (a
@@ -220,14 +225,19 @@ class HostTask:
         `host_word`, copies that have not landed after `deadline_ms` fail the task and release the
         GPU's wait (the step's check raises) instead of holding the step for good.
         Banks: page-locked host tensors [rows, ...]; slots: CUDA tensors [slots, ...] of the same row
-        shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`."""
+        shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`.
+        With `scratch` >= 0 (a slot index past the table's, bf16 / f32 weights) the copy list is
+        followed by the split expert's entry, copy[2n] = bank row (-1: none) and copy[2n + 1] = r
+        (2n + 2 elements in all): its first r intermediate rows go into slot `scratch` with the
+        fetch, and this task's runs compute its rows [r, I) (native/src/dma_fetch.h)."""
         if deadline_ms <= 0:
             _fail(f"deadline_ms must be positive, got {deadline_ms}")
         if self._words is not None:
             _fail("serve_fetch must come before serve_doorbell (the poller reads the fetch unlocked)")
+        extra = 2 if scratch >= 0 else 0
         if not (copy.dtype == torch.int64 and copy.is_contiguous() and copy.is_pinned() and copy.numel() % 2 == 0
-                and copy.numel() > 0):
-            _fail("copy must be a contiguous page-locked int64 tensor of 2n > 0 elements")
+                and copy.numel() > extra):
+            _fail(f"copy must be a contiguous page-locked int64 tensor of 2n + {extra} > {extra} elements")
         if not (word.dtype == torch.int32 and word.numel() == 1 and word.is_pinned()):
             _fail("word must be one page-locked int32")
         for bank, slot, name in ((banks_w13, slots_w13, "w13"), (banks_w2, slots_w2, "w2")):
@@ -238,11 +248,18 @@ class HostTask:
                       f"{tuple(slot.shape[1:])} {slot.dtype} differ")
         if banks_w13.shape[0] != banks_w2.shape[0] or slots_w13.shape[0] != slots_w2.shape[0]:
             _fail("the two banks (and the two slot tensors) must have as many rows")
+        slot_rows = slots_w13.shape[0]
+        if scratch >= 0:
+            if banks_w13.dtype not in (torch.bfloat16, torch.float32) or not 0 <= scratch < slot_rows:
+                _fail(f"a split expert needs bf16 / f32 banks and a scratch slot in [0, {slot_rows}), got "
+                      f"{banks_w13.dtype}, {scratch}")
+            slot_rows = scratch  # the table's slots come before it: a copy-list entry may not name it
         row_bytes = [t[0].numel() * t.element_size() for t in (banks_w13, banks_w2)]
-        _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, banks_w13.data_ptr(),
+        _ext.host_task_set_fetch(self.address, copy.data_ptr(), (copy.numel() - extra) // 2, banks_w13.data_ptr(),
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
-                                 row_bytes[1], banks_w13.shape[0], slots_w13.shape[0], stream, context, word_device,
-                                 word.data_ptr(), host_word, deadline_ms)
+                                 row_bytes[1], banks_w13.shape[0], slot_rows, stream, context, word_device,
+                                 word.data_ptr(), host_word, deadline_ms, scratch, banks_w2.shape[2],
+                                 banks_w2.shape[1], banks_w13.element_size())
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
 
     def fetch(self) -> None:

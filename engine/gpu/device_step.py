@@ -145,7 +145,9 @@ class DeviceStep:
             self.copy_stream = torch.cuda.Stream(device=dev)
             # shared by the layers like the other staging buffers: the poller has read a layer's
             # list before it answers, and the next layer's hand-off waits for that answer
-            self.copy_h = torch.full((2 * self.copies,), -1, dtype=torch.int64, pin_memory=True)
+            # then the split expert's entry (flat id, rows) when the executor splits one
+            self.copy_h = torch.full((2 * self.copies + (2 if executor.split else 0),), -1, dtype=torch.int64,
+                                     pin_memory=True)
             self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported
@@ -160,6 +162,15 @@ class DeviceStep:
         else:
             self._fused = None
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
+        # the split expert (executor.split, with the host-issued fetch only): its steps and scratch slot
+        if executor.split:
+            from engine.gpu.executor import SPLIT_ROWS, split_units
+
+            assert self.fetch == "dma" and executor.slots.scratch is not None
+            self._split: tuple[int, int] | None = (split_units(executor.banks), SPLIT_ROWS)
+            self._scratch = executor.slots.scratch
+        else:
+            self._split, self._scratch = None, -2
 
     def _task(self, layer: int) -> object:
         task = self._tasks.get(layer)
@@ -176,7 +187,7 @@ class DeviceStep:
                 address = device_address(fetched)
                 task.serve_fetch(self.copy_h, ex.banks.w13, ex.banks.w2, ex.slots.w13, ex.slots.w2,
                                  self.copy_stream.cuda_stream, self._context, fetched, address,
-                                 host_word=ex.dma_word == "host")
+                                 host_word=ex.dma_word == "host", scratch=self._scratch if self._split else -1)
                 self._fetched[layer] = (fetched, address)
             if self.cpu_branch == "doorbell":
                 # a third word when the ratio adapts: the GPU's "my branch is done" (adapt.py)
@@ -193,10 +204,11 @@ class DeviceStep:
             # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
             # to captured steps too
             assert ex.ratio_device is not None  # a CUDA executor's (device steps run on CUDA only)
-            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts)
+            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts, self._split,
+                                                self._scratch)
         else:
-            plan = plan_layer(ex.table, layer, ids, ex.ratio)
-            ex._counts += torch.stack([plan.hits, plan.misses, plan.fetched])
+            plan = plan_layer(ex.table, layer, ids, ex.ratio, self._split, self._scratch)
+            ex._counts += plan.counts()
         task = self._task(layer)
         kernels = self._kernels
         # the CPU's inputs leave before the fetch starts (PCIe reads would delay them), written into
@@ -204,7 +216,8 @@ class DeviceStep:
         dma = self.fetch == "dma"
         # with dma the copy list goes to the host with the CPU's inputs
         copy_list = (plan.copy_src[:self.copies], plan.copy_dst[:self.copies], self.copy_h) if dma else ()
-        kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, *copy_list)
+        kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, *copy_list, split=plan.split,
+                         scratch=self._scratch)
         main = torch.cuda.current_stream()
         if self.cpu_branch == "doorbell":
             # everything on one stream: the ring follows the hand-off (its write fences the
@@ -226,7 +239,7 @@ class DeviceStep:
                 wait_done(main, word)
 
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
-                                       between)
+                                       between, plan.split, self._scratch)
         else:
             kernels.fetch_experts(plan.copy_src[:self.copies], plan.copy_dst[:self.copies], ex.banks.w13,
                                   ex.banks.w2, ex.slots.w13, ex.slots.w2)

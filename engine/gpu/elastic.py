@@ -62,7 +62,8 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
                               banks.expert_bytes)
     old_bytes = old.slots.slots * banks.expert_bytes
     keep = {"cpu_executor": old.cpu_executor, "ratio": old.ratio, "threads": opts.threads, "graphs": old.graphs,
-            "cpu_branch": old.cpu_branch, "plan": old.plan, "fetch": old.fetch, "adapt": old.adapt}
+            "cpu_branch": old.cpu_branch, "plan": old.plan, "fetch": old.fetch, "adapt": old.adapt,
+            "split": old.split}
     _release(decoder, old)
     del old
     try:
@@ -81,7 +82,8 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
 def _build(banks: ExpertBanks, budget_bytes: int, device: torch.device, keep: dict[str, Any]) -> CachedExpertExecutor:
     return create_cached_executor(banks, budget_bytes, device, keep["ratio"], cpu_executor=keep["cpu_executor"],
                                   threads=keep["threads"], graphs=keep["graphs"], cpu_branch=keep["cpu_branch"],
-                                  plan=keep["plan"], fetch=keep["fetch"], adapt=keep["adapt"])
+                                  plan=keep["plan"], fetch=keep["fetch"], adapt=keep["adapt"],
+                                  split=keep["split"])
 
 
 def _release(decoder: Decoder, old: CachedExpertExecutor) -> None:

@@ -33,7 +33,10 @@ Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py)
 `cpu_branch` and `fetch` pick its parts (FREETOKEN_PLAN / _CPU_BRANCH / _FETCH), `adapt`
 (FREETOKEN_ADAPT_RATIO=1) corrects the ratio online (engine/gpu/adapt.py; the plan kernel reads
 it from `ratio_device`). `check()`, which the scheduler calls after every forward, raises what the
-steps' host tasks could not (and applies the ratio correction).
+steps' host tasks could not (and applies the ratio correction). `split` (FREETOKEN_SPLIT_EXPERT=1,
+with the host-issued fetch and a scratch slot in the pool) has each decode step split one miss by
+intermediate rows between a partial fetch and the CPU (engine/gpu/policy.py `split_share`), so
+the two sides can balance to a fraction of an expert instead of a whole one.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ from engine.weights.layout import ExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
+SPLIT_ROWS = 32  # the split expert's share moves in steps of this many intermediate rows
+
+
+def split_units(banks: ExpertBanks) -> int:
+    """Steps of SPLIT_ROWS rows in one expert, or 0 where the banks cannot be split (the native CPU
+    side splits bf16 / f32 weights at multiples of 16 rows)."""
+    inter = banks.w2.shape[2]
+    ok = banks.w13.dtype in (torch.bfloat16, torch.float32) and inter % SPLIT_ROWS == 0 and inter > SPLIT_ROWS
+    return inter // SPLIT_ROWS if ok else 0
+
 
 def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
     """The native CPU executor when it can serve the banks, else the torch reference, with a warning
@@ -86,6 +99,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     fetched: int = 0
+    split: int = 0  # misses split between a partial fetch and the CPU (counted in misses, not in fetched)
 
     @property
     def hit_rate(self) -> float:
@@ -145,7 +159,7 @@ class CachedExpertExecutor:
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
                  cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None,
-                 adapt: bool | None = None) -> None:
+                 adapt: bool | None = None, split: bool | None = None) -> None:
         table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
@@ -154,7 +168,7 @@ class CachedExpertExecutor:
         self.overlap = table.device.type != "cpu" if overlap is None else overlap
         self._worker: ThreadPoolExecutor | None = None
         self._calls = 0
-        self._counts = torch.zeros(3, dtype=torch.int64, device=table.device)  # hits, misses, fetched
+        self._counts = torch.zeros(4, dtype=torch.int64, device=table.device)  # hits, misses, fetched, split
         # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
         self.graphs = graphs
         self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
@@ -171,6 +185,13 @@ class CachedExpertExecutor:
         self.adapt = env_switch("FREETOKEN_ADAPT_RATIO", False) if adapt is None else adapt
         if self.adapt and (self.cpu_branch != "doorbell" or self.plan != "fused"):
             raise ConfigError("FREETOKEN_ADAPT_RATIO=1 needs the doorbell CPU branch and the fused plan")
+        # one miss per decode step split by rows between a partial fetch and the CPU (opt-in)
+        split = env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
+        if split and (self.fetch != "dma" or self.plan != "fused" or not split_units(banks)):
+            raise ConfigError("FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch (FREETOKEN_FETCH=dma), the fused "
+                              f"plan and bf16 / f32 experts whose size is a multiple of {SPLIT_ROWS}")
+        # a pool too small for a scratch slot next to a table slot: nothing to split into
+        self.split = split and slots.scratch is not None and table.device.type == "cuda"
         self._controller = RatioController(self.ratio)
         # the plan kernel reads the ratio from here: check() may rewrite it between steps
         self.ratio_device = (torch.tensor([self.ratio], dtype=torch.float64, device=table.device)
@@ -195,12 +216,13 @@ class CachedExpertExecutor:
             # the stream first: a read to pageable memory while a step waits for a host-issued
             # fetch holds a driver lock the copier's copies need (a deadlock on the H200)
             torch.cuda.current_stream(self._counts.device).synchronize()
-        hits, misses, fetched = self._counts.tolist()
-        return CacheStats(self._calls, hits, misses, fetched)
+        hits, misses, fetched, split = self._counts.tolist()
+        return CacheStats(self._calls, hits, misses, fetched, split)
 
     def describe(self) -> str:
         steps = "off" if not self.step_tokens else ("CUDA graphs" if self.graphs else "eager")
-        fetch = ("" if self.fetch == "kernel" else f" ({self.fetch})") + (" adaptive" if self.adapt else "")
+        fetch = (("" if self.fetch == "kernel" else f" ({self.fetch})") + (" adaptive" if self.adapt else "")
+                 + (" split" if self.split else ""))
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}{fetch}; "
                 f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
 
@@ -221,7 +243,7 @@ class CachedExpertExecutor:
         dev = self.table.device
         plan = plan_layer(self.table, moe_index, ids.to(dev), self.ratio)
         self._calls += 1
-        self._counts += torch.stack([plan.hits, plan.misses, plan.fetched])  # on the device: no sync
+        self._counts += plan.counts()  # on the device: no sync
         # one device->host read of the small per-layer decisions (the sync a device-side copy
         # kernel and CPU-branch host node would remove)
         n = ids.numel()
@@ -349,10 +371,13 @@ def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
                            graphs: bool = True, cpu_branch: str | None = None,
                            plan: str | None = None, fetch: str | None = None,
-                           adapt: bool | None = None) -> CachedExpertExecutor:
-    """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache."""
-    slots = ExpertSlots.from_budget(banks, budget_bytes, device)
+                           adapt: bool | None = None, split: bool | None = None) -> CachedExpertExecutor:
+    """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache
+    (and a scratch slot in it when the expert split is asked for)."""
+    split = env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
+    slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=split)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
-                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch, adapt=adapt)
+                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch, adapt=adapt,
+                                split=split)

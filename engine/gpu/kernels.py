@@ -74,16 +74,18 @@ def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: tor
 
 
 @triton.jit
-def _phase_slot(slot_ptr, dst_ptr, e, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
+def _phase_slot(slot_ptr, dst_ptr, e, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr,
+                SCRATCH: tl.constexpr = -2):
     """Entry e's slot for this phase, and whether the phase writes the entry: PHASE 0 every entry;
     1 the entries whose slot is not being fetched (a fetched one reads as -1: zeros for now);
-    2 only the fetched ones (dst_ptr[:COPIES]: the copy list's destinations, -1 padded)."""
+    2 only the fetched ones (dst_ptr[:COPIES]: the copy list's destinations, -1 padded, and the
+    split expert's scratch slot, which the same fetch fills)."""
     s = tl.load(slot_ptr + e)
     go = s == s
     if PHASE != 0:
         c = tl.arange(0, COPIES_P)
         dst = tl.load(dst_ptr + c, mask=c < COPIES, other=-1)
-        fetched = (tl.sum((dst == s).to(tl.int32), axis=0) > 0) & (s >= 0)
+        fetched = ((tl.sum((dst == s).to(tl.int32), axis=0) > 0) & (s >= 0)) | (s == SCRATCH)
         if PHASE == 1:
             s = tl.where(fetched, -1, s)
         else:
@@ -92,19 +94,23 @@ def _phase_slot(slot_ptr, dst_ptr, e, PHASE: tl.constexpr, COPIES: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
-                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False,
-                    PHASE: tl.constexpr = 0, COPIES: tl.constexpr = 1, COPIES_P: tl.constexpr = 1):
+def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, dst_ptr, split_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                    K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE_ONCE: tl.constexpr = False,
+                    PHASE: tl.constexpr = 0, COPIES: tl.constexpr = 1, COPIES_P: tl.constexpr = 1,
+                    SCRATCH: tl.constexpr = -2):
     # REDUCE_ONCE: accumulate a [BLOCK_I, BLOCK_H] tile and reduce it after the loop instead of
     # across lanes every step (evals/gpu/gemv_probe.py times both; expert_rows uses the faster)
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rmask = rows < INTER
-    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P, SCRATCH)
+    smask = rows < INTER  # rows stored
+    rmask = smask
+    if SCRATCH >= 0:  # the split expert's scratch slot holds its first split_ptr[1] rows only
+        rmask = rmask & (rows < tl.where(s == SCRATCH, tl.load(split_ptr + 1), INTER))
     out_ty = h_ptr.dtype.element_ty
     if go:
         if s < 0:
-            tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=out_ty), mask=rmask)
+            tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=out_ty), mask=smask)
         else:
             t = e // K
             base = w13_ptr + s.to(tl.int64) * (2 * INTER * H)
@@ -135,17 +141,21 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, h_ptr, dst_ptr, H: tl.constexpr, I
                 a = (g / (1.0 + libdevice.exp(-g))).to(out_ty).to(tl.float32)
             else:
                 a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            tl.store(h_ptr + e * INTER + rows, (a * u).to(out_ty), mask=rmask)
+            # rows past the split expert's share read as 0 (masked loads): exact zeros in h
+            tl.store(h_ptr + e * INTER + rows, (a * u).to(out_ty), mask=smask)
 
 
 @triton.jit
-def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
+def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, dst_ptr, split_ptr, H: tl.constexpr, INTER: tl.constexpr,
                  BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, PHASE: tl.constexpr = 0, COPIES: tl.constexpr = 1,
-                 COPIES_P: tl.constexpr = 1):
+                 COPIES_P: tl.constexpr = 1, SCRATCH: tl.constexpr = -2):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < H
-    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P, SCRATCH)
+    limit = INTER
+    if SCRATCH >= 0:  # the scratch slot's columns past the split share hold older rows: never read
+        limit = tl.where(s == SCRATCH, tl.load(split_ptr + 1), INTER)
     out_ty = y_ptr.dtype.element_ty
     if go:
         if s < 0:
@@ -155,7 +165,7 @@ def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, dst_ptr, H: tl.constexpr
             acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
-                cmask = cols < INTER
+                cmask = cols < limit
                 hv = tl.load(h_ptr + e * INTER + cols, mask=cmask, other=0.0).to(tl.float32)
                 w = tl.load(base + rows[:, None] * INTER + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                             other=0.0).to(tl.float32)
@@ -167,11 +177,14 @@ def _down_kernel(h_ptr, slot_ptr, w2_ptr, w_ptr, y_ptr, dst_ptr, H: tl.constexpr
 
 def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots_w13: torch.Tensor,
                 slots_w2: torch.Tensor, copy_dst: torch.Tensor | None = None,
-                between: Callable[[], None] | None = None) -> torch.Tensor:
+                between: Callable[[], None] | None = None, split: torch.Tensor | None = None,
+                scratch: int = -2) -> torch.Tensor:
     """[N * k, H]: entry e's weight * expert(x[e // k]) read from its slot, zeros for entries without one.
     With `copy_dst` (the slots a fetch is filling) and `between` (what waits for that fetch: a
     stream wait), the entries in other slots run first, then `between()`, then the fetched ones:
-    the same rows, the hits computed while the copies are in flight."""
+    the same rows, the hits computed while the copies are in flight. With `split` ([2] int64, the
+    plan's: flat id, r) and `scratch` (a slot index), entries in the scratch slot are the split
+    expert's: only its first r intermediate rows run (the CPU adds the others), after `between()`."""
     n, hidden = x.shape
     k = slot_ids.shape[1]
     inter = slots_w2.shape[2]
@@ -185,21 +198,27 @@ def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
         return y.zero_()
     h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
     w = weights.reshape(-1).to(x.dtype).contiguous()
-    split = copy_dst is not None and between is not None
-    dst = copy_dst.contiguous() if split else slot_flat  # unused in phase 0
-    copies = dst.numel() if split else 1
-    for phase in ((1, 2) if split else (0,)):
+    phased = copy_dst is not None and between is not None
+    dst = copy_dst.contiguous() if phased else slot_flat  # unused in phase 0
+    copies = dst.numel() if phased else 1
+    split_t = split if split is not None else slot_flat  # unused without a scratch slot
+    if split is None:
+        scratch = -2
+    for phase in ((1, 2) if phased else (0,)):
         if phase == 2:
+            assert between is not None
             between()
         # a [16, 128] tile reduced once after the loop: 15 us per Qwen3.6 / Qwen3 layer at batch 1 on
         # the H200 against 21 / 18 us for [16, 256] reduced every step (evals/gpu/gemv_probe.py)
-        _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, dst, hidden, inter, K=k,
-                                                            BLOCK_I=16, BLOCK_H=128, REDUCE_ONCE=True, PHASE=phase,
-                                                            COPIES=copies, COPIES_P=triton.next_power_of_2(copies),
+        _gate_up_kernel[(entries, triton.cdiv(inter, 16))](x, slot_flat, slots_w13, h, dst, split_t, hidden, inter,
+                                                            K=k, BLOCK_I=16, BLOCK_H=128, REDUCE_ONCE=True,
+                                                            PHASE=phase, COPIES=copies,
+                                                            COPIES_P=triton.next_power_of_2(copies), SCRATCH=scratch,
                                                             num_warps=4)
-        _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, dst, hidden, inter, BLOCK_O=16,
-                                                          BLOCK_K=256, PHASE=phase, COPIES=copies,
-                                                          COPIES_P=triton.next_power_of_2(copies), num_warps=4)
+        _down_kernel[(entries, triton.cdiv(hidden, 16))](h, slot_flat, slots_w2, w, y, dst, split_t, hidden, inter,
+                                                          BLOCK_O=16, BLOCK_K=256, PHASE=phase, COPIES=copies,
+                                                          COPIES_P=triton.next_power_of_2(copies), SCRATCH=scratch,
+                                                          num_warps=4)
     return y
 
 
@@ -249,9 +268,9 @@ def slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, wei
 
 
 @triton.jit
-def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, src_ptr, dst_ptr, copy_h, H: tl.constexpr,
-                    K: tl.constexpr, K_P: tl.constexpr, BLOCK_H: tl.constexpr, COPIES: tl.constexpr = 0,
-                    COPIES_P: tl.constexpr = 1):
+def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, src_ptr, dst_ptr, copy_h, split_ptr,
+                    H: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                    COPIES: tl.constexpr = 0, COPIES_P: tl.constexpr = 1, SCRATCH: tl.constexpr = -2):
     t = tl.program_id(0)
     for h0 in tl.static_range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
@@ -261,7 +280,8 @@ def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, src_ptr, d
     m = j < K
     ids = tl.load(ids_ptr + t * K + j, mask=m)
     slot = tl.load(slot_ptr + t * K + j, mask=m)
-    tl.store(ids_h + t * K + j, tl.where(slot < 0, ids, -1), mask=m)
+    # the split expert runs on both sides: the CPU takes the rows after the GPU's share
+    tl.store(ids_h + t * K + j, tl.where((slot < 0) | (slot == SCRATCH), ids, -1), mask=m)
     tl.store(w_h + t * K + j, tl.load(w_ptr + t * K + j, mask=m).to(tl.float32), mask=m)
     if COPIES > 0:  # noqa: SIM102 - a constexpr test: without a copy list the block is not compiled
         if t == 0:
@@ -269,24 +289,34 @@ def _handoff_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, x_h, ids_h, w_h, src_ptr, d
             cm = c < COPIES
             tl.store(copy_h + c, tl.load(src_ptr + c, mask=cm), mask=cm)
             tl.store(copy_h + COPIES + c, tl.load(dst_ptr + c, mask=cm), mask=cm)
+            if SCRATCH >= 0:  # the split entry follows the list: [flat id or -1, r]
+                p = tl.arange(0, 2)
+                tl.store(copy_h + 2 * COPIES + p, tl.load(split_ptr + p))
 
 
 def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, x_h: torch.Tensor,
              ids_h: torch.Tensor, w_h: torch.Tensor, copy_src: torch.Tensor | None = None,
-             copy_dst: torch.Tensor | None = None, copy_h: torch.Tensor | None = None) -> None:
+             copy_dst: torch.Tensor | None = None, copy_h: torch.Tensor | None = None,
+             split: torch.Tensor | None = None, scratch: int = -2) -> None:
     """The CPU branch's inputs written straight into its page-locked host buffers (through their
-    device mapping) in one launch: x_h = x, ids_h = ids where the entry has no slot else -1,
-    w_h = weights as float32, and with a copy list, copy_h[:n] = copy_src, copy_h[n:2n] = copy_dst
-    (n = copy_src.numel(): the host-issued fetch reads it). The stream's next memory operation (the
-    doorbell's write, which fences) orders these writes before it."""
+    device mapping) in one launch: x_h = x, ids_h = ids where the entry has no slot (or sits in the
+    `scratch` slot: the split expert, both sides run part of it) else -1, w_h = weights as float32,
+    and with a copy list, copy_h[:n] = copy_src, copy_h[n:2n] = copy_dst (n = copy_src.numel(): the
+    host-issued fetch reads it), then with `split` copy_h[2n:2n + 2] = split. The stream's next
+    memory operation (the doorbell's write, which fences) orders these writes before it."""
     n, k = ids.shape
     copies = 0 if copy_src is None else copy_src.numel()
+    extra = 2 if split is not None else 0
     if copies:
         assert copy_dst is not None and copy_h is not None and copy_dst.numel() == copies
-        assert copy_h.numel() == 2 * copies and copy_h.dtype == torch.int64
+        assert copy_h.numel() == 2 * copies + extra and copy_h.dtype == torch.int64
     else:
+        assert split is None, "the split entry travels with a copy list"
         copy_src = copy_dst = copy_h = ids_h  # unused placeholders (COPIES = 0)
+    if split is None:
+        scratch = -2
     _handoff_kernel[(n,)](x.contiguous(), ids.contiguous(), slot_ids.contiguous(), weights.contiguous(), x_h, ids_h,
-                          w_h, copy_src.contiguous(), copy_dst.contiguous(), copy_h, H=x.shape[1], K=k,
+                          w_h, copy_src.contiguous(), copy_dst.contiguous(), copy_h,
+                          copy_h if split is None else split, H=x.shape[1], K=k,
                           K_P=triton.next_power_of_2(k), BLOCK_H=1024, COPIES=copies,
-                          COPIES_P=triton.next_power_of_2(max(copies, 1)), num_warps=4)
+                          COPIES_P=triton.next_power_of_2(max(copies, 1)), SCRATCH=scratch, num_warps=4)

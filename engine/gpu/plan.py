@@ -18,6 +18,11 @@ layer `layer`, on `state.device`) updates `state` (engine/gpu/cache_table.py) an
    and fetched), else -1 (run on the CPU); `copy_src` / `copy_dst` [E] int64: flat expert ids
    (`layer * E + expert`) and their destination slots, the q valid pairs first, padded with -1:
    one batched host->device copy for every bank (engine/gpu/slots.py).
+With `split=(units, rows)` and a `scratch` slot (past the table's; FREETOKEN_SPLIT_EXPERT), step 2
+is `split_share`: q whole experts, and the next miss in step 3's order is the split expert, its
+first rem * rows intermediate rows fetched into the scratch slot and run there, the others on the
+CPU. Its entries' slot id is `scratch`; `LayerPlan.split` = [its flat id, rem * rows] ([-1, 0]
+when nothing is split). The table does not change for it: it is not resident after the call.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.policy import fetch_count
+from engine.gpu.policy import fetch_count, split_share
 
 _NEVER = 2**40  # key of protected and reserved slots: never chosen (steps stay far below)
 
@@ -48,11 +53,20 @@ class LayerPlan:
     hits: torch.Tensor  # 0-d int64: distinct routed experts already resident
     misses: torch.Tensor  # 0-d int64: distinct routed experts not resident (m)
     fetched: torch.Tensor  # 0-d int64: q, misses copied in this call (the rest run on the CPU)
+    split: torch.Tensor | None = None  # [2] int64: the split expert's flat id (-1: none) and its GPU rows
+
+    def counts(self) -> torch.Tensor:
+        """[4] int64 on the device: hits, misses, fetched, split experts (0 or 1)."""
+        split = self.split[0] >= 0 if self.split is not None else torch.zeros_like(self.hits, dtype=torch.bool)
+        return torch.stack([self.hits, self.misses, self.fetched, split.to(torch.int64)])
 
 
-def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -> LayerPlan:
+def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float,
+               split: tuple[int, int] | None = None, scratch: int = -1) -> LayerPlan:
     if not 0 <= layer < state.layers:
         raise ValueError(f"MoE layer {layer} out of range [0, {state.layers})")
+    if split is not None and scratch < state.slots:
+        raise ValueError(f"a split needs a scratch slot past the table's {state.slots}, got {scratch}")
     E, S, dev = state.experts, state.slots, state.device
     flat = ids.reshape(-1).to(torch.int64)
     # 1. dedupe with a fixed-size histogram (bincount would size its output from the data)
@@ -70,6 +84,11 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -
     copy_src = torch.full((E,), -1, dtype=torch.int64, device=dev)
     copy_dst = torch.full((E,), -1, dtype=torch.int64, device=dev)
     hit_slot = torch.where(hit, row, S)  # trash slot where not a hit
+    split_out = None
+    if split is not None:  # [-1, 0] without a host-to-device copy (the plan may run inside a capture)
+        split_out = torch.zeros(2, dtype=torch.int64, device=dev)
+        split_out[0] = -1
+    split_e = None
     if S == 0:
         q = torch.zeros_like(m)
     else:
@@ -85,10 +104,23 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -
         slot_key = torch.where(protected, _NEVER, slot_key)
         victims = _smallest(slot_key, K)
         # 2. how many misses to fetch: at most one per slot that may be taken
-        q = torch.minimum(fetch_count(m, ratio), (slot_key < _NEVER).sum())
+        takeable = (slot_key < _NEVER).sum()
+        if split is None:
+            q = torch.minimum(fetch_count(m, ratio), takeable)
+        else:
+            q, rem = split_share(m, ratio, split[0])
+            q = torch.minimum(q, takeable)
         # 3. which misses: most tokens first, then lowest id
         miss_key = torch.where(miss, -counts, 1)
-        fetch_e = _smallest(miss_key, K)
+        fetch_e = _smallest(miss_key, min(K + (split is not None), E))
+        if split is not None:
+            assert split_out is not None
+            # the next miss after the q fetched ones (q < m whenever rem > 0)
+            nxt = fetch_e.gather(0, torch.clamp(q, max=fetch_e.numel() - 1).reshape(1))[0]
+            on = rem > 0
+            split_e = torch.where(on, nxt, -1)
+            split_out = torch.stack([torch.where(on, base + nxt, -1), rem * split[1]])
+            fetch_e = fetch_e[:K]
         take = torch.arange(K, device=dev) < q
         new_flat = base + fetch_e
         copy_src[:K] = torch.where(take, new_flat, -1)
@@ -107,4 +139,6 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float) -
     # 6. rewrite routed ids: resident after the update -> slot, else CPU (-1)
     slot_of = state.table_flat[base:base + E].to(torch.int64)
     slot_ids = slot_of[flat].view(ids.shape)
-    return LayerPlan(slot_ids, copy_src, copy_dst, n_hit, m, q)
+    if split_e is not None:
+        slot_ids = torch.where(flat.view(ids.shape) == split_e, scratch, slot_ids)
+    return LayerPlan(slot_ids, copy_src, copy_dst, n_hit, m, q, split_out)

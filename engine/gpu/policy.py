@@ -17,6 +17,14 @@ Contract:
   the CPU takes most misses (paper 3.2). ratio == 0 is the one exception: fetching is off, q = 0
   (a pure CPU tier, e.g. a slot pool of size 0 or a machine where the copy path is unusable).
   The caller further caps q by the free victim slots (engine/gpu/plan.py).
+- `split_share(misses, ratio, units)` -> (q, rem): the same balance with one expert split between
+  the two sides (FREETOKEN_SPLIT_EXPERT): whole experts move in steps of one expert's time, so a
+  layer with m = 4 misses and ratio 0.47 fetches 2 (the fetch side then ends last by a third of an
+  expert) where the balance is 1.88. Here the GPU's share m * ratio is rounded (half to even) to
+  1/units of an expert instead: q = floor of it whole experts are fetched, and the next miss is
+  split, its first rem/units of intermediate rows fetched and run on the GPU, the others run on
+  the CPU (rem = 0: no split). No "at least one" rule (the fraction warms nothing but costs no
+  fetch either); q = m leaves nothing to split.
 """
 
 from __future__ import annotations
@@ -49,3 +57,15 @@ def fetch_count(misses: torch.Tensor, ratio: float) -> torch.Tensor:
     q = torch.round(m.to(torch.float64) * ratio).to(torch.int64)
     # clamp(q, 1, m) is 0 for m == 0 because the upper bound wins
     return torch.minimum(torch.clamp(q, min=1), m)
+
+
+def split_share(misses: torch.Tensor, ratio: float, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = check_ratio(ratio)
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    m = misses.to(torch.int64)
+    # (m * ratio) * units in float64, in that order: the plan kernel computes the same product
+    n = torch.round(m.to(torch.float64) * ratio * units).to(torch.int64)
+    q = torch.minimum(n // units, m)
+    rem = torch.where(q < m, n % units, torch.zeros_like(n))
+    return q, rem

@@ -1,8 +1,11 @@
 """The expert slot pool: resident copies of (layer, expert) weights on the compute device.
 
-Contract: `ExpertSlots(w13_shape, w2_shape, dtype, slots, device)` allocates w13 [S, 2I, H] and
-w2 [S, H, I]; `ExpertSlots.from_budget(banks, budget_bytes, device)` sizes S from a byte budget
-(one slot holds one expert's w13 and w2 in the banks' dtype; never more slots than experts).
+Contract: `ExpertSlots(w13_shape, w2_shape, dtype, slots, device, scratch=False)` allocates w13
+[S, 2I, H] and w2 [S, H, I], with `scratch` one more row at index S (`.scratch`, else None): the
+split expert's partial rows (engine/gpu/plan.py), outside the cache table, which knows S slots;
+`ExpertSlots.from_budget(banks, budget_bytes, device, scratch)` sizes S from a byte budget (one
+slot holds one expert's w13 and w2 in the banks' dtype, the scratch row counts against the budget
+like a slot; never more slots than experts; no scratch row when the budget holds fewer than two).
 `apply_copies(copy_src, copy_dst, banks)` copies bank rows `copy_src` (flat expert ids) into slots
 `copy_dst`, skipping -1 padding (engine/gpu/plan.py's copy list).
 
@@ -25,22 +28,32 @@ from engine.weights.layout import ExpertBanks
 
 class ExpertSlots:
     def __init__(self, w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: torch.dtype, slots: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", scratch: bool = False) -> None:
         if slots < 0:
             raise ValueError(f"slot count must be >= 0, got {slots}")
         self.slots = slots
+        self.scratch: int | None = slots if scratch else None
         self.device = torch.device(device)
-        self.w13 = torch.empty((slots, *w13_shape), dtype=dtype, device=self.device)
-        self.w2 = torch.empty((slots, *w2_shape), dtype=dtype, device=self.device)
+        rows = slots + (1 if scratch else 0)
+        self.w13 = torch.empty((rows, *w13_shape), dtype=dtype, device=self.device)
+        self.w2 = torch.empty((rows, *w2_shape), dtype=dtype, device=self.device)
+        if scratch:  # never uninitialised memory (a NaN pattern) in rows a masked kernel might touch
+            self.w13[slots].zero_()
+            self.w2[slots].zero_()
 
     @staticmethod
     def slots_for_budget(banks: ExpertBanks, budget_bytes: int) -> int:
         return max(0, min(budget_bytes // banks.expert_bytes, banks.w13.shape[0]))
 
     @classmethod
-    def from_budget(cls, banks: ExpertBanks, budget_bytes: int, device: torch.device | str = "cpu") -> ExpertSlots:
+    def from_budget(cls, banks: ExpertBanks, budget_bytes: int, device: torch.device | str = "cpu",
+                    scratch: bool = False) -> ExpertSlots:
         n = cls.slots_for_budget(banks, budget_bytes)
-        return cls(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, n, device)  # type: ignore[arg-type]
+        if scratch and budget_bytes // banks.expert_bytes <= n:  # no room spare: the scratch takes a slot's
+            scratch = n >= 2
+            n -= scratch
+        return cls(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, n, device,  # type: ignore[arg-type]
+                   scratch)
 
     @property
     def nbytes(self) -> int:

@@ -32,7 +32,7 @@ def main() -> None:
         ref = None
         for label, once, bi, bh, warps in runs:
             grid = (k, triton.cdiv(inter, bi))
-            call = functools.partial(kernels._gate_up_kernel[grid], x, slot_ids, w13, h, slot_ids, hidden, inter, K=k,
+            call = functools.partial(kernels._gate_up_kernel[grid], x, slot_ids, w13, h, slot_ids, slot_ids, hidden, inter, K=k,
                                      BLOCK_I=bi, BLOCK_H=bh, REDUCE_ONCE=once, num_warps=warps)
             call()
             out = h.float().clone()

@@ -2,7 +2,8 @@
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
 # of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the opt-in shared-expert
-# kernel, the bulk-copy fetch ratio, the fetch kernel against host-issued fetches, the online ratio and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# kernel, the bulk-copy fetch ratio, the fetch kernel against host-issued fetches, the online ratio, the split
+# expert and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -101,6 +102,13 @@ FREETOKEN_FUSED_SHARED=1 bench dec_q36_20L_12G_fshared 120 decode --shape qwen3.
 # sampled decode (temperature 1: the draw stays on the device) against the greedy row above
 bench dec_q36_20L_12G_t1 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3 \
     --temperature 1
+# one miss per layer split by rows between a partial fetch and the CPU (FREETOKEN_SPLIT_EXPERT=1)
+FREETOKEN_SPLIT_EXPERT=1 bench dec_q3_24L_16G_split 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB \
+    --tokens 128 --reps 3
+FREETOKEN_SPLIT_EXPERT=1 bench dec_q36_20L_16G_split 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB \
+    --tokens 128 --reps 3
+FREETOKEN_SPLIT_EXPERT=1 bench dec_q3_24L_12G_split 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+    --tokens 128 --reps 3
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
 FREETOKEN_FETCH=kernel bench dec_q36_20L_16G_kernel 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB \

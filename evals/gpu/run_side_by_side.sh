@@ -47,8 +47,9 @@ else
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-# FETCHES="kernel dma" runs ours once per fetch path (FREETOKEN_FETCH) against the same llama.cpp
-# run, each into $OUT/ours_<fetch>/ with its own summary; unset: one run as the environment says
+# FETCHES="kernel dma split" runs ours once per fetch path (FREETOKEN_FETCH; "split": the host-issued
+# fetch with FREETOKEN_SPLIT_EXPERT=1) against the same llama.cpp run, each into $OUT/ours_<fetch>/
+# with its own summary; unset: one run as the environment says
 run_ours() {  # $1: the directory ours writes to
 local out=$1 seen=" " p cap
 for p in $PAIRS; do
@@ -70,7 +71,11 @@ else
     for fetch in $FETCHES; do
         mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
         echo "== ours with FREETOKEN_FETCH=$fetch"
-        FREETOKEN_FETCH=$fetch run_ours "$OUT/ours_$fetch"
+        if [ "$fetch" = split ]; then
+            FREETOKEN_FETCH=dma FREETOKEN_SPLIT_EXPERT=1 run_ours "$OUT/ours_$fetch"
+        else
+            FREETOKEN_FETCH=$fetch FREETOKEN_SPLIT_EXPERT=0 run_ours "$OUT/ours_$fetch"
+        fi
     done
 fi
 rm -f "$GGUF"

@@ -16,7 +16,8 @@ def main(out: Path) -> None:
             continue
         if r.get("bench") == "decode":
             print(f"{path.stem}: {r['tok_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms), hit {r['hit_rate']}, "
-                  f"fetched/tok {r['fetched_per_token']:.1f}, cpu/tok {r['cpu_misses_per_token']:.1f} "
+                  f"fetched/tok {r['fetched_per_token']:.1f}, split/tok {r.get('split_per_token', 0):.1f}, "
+                  f"cpu/tok {r['cpu_misses_per_token']:.1f} "
                   f"(CPU branch {r.get('cpu_branch_ms_per_token', 0):.2f} ms), "
                   f"dense {r['dense_ms']:.1f} ms, bound {r['bound_ms']} ms, measured/bound {r['measured_over_bound']}, "
                   f"peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}")

@@ -14,7 +14,8 @@ Method:
   routing would flatter an expert cache;
 - cache counters: the executor's `stats` (CacheStats) read on the engine thread at the first
   token and at the end, so the delta covers exactly the tokens - 1 timed decode steps; per token
-  = delta / (tokens - 1); CPU misses = misses - fetched. Without an expert cache (no
+  = delta / (tokens - 1); CPU misses = misses - fetched (a split expert, split_per_token, runs
+  partly on each side and counts here: FREETOKEN_SPLIT_EXPERT). Without an expert cache (no
   --gpu-memory) there is no hit rate (null) and every routed expert is a miss (top_k x MoE
   layers per token): fetched on CUDA (the torch executor copies each one), on the CPU otherwise;
 - dense_ms: the same generation with the routed experts replaced by `ZeroExperts` (returns
@@ -36,16 +37,18 @@ Method:
   layer's doorbell: the GPU alone, i.e. the wait for the answer, the combine, the fetched experts'
   GEMVs if the copies came last, the next layer's attention, router, plan and hand-off), fetch_us
   (doorbell -> the host-issued copies landed; null with the fetch kernel) and fetch_late_share
-  (fetches that landed after the CPU's answer), layers_per_token. A token is about
-  layers_per_token x (cpu_us + gpu_gap_us) plus what runs before the first MoE layer and after the
-  last (step_rest_ms): set gpu_gap_us against dense_ms / layers to see the hand-offs' cost.
+  (fetches that landed after the CPU's answer), layers_per_token, gaps_per_token (a layer fewer: gaps
+  within a step). A token is layers_per_token x cpu_us + gaps_per_token x gpu_gap_us plus what runs
+  between the last MoE layer's answer and the next step's first doorbell (step_rest_ms: the LM head,
+  sampling, the host's turn, the first layer's dense part): set gpu_gap_us against dense_ms / layers
+  to see the hand-offs' cost.
 
 JSON keys (one object): the facts of `ModelBench.facts()` (weights, seed, routing, shape, family,
 layers, experts, top_k, hidden, expert_inter, dtype, device, gpu, cpu, cpu_threads, torch_threads,
 executor, gpu_memory, gpu_budget, peak_gpu_bytes, expert_bytes, expert_bank_bytes, dense_bytes,
 load_s, calibration) plus bench="decode", prompt_tokens, tokens, reps, temperature, tok_s, tok_s_reps,
 ms_per_token, distinct_tokens, hit_rate, hits_per_token, misses_per_token, fetched_per_token,
-cpu_misses_per_token, cpu_branch_ms_per_token, layer_timeline, step_rest_ms, dense_ms, dense_ms_reps, bound_ms,
+split_per_token, cpu_misses_per_token, cpu_branch_ms_per_token, layer_timeline, step_rest_ms, dense_ms, dense_ms_reps, bound_ms,
 bandwidth_gbps, measured_over_bound, bound_note.
 """
 
@@ -107,12 +110,13 @@ def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
         routed = bench.cfg.top_k * bench.cfg.num_moe_layers
         fetched = routed if bench.device.type == "cuda" else 0
         return {"hit_rate": None, "hits_per_token": 0.0, "misses_per_token": float(routed),
-                "fetched_per_token": float(fetched), "cpu_misses_per_token": float(routed - fetched),
+                "fetched_per_token": float(fetched), "split_per_token": 0.0, "cpu_misses_per_token": float(routed - fetched),
                 "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": None}
-    total = {k: sum(d[k] for d in deltas if d is not None) for k in ("hits", "misses", "fetched")}
+    total = {k: sum(d[k] for d in deltas if d is not None) for k in ("hits", "misses", "fetched", "split")}
     seen = total["hits"] + total["misses"]
     return {"hit_rate": total["hits"] / seen if seen else None, "hits_per_token": total["hits"] / steps,
             "misses_per_token": total["misses"] / steps, "fetched_per_token": total["fetched"] / steps,
+            "split_per_token": total["split"] / steps,
             "cpu_misses_per_token": (total["misses"] - total["fetched"]) / steps,
             "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": _timeline(timings, steps)}
 
@@ -127,7 +131,8 @@ def _timeline(timings: list[Timing], steps: int) -> dict[str, float] | None:
     d = {k: sum(b[k] - a[k] for a, b in pairs) for k in pairs[0][0]}  # type: ignore[index, union-attr]
     if not d["served"]:
         return None
-    return {"layers_per_token": d["served"] / steps, "cpu_us": d["cpu_ns"] / d["served"] / 1e3,
+    return {"layers_per_token": d["served"] / steps, "gaps_per_token": d["gaps"] / steps,
+            "cpu_us": d["cpu_ns"] / d["served"] / 1e3,
             "gpu_gap_us": d["gap_ns"] / d["gaps"] / 1e3 if d["gaps"] else None,
             "fetch_us": d["fetch_ns"] / d["fetches"] / 1e3 if d["fetches"] else None,
             "fetch_late_share": d["fetch_late"] / d["fetches"] if d["fetches"] else None}
@@ -169,7 +174,9 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     lt = per_token["layer_timeline"]
     step_rest_ms = None
     if lt is not None and lt["gpu_gap_us"] is not None:
-        step_rest_ms = ms - lt["layers_per_token"] * (lt["cpu_us"] + lt["gpu_gap_us"]) / 1e3
+        # one gap fewer than layers per step: the step boundary (LM head, sampling, the host's turn,
+        # the first layer's dense part) is what is left
+        step_rest_ms = ms - (lt["layers_per_token"] * lt["cpu_us"] + lt["gaps_per_token"] * lt["gpu_gap_us"]) / 1e3
     return {
         "bench": "decode", **bench.facts(), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
         "reps": args.reps, "temperature": args.temperature, "tok_s": median(rates), "tok_s_reps": rates,

@@ -95,10 +95,10 @@ def poll_timeline() -> dict[str, int] | None:
 
 
 def delta(a: Any, b: Any) -> dict[str, int] | None:
-    """b - a of two CacheStats as {"hits", "misses", "fetched"}; None without counters."""
+    """b - a of two CacheStats as {"hits", "misses", "fetched", "split"}; None without counters."""
     if a is None or b is None:
         return None
-    return {k: getattr(b, k) - getattr(a, k) for k in ("hits", "misses", "fetched")}
+    return {k: getattr(b, k) - getattr(a, k) for k in ("hits", "misses", "fetched", "split")}
 
 
 def median(values: list[float]) -> float:

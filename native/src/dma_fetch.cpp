@@ -17,6 +17,23 @@ using MemcpyHtoDAsync = CUresult (*)(uint64_t dst, const void* src, size_t bytes
 using WriteValue32 = CUresult (*)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
 using CtxSetCurrent = CUresult (*)(void* ctx);
 using StreamQuery = CUresult (*)(void* stream);
+// the driver's CUDA_MEMCPY2D (cuda.h), for the split expert's pitched copy of w2's first columns
+struct Memcpy2D {
+    size_t src_x = 0, src_y = 0;
+    int src_type = 0;  // CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2
+    const void* src_host = nullptr;
+    uint64_t src_device = 0;
+    void* src_array = nullptr;
+    size_t src_pitch = 0;
+    size_t dst_x = 0, dst_y = 0;
+    int dst_type = 0;
+    void* dst_host = nullptr;
+    uint64_t dst_device = 0;
+    void* dst_array = nullptr;
+    size_t dst_pitch = 0;
+    size_t width = 0, height = 0;
+};
+using Memcpy2DAsync = CUresult (*)(const Memcpy2D* copy, void* stream);
 constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY: the stream still has work
 
 struct Driver {
@@ -24,6 +41,7 @@ struct Driver {
     WriteValue32 write_value = nullptr;
     CtxSetCurrent set_current = nullptr;
     StreamQuery query = nullptr;
+    Memcpy2DAsync memcpy_2d = nullptr;
     std::string error;
 };
 
@@ -44,13 +62,43 @@ const Driver& driver() {
         d.write_value = reinterpret_cast<WriteValue32>(sym("cuStreamWriteValue32_v2", "cuStreamWriteValue32"));
         d.set_current = reinterpret_cast<CtxSetCurrent>(sym("cuCtxSetCurrent", "cuCtxSetCurrent"));
         d.query = reinterpret_cast<StreamQuery>(sym("cuStreamQuery", "cuStreamQuery"));
-        if (d.memcpy_htod == nullptr || d.write_value == nullptr || d.set_current == nullptr || d.query == nullptr)
-            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuStreamWriteValue32 / cuCtxSetCurrent / cuStreamQuery";
+        d.memcpy_2d = reinterpret_cast<Memcpy2DAsync>(sym("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync"));
+        if (d.memcpy_htod == nullptr || d.write_value == nullptr || d.set_current == nullptr || d.query == nullptr ||
+            d.memcpy_2d == nullptr)
+            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuMemcpy2DAsync / cuStreamWriteValue32 / "
+                      "cuCtxSetCurrent / cuStreamQuery";
     });
     return d;
 }
 
 thread_local void* t_current = nullptr;  // the context made current on this thread
+
+// The split expert's first r rows into the scratch slot: "" or why not.
+std::string issue_split(const Driver& d, const DmaFetch& f) {
+    const int64_t row = f.copy[2 * f.n], r = f.copy[2 * f.n + 1];
+    if (row < 0) return {};
+    if (row >= f.rows || r <= 0 || r >= f.inter)
+        return "split entry (" + std::to_string(row) + ", " + std::to_string(r) + ") outside the banks / rows";
+    const uint64_t part = static_cast<uint64_t>(r * f.hidden * f.elem);  // r rows of w13
+    const uint64_t src13 = f.bank13 + static_cast<uint64_t>(row) * f.bytes13;
+    const uint64_t dst13 = f.slot13 + static_cast<uint64_t>(f.scratch) * f.bytes13;
+    const uint64_t up = static_cast<uint64_t>(f.inter * f.hidden * f.elem);  // the up rows' offset
+    CUresult res = d.memcpy_htod(dst13, reinterpret_cast<const void*>(src13), part, f.stream);
+    if (res == 0) res = d.memcpy_htod(dst13 + up, reinterpret_cast<const void*>(src13 + up), part, f.stream);
+    if (res != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(res);
+    Memcpy2D c;
+    c.src_type = 1;
+    c.src_host = reinterpret_cast<const void*>(f.bank2 + static_cast<uint64_t>(row) * f.bytes2);
+    c.src_pitch = static_cast<size_t>(f.inter * f.elem);
+    c.dst_type = 2;
+    c.dst_device = f.slot2 + static_cast<uint64_t>(f.scratch) * f.bytes2;
+    c.dst_pitch = c.src_pitch;
+    c.width = static_cast<size_t>(r * f.elem);
+    c.height = static_cast<size_t>(f.hidden);
+    if (const CUresult r2 = d.memcpy_2d(&c, f.stream); r2 != 0)
+        return "cuMemcpy2DAsync failed with CUDA driver error " + std::to_string(r2);
+    return {};
+}
 
 }  // namespace
 
@@ -83,6 +131,8 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                                   f.bytes2, f.stream);
             if (r != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r);
         }
+        if (f.scratch >= 0)
+            if (std::string e = issue_split(d, f); !e.empty()) return e;
         if (f.host_word) {
             // the copies have landed when the stream has drained; then the host's store releases
             // the GPU's GEMVs, as the poller's answer does (no stream waits on another's memop)

@@ -31,6 +31,12 @@ struct DmaFetch {
     // host_word: copies not landed after this long fail the fetch (and release the GPU) rather
     // than hold the step for good; a layer's copies take milliseconds at most
     int64_t deadline_ms = 5000;
+    // The split expert (a partial fetch), when `scratch` >= 0: copy[2n] a bank row (-1: none this
+    // call), copy[2n + 1] r; the first r intermediate rows of that expert land in slot `scratch`
+    // (outside the table): gate rows [0, r) and up rows [I, I + r) of w13 ([2I, H]) as two copies,
+    // columns [0, r) of w2 ([H, I]) as one pitched copy. Element size `elem` bytes.
+    int64_t scratch = -1;
+    int64_t inter = 0, hidden = 0, elem = 0;
 };
 
 // Queues the copies and sets the word (host_word: waits for the copies, then dma_fetch_release);

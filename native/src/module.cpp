@@ -50,10 +50,12 @@ void layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, bool out_bf16,
            int64_t I, uintptr_t ids, uintptr_t weights, int64_t k, int fmt, uintptr_t w13, int64_t w13_es,
            int64_t w13_ld, uintptr_t s13, int64_t s13_es, int64_t s13_ld, uintptr_t w2, int64_t w2_es, int64_t w2_ld,
            uintptr_t s2, int64_t s2_es, int64_t s2_ld, int64_t bn, int64_t bk, int64_t num_rows, int64_t id_offset,
-           bool skip_negative) {
-    moe_layer(make_args(x, x_bf16, x_ld, out, out_bf16, out_ld, T, H, I, ids, weights, k, fmt, w13, w13_es, w13_ld,
-                        s13, s13_es, s13_ld, w2, w2_es, w2_ld, s2, s2_es, s2_ld, bn, bk, num_rows, id_offset,
-                        skip_negative));
+           bool skip_negative, uintptr_t split) {
+    LayerArgs a = make_args(x, x_bf16, x_ld, out, out_bf16, out_ld, T, H, I, ids, weights, k, fmt, w13, w13_es, w13_ld,
+                            s13, s13_es, s13_ld, w2, w2_es, w2_ld, s2, s2_es, s2_ld, bn, bk, num_rows, id_offset,
+                            skip_negative);
+    a.split = reinterpret_cast<const int64_t*>(split);
+    moe_layer(a);
 }
 
 // A heap HostTask (see host_task.h) for the same arguments; freed by host_task_free.
@@ -74,7 +76,8 @@ uintptr_t host_task_create(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out
 void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t bank13, uintptr_t bank2,
                          uintptr_t slot13, uintptr_t slot2, int64_t bytes13, int64_t bytes2, int64_t rows,
                          int64_t slots, uintptr_t stream, uintptr_t context, uintptr_t word_device,
-                         uintptr_t word_host, bool host_word, int64_t deadline_ms) {
+                         uintptr_t word_host, bool host_word, int64_t deadline_ms, int64_t scratch, int64_t inter,
+                         int64_t hidden, int64_t elem) {
     auto f = std::make_unique<DmaFetch>();
     f->copy = reinterpret_cast<const int64_t*>(copy);
     f->n = n;
@@ -92,7 +95,12 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
     f->word_host = reinterpret_cast<volatile uint32_t*>(word_host);
     f->host_word = host_word;
     f->deadline_ms = deadline_ms;
-    reinterpret_cast<HostTask*>(task)->fetch = std::move(f);
+    f->scratch = scratch;
+    f->inter = inter, f->hidden = hidden, f->elem = elem;
+    auto* t = reinterpret_cast<HostTask*>(task);
+    // the split expert's entry follows the copy list: the CPU computes that expert's other rows
+    if (scratch >= 0) t->args.split = f->copy + 2 * n;
+    t->fetch = std::move(f);
 }
 
 py::tuple host_task_status(uintptr_t task) {
@@ -141,7 +149,7 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("w13_es"), py::arg("w13_ld"), py::arg("s13"), py::arg("s13_es"), py::arg("s13_ld"), py::arg("w2"),
           py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
           py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, py::arg("skip_negative") = false,
-          "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+          py::arg("split") = 0, "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
     m.def("host_task_create", &host_task_create, "A prepared layer call for a CUDA host node (same arguments).");
     m.def("host_task_free", [](uintptr_t t) { delete reinterpret_cast<HostTask*>(t); });
     m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },

@@ -46,6 +46,7 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 struct Group {
     int64_t row;     // flat expert row in the banks
     int begin, end;  // entry range [begin, end) in the sorted entry list
+    int64_t first = 0;  // first intermediate row computed here (the split expert's; 0 otherwise)
 };
 
 // Per calling thread (calls from one thread never overlap), so steady-state calls allocate nothing.
@@ -149,6 +150,15 @@ void moe_layer(const LayerArgs& a) {
         return;
     }
 
+    int64_t split_row = -1, split_first = 0;
+    if (a.split != nullptr && a.split[0] >= 0) {
+        split_row = a.split[0], split_first = a.split[1];
+        if (fmt != Fmt::bf16 && fmt != Fmt::f32)
+            throw std::invalid_argument("a split expert needs bf16 or f32 weights");
+        if (split_first <= 0 || split_first >= I || split_first % (4 * kRows))
+            throw std::invalid_argument("split expert row " + std::to_string(split_first) + " outside (0, " +
+                                        std::to_string(I) + ") or not a multiple of " + std::to_string(4 * kRows));
+    }
     const Isa isa = current_isa();
     const GemvFn gemv = table().fn[int(isa)][int(fmt)];
     const bool act_bf16 = isa == Isa::avx512bf16 && fmt == Fmt::bf16;  // kernel reads bf16 activations
@@ -160,7 +170,8 @@ void moe_layer(const LayerArgs& a) {
     s.entry_w.resize(M);
     for (int64_t i = 0; i < M; ++i) {
         const int e = s.order[i];
-        if (s.groups.empty() || s.groups.back().row != ids[e]) s.groups.push_back({ids[e], int(i), int(i)});
+        if (s.groups.empty() || s.groups.back().row != ids[e])
+            s.groups.push_back({ids[e], int(i), int(i), ids[e] == split_row ? split_first : 0});
         s.groups.back().end = int(i) + 1;
         s.entry_token[i] = static_cast<int>(e / k);
         s.entry_w[i] = a.weights[e];
@@ -170,10 +181,11 @@ void moe_layer(const LayerArgs& a) {
     s.acc.resize(static_cast<size_t>(T * H));
     s.xptr.resize(M);
     s.hptr.resize(M);
-    for (int64_t i = 0; i < M; ++i) {
-        s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
-        s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I) * act;
-    }
+    for (const Group& gr : s.groups)  // the split expert's down projection reads rows [first, I) of h
+        for (int i = gr.begin; i < gr.end; ++i) {
+            s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
+            s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I + gr.first) * act;
+        }
 
     // Matrix views: gate rows [0, I) and up rows [I, 2I) of w13 are two matrices; fp8 scale rows of
     // the up half start at block row ceil(I / bn) (see moe_layer.h for the layouts).
@@ -231,6 +243,7 @@ void moe_layer(const LayerArgs& a) {
             for (int64_t c; (c = next1.fetch_add(1, std::memory_order_relaxed)) < chunks1;) {
                 const Group& gr = s.groups[c / cpg];
                 const int64_t c0 = (c % cpg) * kChunk, c1 = std::min(I, c0 + kChunk);
+                if (c0 < gr.first) continue;  // the split expert's rows before `first` run elsewhere
                 const int ntok = gr.end - gr.begin;
                 const Mat gate = mat(a.w13, gr.row, 0, 0), up = mat(a.w13, gr.row, I, nbI);
                 for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
@@ -260,13 +273,15 @@ void moe_layer(const LayerArgs& a) {
                 const int64_t h0 = c * kChunk, h1 = std::min(H, h0 + kChunk);
                 for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
                 for (const Group& gr : s.groups) {
-                    const Mat down = mat(a.w2, gr.row, 0, 0);
+                    Mat down = mat(a.w2, gr.row, 0, 0);
+                    down.w += gr.first * (fmt == Fmt::bf16 ? 2 : 4);  // columns [first, I) (bf16 / f32 only)
+                    const int64_t K = I - gr.first;
                     const int ntok = gr.end - gr.begin;
                     for (int64_t r0 = h0; r0 < h1; r0 += kRows) {
                         const int nr = static_cast<int>(std::min<int64_t>(kRows, h1 - r0));
                         for (int tb = 0; tb < ntok; tb += 64) {
                             const int nb = std::min(64, ntok - tb);
-                            gemv(down, r0, nr, s.hptr.data() + gr.begin + tb, nb, int(I), dbuf, kRows);
+                            gemv(down, r0, nr, s.hptr.data() + gr.begin + tb, nb, int(K), dbuf, kRows);
                             for (int t = 0; t < nb; ++t) {
                                 const int64_t e = gr.begin + tb + t;
                                 float* acc = &s.acc[s.entry_token[e] * H + r0];

@@ -39,6 +39,10 @@ struct LayerArgs {
     WeightArgs w13, w2;
     int64_t bn = 128, bk = 128;  // fp8 block (rows, columns)
     int64_t num_rows = 0;  // expert rows in the banks (ids must be below)
+    // The split expert (bf16 / f32 only), or null: split[0] a bank row (-1: none this call), split[1]
+    // the first of its intermediate rows computed here (a multiple of 16 in (0, I)); the rows
+    // before it run elsewhere (the GPU), and both partial outputs are added. Read once per call.
+    const int64_t* split = nullptr;
 };
 
 void moe_layer(const LayerArgs& a);

@@ -40,7 +40,7 @@ FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts",
              "bandwidth_gbps", "bound_note"}
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
-                           "cpu_misses_per_token", "cpu_branch_ms_per_token", "layer_timeline", "step_rest_ms", "dense_ms",
+                           "split_per_token", "cpu_misses_per_token", "cpu_branch_ms_per_token", "layer_timeline", "step_rest_ms", "dense_ms",
                            "dense_ms_reps", "bound_ms",
                            "measured_over_bound"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
@@ -350,7 +350,7 @@ def test_layer_timeline_is_per_served_layer_over_the_timed_tokens() -> None:
          "fetch_late": 1}
     b = {**zero, "served": 16, "cpu_ns": 24_000_000, "gaps": 12, "gap_ns": 1_800_000}  # another rep: no fetch
     got = _timeline([timing(zero, a), timing(zero, b)], steps=8)
-    assert got == {"layers_per_token": 3.0, "cpu_us": 32_000_000 / 24 / 1e3, "gpu_gap_us": 3_000_000 / 18 / 1e3,
+    assert got == {"layers_per_token": 3.0, "gaps_per_token": 18 / 8, "cpu_us": 32_000_000 / 24 / 1e3, "gpu_gap_us": 3_000_000 / 18 / 1e3,
                    "fetch_us": 500.0, "fetch_late_share": 0.25}
     assert _timeline([timing(zero, zero)], steps=4) is None  # nothing served (the CPU engine)
     assert _timeline([timing(None, a)], steps=4) is None  # no extension

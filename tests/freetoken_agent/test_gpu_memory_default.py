@@ -48,7 +48,8 @@ def test_resolution_keeps_explicit_values_and_gives_a_cpu_engine_no_cache() -> N
 
 
 def test_bad_value_is_a_one_line_cli_error(tmp_path: Path) -> None:
-    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "freetoken_agent", "generate", "--prompt", "hi", "--gpu-memory",
                            "much"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert proc.returncode != 0 and "--gpu-memory" in proc.stderr and "not a size: 'much'" in proc.stderr

@@ -1,4 +1,4 @@
-/* A stand-in for libcuda.so.1 with the three driver calls native/src/dma_fetch.cpp makes, for
+/* A stand-in for libcuda.so.1 with the driver calls native/src/dma_fetch.cpp makes, for
    tests on machines without a GPU (tests/native/test_dma_fetch.py): "device" addresses are host
    addresses, an asynchronous copy is a memcpy, a stream write a store, a stream query answers
    "not ready" as often as the test asks, then done. It records the calls so
@@ -25,6 +25,34 @@ int cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t bytes, void* stre
     g_copies++;
     g_stream = stream;
     memcpy((void*)(uintptr_t)dst, src, bytes);
+    return 0;
+}
+
+/* CUDA_MEMCPY2D's fields as the driver lays them out (host source, device destination here) */
+struct memcpy2d {
+    size_t src_x, src_y;
+    int src_type;
+    const void* src_host;
+    uint64_t src_device;
+    void* src_array;
+    size_t src_pitch;
+    size_t dst_x, dst_y;
+    int dst_type;
+    void* dst_host;
+    uint64_t dst_device;
+    void* dst_array;
+    size_t dst_pitch;
+    size_t width, height;
+};
+
+int cuMemcpy2DAsync_v2(const struct memcpy2d* c, void* stream) {
+    if (g_copies == g_fail_copy_at) return 700;
+    if (c->src_type != 1 || c->dst_type != 2) return 1; /* CUDA_ERROR_INVALID_VALUE */
+    g_copies++;
+    g_stream = stream;
+    for (size_t y = 0; y < c->height; ++y)
+        memcpy((char*)(uintptr_t)c->dst_device + y * c->dst_pitch, (const char*)c->src_host + y * c->src_pitch,
+               c->width);
     return 0;
 }
 

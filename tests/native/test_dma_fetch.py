@@ -49,7 +49,7 @@ def _child() -> None:
         ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), copy.numel() // 2, w13.data_ptr(), w2.data_ptr(),
                                     s13.data_ptr(), s2.data_ptr(), w13[0].numel() * 4, w2[0].numel() * 4, rows,
                                     slots, 0xABC0, 0xC0DE, word.data_ptr(), word.data_ptr(), host_word,
-                                    deadline_ms)
+                                    deadline_ms, -1, 0, 0, 0)
         return task
 
     # direct, the word by a stream write: rows 5 -> slot 2, 0 -> slot 0, padding
@@ -166,6 +166,57 @@ def _child() -> None:
         raise AssertionError("a refused copy did not fail the task")
     except RuntimeError as e:
         assert "error 700" in str(e), str(e)
+
+    # the split expert: with the copy list its first r intermediate rows land in the scratch slot
+    # (gate rows [0, r), up rows [I, I + r), w2's columns [0, r) by a pitched copy), the rest of the
+    # scratch untouched; the task's CPU run computes that expert's rows [r, I), and the two parts add
+    # up to the whole expert
+    fake.fake_fail_copy_at(-1)
+    split_inter = 32
+    sw13 = torch.randn(rows, 2 * split_inter, hidden, generator=g)
+    sw2 = torch.randn(rows, hidden, split_inter, generator=g)
+    sbank = ExpertWeights("f32", sw13, sw2)
+    t13 = torch.full((slots + 1, 2 * split_inter, hidden), -1.0)
+    t2 = torch.full((slots + 1, hidden, split_inter), -1.0)
+    sx, sids, sw = torch.randn(1, hidden, generator=g), torch.tensor([[2, 4]]), torch.rand(1, 2)
+    sout = torch.zeros(1, hidden)
+    r = 16
+    copy7 = torch.tensor([1, -1, 0, -1, 4, r], dtype=torch.int64)  # row 1 -> slot 0; split: row 4, r rows
+    word7 = torch.zeros(1, dtype=torch.int32)
+    task7 = ft.HostTask(sx, sids, sw, sbank, sout)
+    ft._ext.host_task_set_fetch(task7.address, copy7.data_ptr(), 2, sw13.data_ptr(), sw2.data_ptr(), t13.data_ptr(),
+                                t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows, slots, 0xABC0, 0xC0DE,
+                                word7.data_ptr(), word7.data_ptr(), True, 5000, slots, split_inter, hidden, 4)
+    task7.fetch()
+    task7.check()
+    sc = slots  # the scratch slot
+    assert torch.equal(t13[0], sw13[1]) and torch.equal(t2[0], sw2[1])
+    assert torch.equal(t13[sc, :r], sw13[4, :r]) and torch.equal(t13[sc, split_inter:split_inter + r],
+                                                                 sw13[4, split_inter:split_inter + r])
+    assert bool((t13[sc, r:split_inter] == -1).all()) and bool((t13[sc, split_inter + r:] == -1).all())
+    assert torch.equal(t2[sc, :, :r], sw2[4, :, :r]) and bool((t2[sc, :, r:] == -1).all())
+    task7.run()
+    task7.check()
+    gpu_part = torch.zeros(1, hidden)  # what the GPU adds: expert 4's rows [0, r), weighted
+    gate, up = sx @ sw13[4, :r].T, sx @ sw13[4, split_inter:split_inter + r].T
+    gpu_part += sw[0, 1] * ((torch.nn.functional.silu(gate) * up) @ sw2[4, :, :r].T)
+    whole = ft.moe_layer(sx, sids, sw, sbank)
+    assert torch.allclose(sout + gpu_part, whole, atol=1e-4, rtol=1e-4), (sout + gpu_part - whole).abs().max()
+    assert not torch.allclose(sout, whole, atol=1e-3)  # the CPU computed only its share
+    # a copy list that names the scratch slot as a table slot is refused
+    copy8 = torch.tensor([1, slots, -1, 0], dtype=torch.int64)
+    word8 = torch.zeros(1, dtype=torch.int32)
+    task8 = ft.HostTask(sx, sids, sw, sbank, sout)
+    ft._ext.host_task_set_fetch(task8.address, copy8.data_ptr(), 1, sw13.data_ptr(), sw2.data_ptr(), t13.data_ptr(),
+                                t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows, slots, 0xABC0, 0xC0DE,
+                                word8.data_ptr(), word8.data_ptr(), True, 5000, slots, split_inter, hidden, 4)
+    task8.fetch()
+    assert int(word8[0]) == 1
+    try:
+        task8.check()
+        raise AssertionError("a copy into the scratch slot did not fail the task")
+    except RuntimeError as e:
+        assert "outside the banks / slots" in str(e), str(e)
     print("ok")
 
 

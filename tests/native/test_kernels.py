@@ -106,3 +106,29 @@ def test_fp8_decode_covers_every_code(ft):
         want = torch.nn.functional.silu(v) * v
         assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, rtol=1e-6, atol=1e-12), isa
     ft.set_isa("auto")
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+@pytest.mark.parametrize("fmt", ["bf16", "f32"])
+def test_split_expert_computes_its_rows_after_first(ft, isa, fmt):
+    """`split=(row, first)`: that expert contributes only its intermediate rows [first, I) (the GPU
+    runs the rows before); the other experts, shared by the same tokens, are whole."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, inter, R, k = 3, 80, 64, 6, 3
+    x, ids, weights, w13, w2 = _problem(gen, T, H, inter, R, k, torch.float32)
+    ids[:, 0] = 4  # every token routes to the split expert
+    ew = quantize(w13, w2, fmt, (16, 32))
+    d13, d2 = dequantize(ew)
+    for first in (16, 48):
+        got = ft.moe_layer(x, ids, weights, ew, split=(4, first))
+        cpu_rows = d13.clone(), d2.clone()
+        cpu_rows[0][4, :first] = 0  # gate rows before `first`: their h is 0, down ignores them
+        cpu_rows[1][4, :, :first] = 0
+        check_close(got, reference(x, ids, weights, *cpu_rows), tolerance(isa, fmt, torch.float32, torch.float32))
+        whole = reference(x, ids, weights, d13, d2)
+        assert (got.double() - whole).abs().max() > 1e-3  # the GPU's rows are missing
+    for bad in (0, 8, inter):  # not inside (0, I), or not a multiple of 16
+        with pytest.raises(Exception, match="split expert row"):
+            ft.moe_layer(x, ids, weights, ew, split=(4, bad))
+    with pytest.raises(Exception, match="bf16 or f32"):
+        ft.moe_layer(x, ids, weights, quantize(w13, w2, "fp8", (16, 32)), split=(4, 16))

@@ -51,3 +51,34 @@ def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
         assert report["peak_allocated_bytes"] >= peak > 0
     assert got == want
     assert peak <= cap, f"peak {peak} > cap {cap}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+def test_split_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """FREETOKEN_SPLIT_EXPERT=1 under a cap: the same greedy tokens as the uncapped engine, misses
+    split, the scratch slot inside the cap (it takes one of the ten slots' room)."""
+    model = write_demo_model(tmp_path / "m", arch=arch)
+    base = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=2, prefill_chunk=128)
+    prompt = list(range(300, 364))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with Engine(model, EngineOptions(**base)) as ref:
+        want = list(ref.generate(prompt, params))
+        w = ref.decoder.weights
+        dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
+        banks = ref.decoder.weights.experts
+        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**base), ref.dtype, dense, banks.expert_bytes)
+        cap = fixed.total - fixed.experts + 10 * banks.expert_bytes
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "1")
+    with Engine(model, EngineOptions(**base, gpu_memory=cap, fetch_ratio=ratio)) as eng:
+        ex = eng.decoder.executor
+        assert isinstance(ex, CachedExpertExecutor) and ex.split and ex.slots.slots == 9
+        got = list(eng.generate(prompt, params))
+        peak = torch.cuda.max_memory_allocated() - before
+        assert ex.stats.split > 0
+    assert got == want
+    assert peak <= cap, f"peak {peak} > cap {cap}"

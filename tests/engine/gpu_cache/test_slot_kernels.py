@@ -5,7 +5,8 @@
   slots outside the copy list run before `between()`, the fetched ones after it, and the rows equal
   the unsplit call's bit for bit, although the fetched slots hold garbage (NaN) until `between()`
   writes them (so no row before it read a fetched slot, and every fetched row read it after);
-- no slots at all: zeros (and `between()` still runs).
+- no slots at all: zeros (and `between()` still runs);
+- the split expert: entries in the scratch slot run its first r rows only, after `between()`.
 On a CPU through Triton's interpreter (when triton is installed); on CUDA directly."""
 
 from __future__ import annotations
@@ -74,10 +75,60 @@ def check(device: str) -> int:
     return cases
 
 
+def check_split_expert(device: str) -> int:
+    """The split expert: entries in the scratch slot (index S) run only its first r intermediate
+    rows, after `between()` (the scratch holds NaN until then, and NaN past row r for good: never
+    read), equal to the whole rows of an expert whose other rows are zero."""
+    from engine.gpu.kernels import expert_rows
+
+    g = torch.Generator().manual_seed(12)
+    cases = 0
+    for n, k, hidden, inter, slots, r in ((1, 8, 64, 64, 6, 32), (2, 4, 96, 96, 5, 64)):
+        expert13 = torch.randn(2 * inter, hidden, generator=g) / 8
+        expert2 = torch.randn(hidden, inter, generator=g) / 8
+        w13 = torch.randn(slots + 1, 2 * inter, hidden, generator=g) / 8
+        w2 = torch.randn(slots + 1, hidden, inter, generator=g) / 8
+        w13[slots] = float("nan")
+        w2[slots] = float("nan")
+        x = torch.randn(n, hidden, generator=g)
+        w = torch.rand(n, k, generator=g)
+        slot_ids = torch.randint(0, slots, (n, k), generator=g)
+        slot_ids[:, 1] = slots  # the split expert, routed by every token
+        slot_ids[0, 2] = -1  # an entry on the CPU
+        want13, want2 = w13.clone(), w2.clone()
+        want13[slots] = 0
+        want13[slots, :r] = expert13[:r]
+        want13[slots, inter:inter + r] = expert13[inter:inter + r]
+        want2[slots] = 0
+        want2[slots, :, :r] = expert2[:, :r]
+        want = _reference(x, slot_ids, w, want13, want2)
+        dev = [t.to(device) for t in (x, slot_ids, w, w13, w2)]
+        copy_dst = torch.tensor([0] + [-1] * (n * k - 1), dtype=torch.int64, device=device)  # slot 0 "fetched" too
+        calls: list[int] = []
+
+        def land(g13: torch.Tensor = dev[3], g2: torch.Tensor = dev[4], s: int = slots, rows: int = r,
+                 i: int = inter, e13: torch.Tensor = expert13, e2: torch.Tensor = expert2,
+                 seen: list[int] = calls) -> None:
+            seen.append(1)
+            g13[s, :rows] = e13[:rows].to(g13.device)
+            g13[s, i:i + rows] = e13[i:i + rows].to(g13.device)
+            g2[s, :, :rows] = e2[:, :rows].to(g2.device)
+
+        split = torch.tensor([77, r], dtype=torch.int64, device=device)
+        got = expert_rows(dev[0], dev[1], dev[2], dev[3], dev[4], copy_dst, land, split, slots).cpu()
+        assert calls == [1]
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.all(got[slot_ids.view(-1) < 0] == 0)
+        cases += 1
+    return cases
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_slot_rows_and_their_split_around_a_fetch_cuda() -> None:
     assert check("cuda") == 6
+    assert check_split_expert("cuda") == 2
 
 
 def test_slot_rows_and_their_split_around_a_fetch_in_triton_interpreter() -> None:
@@ -86,4 +137,5 @@ def test_slot_rows_and_their_split_around_a_fetch_in_triton_interpreter() -> Non
 
 if __name__ == "__main__":  # the interpreter test's child
     assert check("cpu") == 6
+    assert check_split_expert("cpu") == 2
     print("ok")

@@ -81,6 +81,18 @@ def check(device: str, dtypes: tuple[torch.dtype, ...], exact_bf16: bool) -> Non
             if device == "cuda":
                 torch.cuda.synchronize()
             assert torch.equal(x_h, x.cpu()) and torch.equal(copy_h, torch.cat([src, dst]).cpu())
+            # with the split expert: its entries (in the scratch slot, 9 here) go to the CPU too, and
+            # its entry (flat id, rows) follows the copy list
+            scratch = 9
+            split_ids = torch.where(torch.rand(n, k, generator=g) < 0.3, scratch, slot_ids.cpu()).to(device)
+            split = torch.tensor([4321, 96], dtype=torch.int64).to(device)
+            copy_h = torch.full((2 * copies + 2,), -7, dtype=torch.int64, pin_memory=pin)
+            hand_off(x, ids, split_ids, w, x_h, ids_h, w_h, src, dst, copy_h, split=split, scratch=scratch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            on_cpu = (split_ids < 0) | (split_ids == scratch)
+            assert torch.equal(ids_h, torch.where(on_cpu, ids, -1).cpu())
+            assert torch.equal(copy_h, torch.cat([src, dst, split]).cpu())
     assert cases == 2 * 5 * len(dtypes)
 
 
@@ -142,18 +154,21 @@ def test_step_kernels_compile_for_hopper() -> None:
         assert ("ld.volatile.global" in ptx) == has_cpu
         assert ".local" not in ptx
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": "*bf16", "x_h": "*bf16", "ids_h": "*i64",
-           "w_h": "*fp32", "src_ptr": "*i64", "dst_ptr": "*i64", "copy_h": "*i64"}
-    for copies in (0, 8):  # without and with the copy list of a host-issued fetch
-        consts = {"H": 2048, "K": 8, "K_P": 8, "BLOCK_H": 1024, "COPIES": copies, "COPIES_P": max(copies, 1)}
+           "w_h": "*fp32", "src_ptr": "*i64", "dst_ptr": "*i64", "copy_h": "*i64", "split_ptr": "*i64"}
+    # without and with the copy list of a host-issued fetch, and with the split expert's entry
+    for copies, scratch in ((0, -2), (8, -2), (8, 1000)):
+        consts = {"H": 2048, "K": 8, "K_P": 8, "BLOCK_H": 1024, "COPIES": copies, "COPIES_P": max(copies, 1),
+                  "SCRATCH": scratch}
         src = ASTSource(fn=kernels._handoff_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                         constexprs=consts)
         assert "st.global" in triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
     # the gate/up GEMV both ways: the REDUCE_ONCE form is another program, without spills
-    sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "dst_ptr": "*i64"}
+    sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "w13_ptr": "*bf16", "h_ptr": "*bf16", "dst_ptr": "*i64",
+           "split_ptr": "*i64"}
     ptx = {}
     for once in (False, True):  # each at the block shape it runs (expert_rows; the probe's former default)
         consts = {"H": 2048, "INTER": 768, "K": 8, "BLOCK_I": 16, "BLOCK_H": 128 if once else 256,
-                  "REDUCE_ONCE": once, "PHASE": 0, "COPIES": 1, "COPIES_P": 1}
+                  "REDUCE_ONCE": once, "PHASE": 0, "COPIES": 1, "COPIES_P": 1, "SCRATCH": -2}
         src = ASTSource(fn=kernels._gate_up_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                         constexprs=consts)
         ptx[once] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
@@ -161,9 +176,10 @@ def test_step_kernels_compile_for_hopper() -> None:
     assert ptx[False] != ptx[True]
     # both slot GEMVs in each phase of a split around a host-issued fetch (PHASE 1: the entries not
     # being fetched, 2: the fetched ones): they compile, without spills
-    sig2 = {"h_ptr": "*bf16", "slot_ptr": "*i64", "w2_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "dst_ptr": "*i64"}
-    for phase in (1, 2):
-        split = {"PHASE": phase, "COPIES": 8, "COPIES_P": 8}
+    sig2 = {"h_ptr": "*bf16", "slot_ptr": "*i64", "w2_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "dst_ptr": "*i64",
+            "split_ptr": "*i64"}
+    for phase, scratch in ((1, -2), (2, -2), (1, 1000), (2, 1000)):  # and with a split expert's scratch slot
+        split = {"PHASE": phase, "COPIES": 8, "COPIES_P": 8, "SCRATCH": scratch}
         for fn, signature, consts in (
                 (kernels._gate_up_kernel, sig, {"H": 2048, "INTER": 512, "K": 8, "BLOCK_I": 16, "BLOCK_H": 128,
                                                 "REDUCE_ONCE": True, **split}),
@@ -190,7 +206,7 @@ def test_gate_up_reduce_once_matches_the_default() -> None:
     for once, bi, bh, warps in ((False, 16, 256, 4), (True, 16, 128, 4), (True, 16, 256, 4), (True, 8, 512, 4),
                                 (True, 32, 128, 8)):
         h = torch.full((k, inter), float("nan"), device="cuda")
-        _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, slot_ids, hidden, inter, K=k, BLOCK_I=bi,
+        _gate_up_kernel[(k, triton.cdiv(inter, bi))](x, slot_ids, w13, h, slot_ids, slot_ids, hidden, inter, K=k, BLOCK_I=bi,
                                                      BLOCK_H=bh, REDUCE_ONCE=once, num_warps=warps)
         outs.append(h)
     assert torch.all(outs[0][slot_ids < 0] == 0)

@@ -1,0 +1,75 @@
+"""The split expert of the cache plan (engine/gpu/policy.py `split_share`, engine/gpu/plan.py with
+`split`): the GPU's share m * ratio rounded to 1/units of an expert, q whole experts fetched, the
+next miss split (its entries sent to the scratch slot, the table unchanged for it), never a hit or
+a fetched expert; without a fraction nothing is split. The fused kernel makes the same decisions
+(tests/engine/gpu_cache/test_plan_kernel.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.gpu.cache_table import CacheTable
+from engine.gpu.plan import plan_layer
+from engine.gpu.policy import split_share
+
+
+@pytest.mark.parametrize(("m", "ratio", "units", "q", "rem"), [
+    (4, 0.47, 24, 1, 21),  # 45.12 units: one expert and 21/24 of the next
+    (4, 0.5, 24, 2, 0),  # a whole number of experts: nothing split
+    (1, 0.47, 24, 0, 11),  # one miss: part of it on each side (no "at least one fetch")
+    (3, 1.0, 24, 3, 0),  # every miss fetched: nothing left to split
+    (5, 0.0, 24, 0, 0),  # fetching off
+    (0, 0.5, 24, 0, 0),
+    (3, 0.5, 2, 1, 1),  # 3 halves: one expert and half of the next
+    (1, 0.25, 2, 0, 0),  # half a unit rounds to even: nothing on the GPU
+])
+def test_split_share(m: int, ratio: float, units: int, q: int, rem: int) -> None:
+    got_q, got_rem = split_share(torch.tensor(m), ratio, units)
+    assert (int(got_q), int(got_rem)) == (q, rem)
+
+
+def test_split_plan_sends_one_miss_to_the_scratch_slot() -> None:
+    rng = random.Random(4)
+    layers, experts, slots, k, units, rows = 3, 16, 6, 4, 8, 16
+    state = CacheTable(layers, experts, slots, "cpu")
+    split_calls = 0
+    for _ in range(300):
+        layer = rng.randrange(layers)
+        ratio = rng.choice([0.3, 0.47, 0.5, rng.random()])
+        ids = torch.tensor([rng.sample(range(experts), k) for _ in range(rng.randint(1, 2))])
+        before = state.table[layer].clone()
+        plan = plan_layer(state, layer, ids, ratio, (units, rows), slots)
+        assert plan.split is not None
+        present = set(ids.reshape(-1).tolist())
+        misses = {e for e in present if int(before[e]) < 0}
+        assert int(plan.misses) == len(misses)
+        n_units = round(len(misses) * ratio * units)  # Python's round: half to even, as the plan
+        want_q = min(n_units // units, len(misses))
+        want_rem = n_units % units if want_q < len(misses) else 0
+        assert int(plan.fetched) <= want_q
+        flat, gpu_rows = plan.split.tolist()
+        if int(plan.fetched) == want_q:  # not capped by the free slots
+            assert gpu_rows == want_rem * rows
+        fetched = {s - layer * experts for s in plan.copy_src.tolist() if s >= 0}
+        if flat < 0:
+            assert gpu_rows == 0 and not (plan.slot_ids == slots).any()
+            continue
+        split_calls += 1
+        e = flat - layer * experts
+        assert e in misses and e not in fetched and 0 < gpu_rows < units * rows
+        assert int(state.table[layer, e]) == -1  # not resident after the call
+        assert torch.equal(plan.slot_ids == slots, ids == e)  # its entries, and only those, run from the scratch
+        # the others: hits and fetched experts in table slots, the rest on the CPU
+        for eid, sid in zip(ids.reshape(-1).tolist(), plan.slot_ids.reshape(-1).tolist(), strict=True):
+            if eid != e:
+                assert sid == int(state.table[layer, eid]) and sid < slots
+    assert split_calls > 50
+
+
+def test_a_split_needs_a_scratch_slot_past_the_table() -> None:
+    state = CacheTable(1, 8, 4, "cpu")
+    with pytest.raises(ValueError, match="scratch slot"):
+        plan_layer(state, 0, torch.tensor([[1, 2]]), 0.5, (4, 16), 2)
