@@ -47,9 +47,10 @@ else
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-# FETCHES="kernel dma split" runs ours once per fetch path (FREETOKEN_FETCH; "split": the host-issued
-# fetch with FREETOKEN_SPLIT_EXPERT=1) against the same llama.cpp run, each into $OUT/ours_<fetch>/
-# with its own summary; unset: one run as the environment says
+# FETCHES="kernel dma split split+adapt" runs ours once per variant against the same llama.cpp run,
+# each into $OUT/ours_<variant>/ with its own summary: "kernel" / "dma" pick FREETOKEN_FETCH, "split"
+# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1;
+# unset: one run as the environment says
 run_ours() {  # $1: the directory ours writes to
 local out=$1 seen=" " p cap
 for p in $PAIRS; do
@@ -71,11 +72,10 @@ else
     for fetch in $FETCHES; do
         mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
         echo "== ours with FREETOKEN_FETCH=$fetch"
-        if [ "$fetch" = split ]; then
-            FREETOKEN_FETCH=dma FREETOKEN_SPLIT_EXPERT=1 run_ours "$OUT/ours_$fetch"
-        else
-            FREETOKEN_FETCH=$fetch FREETOKEN_SPLIT_EXPERT=0 run_ours "$OUT/ours_$fetch"
-        fi
+        path=${fetch%%+*} split=0 adapt=0
+        [ "$path" = split ] && path=dma split=1
+        case "$fetch" in *+adapt*) adapt=1 ;; esac
+        FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt run_ours "$OUT/ours_$fetch"
     done
 fi
 rm -f "$GGUF"

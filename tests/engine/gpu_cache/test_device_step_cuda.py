@@ -275,7 +275,8 @@ def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: 
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.7])
+# (with INTER = 96, three steps of 32 rows: at ratio 0.5 an even miss count splits nothing)
+@pytest.mark.parametrize("ratio", [0.3, 0.45, 0.7])
 @pytest.mark.parametrize("slots", [3, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_expert_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: float, graphs: bool) -> None:
