@@ -73,3 +73,31 @@ def test_a_split_needs_a_scratch_slot_past_the_table() -> None:
     state = CacheTable(1, 8, 4, "cpu")
     with pytest.raises(ValueError, match="scratch slot"):
         plan_layer(state, 0, torch.tensor([[1, 2]]), 0.5, (4, 16), 2)
+
+
+def test_split_switch_is_checked_and_takes_a_slot_for_its_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FREETOKEN_SPLIT_EXPERT: a bad value or a path that cannot split is a ConfigError at start
+    (never a silent fallback); the scratch row takes one slot's room of the budget."""
+    from engine.errors import ConfigError
+    from engine.gpu.executor import create_cached_executor
+    from engine.gpu.slots import ExpertSlots
+    from engine.weights.layout import ExpertBanks
+
+    banks = ExpertBanks(torch.zeros(2 * 8, 2 * 64, 32), torch.zeros(2 * 8, 32, 64), 8)
+    with pytest.raises(ConfigError, match="FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch"):
+        create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5, fetch="kernel", split=True)
+    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "sometimes")
+    with pytest.raises(ConfigError, match="FREETOKEN_SPLIT_EXPERT"):
+        create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5)
+    monkeypatch.delenv("FREETOKEN_SPLIT_EXPERT")
+    odd = ExpertBanks(torch.zeros(8, 2 * 48, 32), torch.zeros(8, 32, 48), 8)  # 48 rows: no 32-row steps
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        create_cached_executor(odd, 4 * odd.expert_bytes, "cpu", 0.5, split=True)
+    four = ExpertSlots.from_budget(banks, 4 * banks.expert_bytes, "cpu", scratch=True)
+    assert four.slots == 3 and four.scratch == 3 and four.w13.shape[0] == 4
+    assert ExpertSlots.from_budget(banks, banks.expert_bytes, "cpu", scratch=True).scratch is None  # no room
+    every = ExpertSlots.from_budget(banks, 17 * banks.expert_bytes, "cpu", scratch=True)  # room past every expert
+    assert every.slots == 16 and every.scratch == 16
+    # off CUDA nothing splits (the step that would is CUDA-only), and the online ratio stays off
+    ex = create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5, split=True)
+    assert not ex.split and not ex.adapt
