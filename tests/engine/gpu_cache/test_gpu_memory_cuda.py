@@ -19,32 +19,41 @@ from freetoken_agent.demo import write_demo_model
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
-@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
-def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
+BASE = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=2, prefill_chunk=128)
+PROMPT = list(range(300, 364))
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _uncapped(tmp_path: Path, arch: str) -> tuple[Path, list[int], int, int]:
+    """The demo model, the uncapped engine's greedy tokens, a cap with room for 10 expert slots and
+    the dense bytes the capped engine keeps on the GPU; the allocator's peak reset after."""
     model = write_demo_model(tmp_path / "m", arch=arch)
-    base = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=2, prefill_chunk=128)
-    prompt = list(range(300, 364))
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with Engine(model, EngineOptions(**base)) as ref:
-        want = list(ref.generate(prompt, params))
+    with Engine(model, EngineOptions(**BASE)) as ref:
+        want = list(ref.generate(PROMPT, PARAMS))
         w = ref.decoder.weights
         # the capped engine keeps the (untied) embedding table in page-locked host memory
         assert w.embed.data_ptr() != w.lm_head.data_ptr()
         dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
         banks = ref.decoder.weights.experts
-        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**base), ref.dtype, dense, banks.expert_bytes)
+        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**BASE), ref.dtype, dense, banks.expert_bytes)
         cap = fixed.total - fixed.experts + 10 * banks.expert_bytes  # room for 10 expert slots
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    return model, want, cap, dense
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
+    model, want, cap, dense = _uncapped(tmp_path, arch)
     before = torch.cuda.memory_allocated()
-    with Engine(model, EngineOptions(**base, gpu_memory=cap, fetch_ratio=ratio)) as eng:
+    with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=ratio)) as eng:
         ex = eng.decoder.executor
         assert isinstance(ex, CachedExpertExecutor) and ex.slots.slots == 10
         assert eng.decoder.weights.experts.w13.is_pinned()
         assert eng.decoder.weights.embed.device.type == "cpu" and eng.decoder.weights.embed.is_pinned()
         assert eng.gpu_budget is not None and eng.gpu_budget.dense == dense
-        got = list(eng.generate(prompt, params))
+        got = list(eng.generate(PROMPT, PARAMS))
         peak = torch.cuda.max_memory_allocated() - before
         report = eng.gpu_report()
         assert report is not None and report["cap_bytes"] == cap
@@ -59,25 +68,13 @@ def test_split_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: f
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """FREETOKEN_SPLIT_EXPERT=1 under a cap: the same greedy tokens as the uncapped engine, misses
     split, the scratch slot inside the cap (it takes one of the ten slots' room)."""
-    model = write_demo_model(tmp_path / "m", arch=arch)
-    base = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=2, prefill_chunk=128)
-    prompt = list(range(300, 364))
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with Engine(model, EngineOptions(**base)) as ref:
-        want = list(ref.generate(prompt, params))
-        w = ref.decoder.weights
-        dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
-        banks = ref.decoder.weights.experts
-        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**base), ref.dtype, dense, banks.expert_bytes)
-        cap = fixed.total - fixed.experts + 10 * banks.expert_bytes
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    model, want, cap, _ = _uncapped(tmp_path, arch)
     before = torch.cuda.memory_allocated()
     monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "1")
-    with Engine(model, EngineOptions(**base, gpu_memory=cap, fetch_ratio=ratio)) as eng:
+    with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=ratio)) as eng:
         ex = eng.decoder.executor
         assert isinstance(ex, CachedExpertExecutor) and ex.split and ex.slots.slots == 9
-        got = list(eng.generate(prompt, params))
+        got = list(eng.generate(PROMPT, PARAMS))
         peak = torch.cuda.max_memory_allocated() - before
         assert ex.stats.split > 0
     assert got == want
