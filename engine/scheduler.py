@@ -147,10 +147,16 @@ class Scheduler:
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
         try:
             hidden = self.decoder.forward(batch, self.kv, self.states)
-            logits = self.decoder.logits(hidden[batch.last_token_index()])
+            # a decode batch (one token per sequence) needs no gather of the last tokens
+            last = hidden if len(ids) == len(batch.seqs) else hidden[batch.last_token_index()]
+            logits = self.decoder.logits(last)
+            # every greedy pick of the step in one kernel, queued before the wait and read in one
+            # transfer after it (a pick per row was a launch and a host read each)
+            picks = logits.argmax(dim=-1) if any(_greedy(req) for req, _ in entries) else None
             check = getattr(self.decoder.executor, "check", None)
             if check is not None:  # failures where nothing could raise (the CPU branch's host tasks)
                 check(len(ids))
+            greedy_ids = picks.tolist() if picks is not None else None
         except Exception as e:  # a failed step must not take the engine down
             err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
             for req, _ in entries:
@@ -172,9 +178,11 @@ class Scheduler:
                 self._finish(req, req.finish_pending)
                 continue
             req.phase = Phase.DECODE
-            self._sample(req, logits[row])
+            self._sample(req, logits[row], greedy_ids[row] if greedy_ids is not None else None)
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> None:
+    def _sample(self, req: Request, logits: torch.Tensor, pick: int | None = None) -> None:
+        """`pick`: the row's argmax, computed with the step's (used for a greedy request without a
+        constraint: what `sample` would return)."""
         forced = req.forced
         if forced is not None and len(req.output) >= len(forced):
             self._finish(req, "stop")  # an empty forced list: prefill only
@@ -185,6 +193,8 @@ class Scheduler:
             if forced is not None:
                 # Replay: the forward pass (and the captured logits) are real, the id is given.
                 token = forced[len(req.output)]
+            elif pick is not None and _greedy(req):
+                token = pick
             else:
                 token = sample(logits, req.params, req.generator, req.constraint)
         except Exception as e:  # a bad constraint must fail its request, not the engine
@@ -273,3 +283,8 @@ class Scheduler:
             req.state_slot = -1
         self.cache.unlock(req.match_node)
         req.kv_slots = None
+
+
+def _greedy(req: Request) -> bool:
+    """The request's next token is the logits' argmax (no constraint, no forced ids)."""
+    return req.params.greedy and req.constraint is None and req.forced is None

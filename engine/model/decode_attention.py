@@ -121,18 +121,18 @@ class DecodeMeta:
         return meta
 
     def fill(self, batch: ForwardBatch) -> None:
-        """Rewrites the buffers for `batch` (queued copies; the lengths come from host integers)."""
+        """Rewrites the buffers for `batch` (queued device ops only: no host-to-device copy)."""
         if batch.num_tokens != self.new_slots.shape[0]:
             raise ValueError(f"decode metadata for {self.new_slots.shape[0]} tokens, the batch has {batch.num_tokens}")
         if batch.position_limit > self.table.shape[1]:
             raise ValueError(f"a sequence of {batch.position_limit} tokens exceeds the table's {self.table.shape[1]}")
-        lengths = []
         for s in batch.seqs:
             total = s.cached_len + s.length
             self.new_slots[s.start:s.end].copy_(s.kv_slots[s.cached_len:total])
             self.table[s.start:s.end, :total].copy_(s.kv_slots[:total].expand(s.length, total))
-            lengths.extend(range(s.cached_len + 1, total + 1))
-        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=False)
+        # a token at position p sees p + 1 tokens (the scheduler numbers a sequence's new tokens
+        # from its cached length): a device op, not a host list copied over
+        torch.add(batch.positions, 1, out=self.lengths)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
