@@ -25,7 +25,11 @@ poller's copier thread queues the copies on a copy stream of this step (the copy
 bulk-copy rate, not the SMs' loads) and sets a per-layer word once they have landed (from the host
 after the copy stream drains; FREETOKEN_DMA_WORD=stream: a stream write after them) while the
 poller runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile,
-waits for that word, then runs the fetched entries' (native/src/dma_fetch.h). The CPU branch is handed to
+waits for that word, then runs the fetched entries' (native/src/dma_fetch.h). With the executor's
+`split` (FREETOKEN_SPLIT_EXPERT) the plan also names one split expert: the copy list carries its
+[flat id, r] after the pairs, the copier fetches its first r rows into the scratch slot with the
+others, the GEMVs run those rows from the scratch after the word, and the hand-off gives the CPU its
+id too, whose task computes the rows from r on. The CPU branch is handed to
 the host by `cpu_branch`: "doorbell" (default: a stream write the native poller thread answers, a stream wait for its
 answer) or "hostfunc" (a cuLaunchHostFunc host node, on a side stream of its own, since it blocks
 its stream while the task runs); FREETOKEN_CPU_BRANCH overrides the default. docs/benchmarks.md
