@@ -221,7 +221,7 @@ def _steps(rows, banks, cpu, a, L, E, H, k) -> None:  # type: ignore[no-untyped-
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         ex.check()
-        hits, misses, fetched = (ex._counts - c0).tolist()
+        hits, misses, fetched, _ = (ex._counts - c0).tolist()
         calls = 60 * L
         if a.trace:
             from torch.profiler import ProfilerActivity, profile
