@@ -5,7 +5,8 @@ Contract: `ExpertSlots(w13_shape, w2_shape, dtype, slots, device, scratch=False)
 split expert's partial rows (engine/gpu/plan.py), outside the cache table, which knows S slots;
 `ExpertSlots.from_budget(banks, budget_bytes, device, scratch)` sizes S from a byte budget (one
 slot holds one expert's w13 and w2 in the banks' dtype, the scratch row counts against the budget
-like a slot; never more slots than experts; no scratch row when the budget holds fewer than two).
+like a slot; never more slots than experts; no scratch row when the budget holds fewer than two,
+nor when it holds every expert: then nothing misses).
 `apply_copies(copy_src, copy_dst, banks)` copies bank rows `copy_src` (flat expert ids) into slots
 `copy_dst`, skipping -1 padding (engine/gpu/plan.py's copy list).
 
@@ -49,7 +50,9 @@ class ExpertSlots:
     def from_budget(cls, banks: ExpertBanks, budget_bytes: int, device: torch.device | str = "cpu",
                     scratch: bool = False) -> ExpertSlots:
         n = cls.slots_for_budget(banks, budget_bytes)
-        if scratch and budget_bytes // banks.expert_bytes <= n:  # no room spare: the scratch takes a slot's
+        if n >= banks.w13.shape[0]:
+            scratch = False  # every expert resident: nothing misses, nothing to split
+        elif scratch:  # the scratch takes a slot's room
             scratch = n >= 2
             n -= scratch
         return cls(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, n, device,  # type: ignore[arg-type]
