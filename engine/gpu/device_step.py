@@ -166,15 +166,11 @@ class DeviceStep:
         else:
             self._fused = None
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
-        # the split expert (executor.split, with the host-issued fetch only): its steps and scratch slot
-        if executor.split:
-            from engine.gpu.executor import SPLIT_ROWS, split_units
-
-            assert self.fetch == "dma" and executor.slots.scratch is not None
-            self._split: tuple[int, int] | None = (split_units(executor.banks), SPLIT_ROWS)
-            self._scratch = executor.slots.scratch
-        else:
-            self._split, self._scratch = None, -2
+        # the split expert (with the host-issued fetch only): the plan's steps and the scratch slot
+        # (-2 without: never a slot id, nor the -1 that marks a CPU entry)
+        self._split = executor.split_steps
+        self._scratch = executor.slots.scratch if self._split is not None else -2
+        assert self._split is None or (self.fetch == "dma" and self._scratch >= 0)
 
     def _task(self, layer: int) -> object:
         task = self._tasks.get(layer)
@@ -191,7 +187,7 @@ class DeviceStep:
                 address = device_address(fetched)
                 task.serve_fetch(self.copy_h, ex.banks.w13, ex.banks.w2, ex.slots.w13, ex.slots.w2,
                                  self.copy_stream.cuda_stream, self._context, fetched, address,
-                                 host_word=ex.dma_word == "host", scratch=self._scratch if self._split else -1)
+                                 host_word=ex.dma_word == "host", scratch=self._scratch)
                 self._fetched[layer] = (fetched, address)
             if self.cpu_branch == "doorbell":
                 # a third word when the ratio adapts: the GPU's "my branch is done" (adapt.py)

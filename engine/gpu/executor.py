@@ -73,6 +73,11 @@ log = logging.getLogger("freetoken.engine")
 SPLIT_ROWS = 32  # the split expert's share moves in steps of this many intermediate rows
 
 
+def split_switch(split: bool | None) -> bool:
+    """`split`, else FREETOKEN_SPLIT_EXPERT (default off); ConfigError for a bad value."""
+    return env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
+
+
 def split_units(banks: ExpertBanks) -> int:
     """Steps of SPLIT_ROWS rows in one expert, or 0 where the banks cannot be split (the native CPU
     side splits bf16 / f32 weights at multiples of 16 rows)."""
@@ -183,12 +188,14 @@ class CachedExpertExecutor:
         # session): the scheduler reads only after check() has synchronised, and so does `stats`.
         self.dma_word = resolve_dma_word() if self.fetch == "dma" else "host"
         # one miss per decode step split by rows between a partial fetch and the CPU (opt-in)
-        split = env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
-        if split and (self.fetch != "dma" or self.plan != "fused" or not split_units(banks)):
+        units = split_units(banks)
+        if split_switch(split) and (self.fetch != "dma" or self.plan != "fused" or not units):
             raise ConfigError("FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch (FREETOKEN_FETCH=dma), the fused "
                               f"plan and bf16 / f32 experts whose size is a multiple of {SPLIT_ROWS}")
-        # a pool too small for a scratch slot next to a table slot: nothing to split into
-        self.split = split and slots.scratch is not None and table.device.type == "cuda"
+        # the plan's (units, rows per unit), or None: also none for a pool too small for a scratch slot
+        # next to a table slot (create_cached_executor makes the scratch when the switch is on)
+        self.split_steps = ((units, SPLIT_ROWS) if slots.scratch is not None and table.device.type == "cuda"
+                            else None)
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py): opt-in, and
         # on by default with the split: a ratio nudge then moves a fraction of an expert, where whole
         # experts per layer barely moved (ninth GPU session: the pair +13.6 %, the split alone +2.4 %)
@@ -211,6 +218,11 @@ class CachedExpertExecutor:
         if PrefillStreamer.fits(slots, E) and slots.slots < table.layers * E:
             copy_stream = torch.cuda.Stream(table.device) if table.device.type == "cuda" else None
             self.streamer = PrefillStreamer(banks, slots, table, copy_stream)
+
+    @property
+    def split(self) -> bool:
+        """Whether decode steps split one miss per layer (FREETOKEN_SPLIT_EXPERT)."""
+        return self.split_steps is not None
 
     @property
     def stats(self) -> CacheStats:
@@ -377,7 +389,7 @@ def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.
                            adapt: bool | None = None, split: bool | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache
     (and a scratch slot in it when the expert split is asked for)."""
-    split = env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
+    split = split_switch(split)
     slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=split)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
