@@ -203,6 +203,23 @@ def _child() -> None:
     whole = ft.moe_layer(sx, sids, sw, sbank)
     assert torch.allclose(sout + gpu_part, whole, atol=1e-4, rtol=1e-4), (sout + gpu_part - whole).abs().max()
     assert not torch.allclose(sout, whole, atol=1e-3)  # the CPU computed only its share
+    # a split entry outside the banks, or with r outside (0, I): no copy, the task fails, the word is written
+    for bad in ((rows, r), (4, 0), (4, split_inter)):
+        copy9 = torch.tensor([-1, -1, *bad], dtype=torch.int64)
+        word9 = torch.zeros(1, dtype=torch.int32)
+        task9 = ft.HostTask(sx, sids, sw, sbank, sout)
+        ft._ext.host_task_set_fetch(task9.address, copy9.data_ptr(), 1, sw13.data_ptr(), sw2.data_ptr(),
+                                    t13.data_ptr(), t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows,
+                                    slots, 0xABC0, 0xC0DE, word9.data_ptr(), word9.data_ptr(), True, 5000, slots,
+                                    split_inter, hidden, 4)
+        before = fake.fake_copies()
+        task9.fetch()
+        assert int(word9[0]) == 1 and fake.fake_copies() == before, bad
+        try:
+            task9.check()
+            raise AssertionError(f"a bad split entry {bad} did not fail the task")
+        except RuntimeError as e:
+            assert "split entry" in str(e), str(e)
     # a copy list that names the scratch slot as a table slot is refused
     copy8 = torch.tensor([1, slots, -1, 0], dtype=torch.int64)
     word8 = torch.zeros(1, dtype=torch.int32)
