@@ -62,8 +62,9 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
                               banks.expert_bytes)
     old_bytes = old.slots.slots * banks.expert_bytes
     keep = {"cpu_executor": old.cpu_executor, "ratio": old.ratio, "threads": opts.threads, "graphs": old.graphs,
-            "cpu_branch": old.cpu_branch, "plan": old.plan, "fetch": old.fetch, "adapt": old.adapt,
-            "split": old.split}
+            "cpu_branch": old.cpu_branch, "plan": old.plan, "fetch": old.fetch,
+            # what was asked, not what ran: a pool that held every expert had no split to keep
+            "adapt": old.adapt_request, "split": old.split_request}
     _release(decoder, old)
     del old
     try:

@@ -33,8 +33,9 @@ Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py)
 `cpu_branch` and `fetch` pick its parts (FREETOKEN_PLAN / _CPU_BRANCH / _FETCH), `adapt`
 (FREETOKEN_ADAPT_RATIO=1) corrects the ratio online (engine/gpu/adapt.py; the plan kernel reads
 it from `ratio_device`). `check()`, which the scheduler calls after every forward, raises what the
-steps' host tasks could not (and applies the ratio correction). `split` (FREETOKEN_SPLIT_EXPERT=1,
-with the host-issued fetch and a scratch slot in the pool) has each decode step split one miss by
+steps' host tasks could not (and applies the ratio correction). `split` (on wherever it
+can run: the host-issued fetch, the fused plan, the native CPU side, a scratch slot in the pool;
+FREETOKEN_SPLIT_EXPERT=0 turns it off, =1 insists) has each decode step split one miss by
 intermediate rows between a partial fetch and the CPU (engine/gpu/policy.py `split_share`), so
 the two sides can balance to a fraction of an expert instead of a whole one; `adapt` then defaults
 to on (FREETOKEN_ADAPT_RATIO=0 turns it off).
@@ -43,6 +44,7 @@ to on (FREETOKEN_ADAPT_RATIO=0 turns it off).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,9 +75,30 @@ log = logging.getLogger("freetoken.engine")
 SPLIT_ROWS = 32  # the split expert's share moves in steps of this many intermediate rows
 
 
-def split_switch(split: bool | None) -> bool:
-    """`split`, else FREETOKEN_SPLIT_EXPERT (default off); ConfigError for a bad value."""
-    return env_switch("FREETOKEN_SPLIT_EXPERT", False) if split is None else split
+def split_switch(split: bool | None) -> bool | None:
+    """`split`, else FREETOKEN_SPLIT_EXPERT (1 forces it, 0 turns it off), else None (on where it can
+    run); ConfigError for a bad value."""
+    if split is not None:
+        return split
+    raw = os.environ.get("FREETOKEN_SPLIT_EXPERT", "").strip()
+    return env_switch("FREETOKEN_SPLIT_EXPERT", False) if raw else None
+
+
+def resolve_split(split: bool | None, banks: ExpertBanks, fetch: str, plan: str, device: torch.device,
+                  native_cpu: bool) -> bool:
+    """Whether decode steps split one miss per layer: `split_switch(split)`, where None means on
+    wherever it can run (a CUDA pool, the host-issued fetch, the fused plan, the native CPU executor,
+    experts `split_units` can divide). Asked for where the fetch, plan or experts cannot split: a
+    ConfigError at start, never a silent fallback."""
+    asked = split_switch(split)
+    units = split_units(banks)
+    can = fetch == "dma" and plan == "fused" and units > 0
+    if asked and not can:
+        raise ConfigError("FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch (FREETOKEN_FETCH=dma), the fused "
+                          f"plan and bf16 / f32 experts whose size is a multiple of {SPLIT_ROWS}")
+    if asked is None:
+        return can and device.type == "cuda" and native_cpu
+    return asked
 
 
 def split_units(banks: ExpertBanks) -> int:
@@ -187,15 +210,15 @@ class CachedExpertExecutor:
         # queued (such a read holds a driver lock the copier's copies need: a deadlock, eighth GPU
         # session): the scheduler reads only after check() has synchronised, and so does `stats`.
         self.dma_word = resolve_dma_word() if self.fetch == "dma" else "host"
-        # one miss per decode step split by rows between a partial fetch and the CPU (opt-in)
-        units = split_units(banks)
-        if split_switch(split) and (self.fetch != "dma" or self.plan != "fused" or not units):
-            raise ConfigError("FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch (FREETOKEN_FETCH=dma), the fused "
-                              f"plan and bf16 / f32 experts whose size is a multiple of {SPLIT_ROWS}")
+        # one miss per decode step split by rows between a partial fetch and the CPU (on where it can
+        # run since the tenth GPU session); the requests are kept for a rebuilt pool (engine/gpu/elastic.py)
+        self.split_request, self.adapt_request = split, adapt
+        native = hasattr(cpu_executor, "experts")
+        on = resolve_split(split, banks, self.fetch, self.plan, table.device, native)
         # the plan's (units, rows per unit), or None: also none for a pool too small for a scratch slot
-        # next to a table slot (create_cached_executor makes the scratch when the switch is on)
-        self.split_steps = ((units, SPLIT_ROWS) if slots.scratch is not None and table.device.type == "cuda"
-                            else None)
+        # next to a table slot (create_cached_executor makes the scratch when the split is on)
+        self.split_steps = ((split_units(banks), SPLIT_ROWS)
+                            if on and slots.scratch is not None and table.device.type == "cuda" else None)
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py): opt-in, and
         # on by default with the split: a ratio nudge then moves a fraction of an expert, where whole
         # experts per layer barely moved (ninth GPU session: the pair +13.6 %, the split alone +2.4 %)
@@ -388,11 +411,14 @@ def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.
                            plan: str | None = None, fetch: str | None = None,
                            adapt: bool | None = None, split: bool | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache
-    (and a scratch slot in it when the expert split is asked for)."""
-    split = split_switch(split)
-    slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=split)
+    (and a scratch slot in it when the expert split is on: `resolve_split`)."""
+    cpu_executor = cpu_executor or default_cpu_executor(banks, threads)
+    branch = resolve_cpu_branch(cpu_branch)
+    scratch = resolve_split(split, banks, resolve_fetch(fetch, branch), resolve_plan(plan), torch.device(device),
+                            hasattr(cpu_executor, "experts"))
+    slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=scratch)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
-    return CachedExpertExecutor(banks, slots, table, cpu_executor or default_cpu_executor(banks, threads), ratio,
+    return CachedExpertExecutor(banks, slots, table, cpu_executor, ratio,
                                 graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch, adapt=adapt,
                                 split=split)

@@ -2,8 +2,8 @@
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
 # of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the opt-in shared-expert
-# kernel, the bulk-copy fetch ratio, the fetch kernel against host-issued fetches, the online ratio, the split
-# expert and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# kernel, the bulk-copy fetch ratio, the fetch kernel against host-issued fetches, whole experts and the static
+# ratio (split expert off) and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -24,7 +24,7 @@ QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_s
        tests/engine/gpu_cache/test_grouped_experts.py tests/engine/test_gguf_model.py
        "tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_capped_engine_equals_uncapped[0.5-qwen3_moe]"
        "tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_capped_engine_equals_uncapped[0.5-qwen3_5_moe]"
-       tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_split_expert_engine_equals_uncapped
+       tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_whole_expert_engine_equals_uncapped
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
      tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)
@@ -85,15 +85,6 @@ FREETOKEN_FETCH=kernel bench dec_q36_20L_12G_kernel 120 decode --shape qwen3.6-3
     --tokens 128 --reps 3
 FREETOKEN_FETCH=kernel bench dec_q3_24L_12G_kernel 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
-# the ratio corrected online from which branch finishes last (FREETOKEN_ADAPT_RATIO=1, engine/gpu/adapt.py)
-FREETOKEN_ADAPT_RATIO=1 bench dec_q36_20L_12G_adapt 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
-    --tokens 128 --reps 3
-FREETOKEN_ADAPT_RATIO=1 bench dec_q3_24L_12G_adapt 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
-    --tokens 128 --reps 3
-# Qwen3 at 16 GiB, the configuration under 80 % of its bound: the fetched experts' GEMVs run after
-# their copies land, so a balanced static ratio leaves the fetch side last (layer_timeline says)
-FREETOKEN_ADAPT_RATIO=1 bench dec_q3_24L_16G_adapt 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB \
-    --tokens 128 --reps 3
 # the token embedding on the GPU (FREETOKEN_HOST_EMBED=0) against the default page-locked host table
 FREETOKEN_HOST_EMBED=0 bench dec_q36_20L_12G_devembed 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
@@ -103,12 +94,15 @@ FREETOKEN_FUSED_SHARED=1 bench dec_q36_20L_12G_fshared 120 decode --shape qwen3.
 # sampled decode (temperature 1: the draw stays on the device) against the greedy row above
 bench dec_q36_20L_12G_t1 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3 \
     --temperature 1
-# one miss per layer split by rows between a partial fetch and the CPU (FREETOKEN_SPLIT_EXPERT=1)
-FREETOKEN_SPLIT_EXPERT=1 bench dec_q3_24L_16G_split 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB \
-    --tokens 128 --reps 3
-FREETOKEN_SPLIT_EXPERT=1 bench dec_q36_20L_16G_split 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB \
-    --tokens 128 --reps 3
-FREETOKEN_SPLIT_EXPERT=1 bench dec_q3_24L_12G_split 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
+# whole experts only (FREETOKEN_SPLIT_EXPERT=0, the default before the tenth session) against the
+# default split expert with its online ratio; and the split with the static ratio (FREETOKEN_ADAPT_RATIO=0)
+for cap in 12 16; do
+    FREETOKEN_SPLIT_EXPERT=0 bench dec_q3_24L_${cap}G_whole 90 decode --shape qwen3-30b-a3b --layers 24 \
+        --gpu-memory ${cap}GiB --tokens 128 --reps 3
+    FREETOKEN_SPLIT_EXPERT=0 bench dec_q36_20L_${cap}G_whole 120 decode --shape qwen3.6-35b-a3b --layers 20 \
+        --gpu-memory ${cap}GiB --tokens 128 --reps 3
+done
+FREETOKEN_ADAPT_RATIO=0 bench dec_q3_24L_16G_static 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB \
     --tokens 128 --reps 3
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3

@@ -102,3 +102,33 @@ def test_split_switch_is_checked_and_takes_a_slot_for_its_scratch(monkeypatch: p
     # off CUDA nothing splits (the step that would is CUDA-only), and the online ratio stays off
     ex = create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5, split=True)
     assert not ex.split and not ex.adapt
+
+
+def test_the_split_is_on_wherever_it_can_run_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve_split: unset, the split is on exactly where every part it needs is (a CUDA pool, the
+    host-issued fetch, the fused plan, the native CPU side, divisible experts) and quietly off
+    elsewhere; FREETOKEN_SPLIT_EXPERT=0 turns it off where it could run, =1 insists."""
+    from engine.errors import ConfigError
+    from engine.gpu.executor import resolve_split
+    from engine.weights.layout import ExpertBanks
+
+    banks = ExpertBanks(torch.zeros(2 * 8, 2 * 64, 32, dtype=torch.bfloat16),
+                        torch.zeros(2 * 8, 32, 64, dtype=torch.bfloat16), 8)
+    fp8 = ExpertBanks(banks.w13.to(torch.float8_e4m3fn), banks.w2.to(torch.float8_e4m3fn), 8)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("FREETOKEN_SPLIT_EXPERT", raising=False)
+    assert resolve_split(None, banks, "dma", "fused", cuda, True)
+    for why_not in ((banks, "kernel", "fused", cuda, True), (banks, "dma", "torch", cuda, True),
+                    (banks, "dma", "fused", cpu, True), (banks, "dma", "fused", cuda, False),
+                    (fp8, "dma", "fused", cuda, True)):
+        assert not resolve_split(None, *why_not), why_not
+    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "0")
+    assert not resolve_split(None, banks, "dma", "fused", cuda, True)
+    assert resolve_split(True, banks, "dma", "fused", cuda, True)  # the argument wins over the variable
+    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "1")
+    assert resolve_split(None, banks, "dma", "fused", cuda, True)
+    with pytest.raises(ConfigError, match="needs the host-issued fetch"):
+        resolve_split(None, banks, "kernel", "fused", cuda, True)
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        resolve_split(None, fp8, "dma", "fused", cuda, True)
+    assert not resolve_split(False, banks, "kernel", "fused", cuda, True)
