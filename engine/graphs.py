@@ -15,11 +15,24 @@ from __future__ import annotations
 
 import gc
 import logging
+import traceback
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger("freetoken.engine")
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of this project's code in `exc`'s traceback, as file:line in function:
+    what a capture's failure report needs to name the operation that broke it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/engine/" in f.filename or "/freetoken_agent/" in f.filename] or frames
+    if not ours:
+        return "unknown"
+    f = ours[-1]
+    return f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}"
 
 
 class GraphCache:
@@ -50,8 +63,8 @@ class GraphCache:
             except Exception as exc:  # torch raises AcceleratorError or RuntimeError
                 # nothing captured ran, so the state fn updates is as before: run it eagerly
                 self._failed.add(key)
-                log.warning("%s %s: CUDA graph capture failed, running eagerly: %s", self.name, key,
-                            str(exc).splitlines()[0])
+                log.warning("%s %s: CUDA graph capture failed, running eagerly: %s (at %s)", self.name, key,
+                            str(exc).splitlines()[0], _where(exc))
             else:
                 self._graphs[key] = graph
                 graph.replay()

@@ -140,6 +140,19 @@ class DeviceStep:
         # a host node blocks its stream while the task runs: "hostfunc" gets a stream of its own
         self.side = torch.cuda.Stream(device=dev) if self.cpu_branch == "hostfunc" else None
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
+        # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
+        # when the sizes fit it, else plan_layer's ~25 torch kernels
+        self.plan = resolve_plan(plan)
+        if self.plan == "fused":
+            from engine.gpu import plan_kernel
+
+            self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
+        else:
+            self._fused = None
+        # the split rides on the fused plan's steps only (batch-1 decode, where whole experts cost the
+        # most): wider steps fetch whole experts. (A 4-token pass with the split failed its CUDA graph
+        # capture in the tenth GPU session, wide steps being the torch plan's: not yet run there.)
+        self._split = executor.split_steps if self._fused is not None else None
         self.fetch = resolve_fetch(fetch, self.cpu_branch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
@@ -150,25 +163,15 @@ class DeviceStep:
             # shared by the layers like the other staging buffers: the poller has read a layer's
             # list before it answers, and the next layer's hand-off waits for that answer
             # then the split expert's entry (flat id, rows) when the executor splits one
-            self.copy_h = torch.full((2 * self.copies + (2 if executor.split else 0),), -1, dtype=torch.int64,
+            self.copy_h = torch.full((2 * self.copies + (2 if self._split is not None else 0),), -1, dtype=torch.int64,
                                      pin_memory=True)
             self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
-        # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
-        # when the sizes fit it, else plan_layer's ~25 torch kernels
-        self.plan = resolve_plan(plan)
-        if self.plan == "fused":
-            from engine.gpu import plan_kernel
-
-            self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
-        else:
-            self._fused = None
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
         # the split expert (with the host-issued fetch only): the plan's steps and the scratch slot
         # (-2 without: never a slot id, nor the -1 that marks a CPU entry)
-        self._split = executor.split_steps
         self._scratch = executor.slots.scratch if self._split is not None else -2
         assert self._split is None or (self.fetch == "dma" and self._scratch >= 0)
 

@@ -24,6 +24,19 @@ def test_disabled_cache_always_runs_eagerly() -> None:
     assert calls == [1, 1, 1] and cache.captured == 0
 
 
+def test_a_failure_report_names_the_project_frame_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_where: the innermost frame under engine/ (the operation that broke a capture), not torch's."""
+    from engine.errors import ConfigError
+    from engine.graphs import _where
+    from engine.model.ops import env_switch
+
+    monkeypatch.setenv("FREETOKEN_TEST_SWITCH", "perhaps")
+    with pytest.raises(ConfigError) as info:
+        env_switch("FREETOKEN_TEST_SWITCH", False)
+    where = _where(info.value)
+    assert where.startswith("ops.py:") and "in env_switch: raise ConfigError" in where, where
+
+
 @pytest.mark.gpu
 def test_capture_replay_and_logged_eager_fallback(caplog: pytest.LogCaptureFixture) -> None:
     cache = GraphCache("test graphs")

@@ -35,6 +35,7 @@ from freetoken_agent.demo import write_demo_model
 pytestmark = pytest.mark.gpu
 
 L, E, K, H, INTER = 3, 16, 4, 256, 96
+WIDE = (1, 1, 5, 1, 1, 4)  # 5 x K = 20 entries: the torch plan's step; each width seen at least twice in 12 steps
 
 
 def _banks(dtype: torch.dtype, seed: int = 0) -> ExpertBanks:
@@ -92,11 +93,13 @@ def test_slot_experts_match_reference_and_ignore_slot_placement(dtype: torch.dty
         torch.testing.assert_close(outs[0].float(), want.float(), rtol=3e-2, atol=3e-2)
 
 
-def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Outputs of `steps` decode steps over all layers, and how many entries ran on the CPU in each."""
+def _run(ex: CachedExpertExecutor, dtype: torch.dtype, steps: int,
+         widths: tuple[int, ...] = (1, 1, 4)) -> tuple[list[torch.Tensor], list[int]]:
+    """Outputs of `steps` decode steps over all layers (step s has widths[s % len(widths)] tokens),
+    and how many entries ran on the CPU in each."""
     outs, counts = [], [ex._counts.clone()]
     for s in range(steps):
-        n = 4 if s % 3 == 2 else 1
+        n = widths[s % len(widths)]
         x, ids, w = (t.cuda() for t in _routing(s, n))
         x, w = x.to(dtype), w.to(dtype)
         for layer in range(L):
@@ -256,13 +259,13 @@ def test_device_step_equals_all_resident(dtype: torch.dtype, slots: int, ratio: 
     banks = _banks(dtype)
     full = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False,
                                     split=False)  # every expert resident: no scratch slot
-    want, _ = _run(full, dtype, 9)
+    want, _ = _run(full, dtype, 12, WIDE)
     ref = TorchExpertExecutor(banks)
     ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, cpu_branch=branch)
     assert ex.step_tokens == 8
-    got, on_cpu = _run(ex, dtype, 9)
-    if graphs:
-        assert sum(step.captured for step in ex._steps.values()) > 0
+    got, on_cpu = _run(ex, dtype, 12, WIDE)
+    if graphs:  # every width's step captured for every layer (fused and torch plans, split or not)
+        assert {n: step.captured for n, step in ex._steps.items()} == {1: L, 4: L, 5: L}
     if slots == 0:
         assert all(c > 0 for c in on_cpu)  # every entry ran on the CPU
     elif ratio < 1.0:
@@ -296,14 +299,16 @@ def test_split_expert_step_equals_all_resident(dtype: torch.dtype, slots: int, r
     banks = _banks(dtype)
     full = create_cached_executor(banks, L * E * banks.expert_bytes, "cuda", 1.0, graphs=False,
                                     split=False)  # every expert resident: no scratch slot
-    want, _ = _run(full, dtype, 9)
+    want, _ = _run(full, dtype, 12, WIDE)
     ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, fetch="dma",
                                 split=True)
     assert ex.split and ex.slots.slots == slots - 1 and ex.slots.scratch == slots - 1
     assert ex.slots.w13.shape[0] == slots
-    got, _ = _run(ex, dtype, 9)
+    got, _ = _run(ex, dtype, 12, WIDE)
+    # the split rides on the fused plan's steps (<= 16 entries); the torch plan's fetch whole experts
+    assert {n: step._split is not None for n, step in ex._steps.items()} == {1: True, 4: True, 5: False}
     if graphs:
-        assert sum(step.captured for step in ex._steps.values()) > 0
+        assert {n: step.captured for n, step in ex._steps.items()} == {1: L, 4: L, 5: L}
     assert ex.stats.split > 0
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if dtype == torch.float32:

@@ -81,3 +81,25 @@ def test_whole_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: f
         assert stats.split == 0 and stats.misses > stats.fetched > 0
     assert got == want
     assert peak <= cap, f"peak {peak} > cap {cap}"
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+@pytest.mark.parametrize("n", [3, 6])  # x 4 routed experts: 12 entries (the fused plan), 24 (the torch plan)
+def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path, n: int, split: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of at most 8 tokens runs as a decode-sized pass; under a cap its pass is captured
+    (the third such prompt replays the graph the second captured) with and without the split expert,
+    and the tokens are the uncapped engine's. (The tenth GPU session saw a 4-token pass's capture
+    fail with the split on: "Cannot copy between CPU and CUDA tensors during CUDA graph capture".)"""
+    model, _, cap, _ = _uncapped(tmp_path, "qwen3_moe")
+    prompts = [PROMPT[i * n:(i + 1) * n] for i in range(3)]
+    with Engine(model, EngineOptions(**BASE)) as ref:
+        want = [list(ref.generate(p, PARAMS)) for p in prompts]
+    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", split)
+    with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=0.5)) as eng:
+        ex = eng.decoder.executor
+        assert isinstance(ex, CachedExpertExecutor) and ex.split == (split == "1")
+        got = [list(eng.generate(p, PARAMS)) for p in prompts]
+        graphs = eng.decoder._graphs.get(n)
+        assert graphs is not None and graphs.captured == 1, "the short prompts' pass ran eagerly"
+    assert got == want
