@@ -26,7 +26,7 @@ bulk-copy rate, not the SMs' loads) and sets a per-layer word once they have lan
 after the copy stream drains; FREETOKEN_DMA_WORD=stream: a stream write after them) while the
 poller runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile,
 waits for that word, then runs the fetched entries' (native/src/dma_fetch.h). With the executor's
-`split` (FREETOKEN_SPLIT_EXPERT) the plan also names one split expert: the copy list carries its
+`split` (FREETOKEN_SPLIT_EXPERT; steps the fused plan serves) the plan also names one split expert: the copy list carries its
 [flat id, r] after the pairs, the copier fetches its first r rows into the scratch slot with the
 others, the GEMVs run those rows from the scratch after the word, and the hand-off gives the CPU its
 id too, whose task computes the rows from r on. The CPU branch is handed to
