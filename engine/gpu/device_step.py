@@ -26,7 +26,7 @@ bulk-copy rate, not the SMs' loads) and sets a per-layer word once they have lan
 after the copy stream drains; FREETOKEN_DMA_WORD=stream: a stream write after them) while the
 poller runs the CPU experts; the GPU runs the GEMVs of the entries already in slots meanwhile,
 waits for that word, then runs the fetched entries' (native/src/dma_fetch.h). With the executor's
-`split` (FREETOKEN_SPLIT_EXPERT; steps the fused plan serves) the plan also names one split expert: the copy list carries its
+`split` (FREETOKEN_SPLIT_EXPERT) the plan also names one split expert: the copy list carries its
 [flat id, r] after the pairs, the copier fetches its first r rows into the scratch slot with the
 others, the GEMVs run those rows from the scratch after the word, and the hand-off gives the CPU its
 id too, whose task computes the rows from r on. The CPU branch is handed to
@@ -149,10 +149,7 @@ class DeviceStep:
             self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
         else:
             self._fused = None
-        # the split rides on the fused plan's steps only (batch-1 decode, where whole experts cost the
-        # most): wider steps fetch whole experts. (A 4-token pass with the split failed its CUDA graph
-        # capture in the tenth GPU session, wide steps being the torch plan's: not yet run there.)
-        self._split = executor.split_steps if self._fused is not None else None
+        self._split = executor.split_steps
         self.fetch = resolve_fetch(fetch, self.cpu_branch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}

@@ -85,9 +85,10 @@ def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float,
     copy_dst = torch.full((E,), -1, dtype=torch.int64, device=dev)
     hit_slot = torch.where(hit, row, S)  # trash slot where not a hit
     split_out = None
-    if split is not None:  # [-1, 0] without a host-to-device copy (the plan may run inside a capture)
-        split_out = torch.zeros(2, dtype=torch.int64, device=dev)
-        split_out[0] = -1
+    if split is not None:
+        # [-1, 0] by a device op: `t[0] = -1` on a CUDA tensor copies a host scalar over, which a
+        # CUDA graph capture refuses (the tenth GPU session's failed 4-token pass)
+        split_out = torch.arange(-1, 1, dtype=torch.int64, device=dev)
     split_e = None
     if S == 0:
         q = torch.zeros_like(m)

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.plan import plan_layer
@@ -132,3 +133,45 @@ def test_the_split_is_on_wherever_it_can_run_unless_turned_off(monkeypatch: pyte
     with pytest.raises(ConfigError, match="multiple of 32"):
         resolve_split(None, fp8, "dma", "fused", cuda, True)
     assert not resolve_split(False, banks, "kernel", "fused", cuda, True)
+
+
+class _HostScalarCopies(TorchDispatchMode):
+    """Counts copies whose source is a scalar tensor made from a Python number (`t[i] = 3`): on a
+    CUDA tensor PyTorch makes that scalar in host memory, and a CUDA graph capture refuses the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.scalar_tensor.default:
+            self.kept.append(out)  # alive, so no later tensor takes its id
+            self.made.add(id(out))
+        elif func is torch.ops.aten.copy_.default and id(args[1]) in self.made:
+            self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("split", [None, (4, 16)])
+@pytest.mark.parametrize("slots", [0, 3, 9])
+def test_the_torch_plan_copies_no_python_number_into_a_tensor(split: tuple[int, int] | None, slots: int) -> None:
+    """The torch plan runs inside the decode pass's CUDA graph for steps of more than 16 entries:
+    no `t[i] = number` (the tenth GPU session's failed 4-token capture was `split_out[0] = -1`). On
+    the meta device, which like CUDA (unlike the CPU) routes that number through a dispatched scalar
+    tensor and a copy: the decisions are not computed, the ops are seen."""
+    state = CacheTable(2, 16, slots, "meta")
+    scratch = slots if split is not None else -1
+    spy = _HostScalarCopies()
+    with spy:
+        for step in range(4):
+            ids = torch.randint(0, 16, (5, 4), generator=torch.Generator().manual_seed(step)).to("meta")
+            plan_layer(state, step % 2, ids, 0.5, split, scratch)
+    assert spy.copies == []
+    # and the spy does see the pattern it guards against
+    with spy:
+        t = torch.zeros(2, dtype=torch.int64, device="meta")
+        t[0] = -1
+    assert spy.copies == ["aten.copy_.default"]
