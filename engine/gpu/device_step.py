@@ -207,7 +207,9 @@ class DeviceStep:
             plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts, self._split,
                                                 self._scratch)
         else:
-            plan = plan_layer(ex.table, layer, ids, ex.ratio, self._split, self._scratch)
+            # the device scalar here too: a captured step follows the online ratio like the fused plan's
+            assert ex.ratio_device is not None
+            plan = plan_layer(ex.table, layer, ids, ex.ratio_device[0], self._split, self._scratch)
             ex._counts += plan.counts()
         task = self._task(layer)
         kernels = self._kernels

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.policy import fetch_count, split_share
+from engine.gpu.policy import Ratio, fetch_count, split_share
 
 _NEVER = 2**40  # key of protected and reserved slots: never chosen (steps stay far below)
 
@@ -61,7 +61,7 @@ class LayerPlan:
         return torch.stack([self.hits, self.misses, self.fetched, split.to(torch.int64)])
 
 
-def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: float,
+def plan_layer(state: CacheTable, layer: int, ids: torch.Tensor, ratio: Ratio,
                split: tuple[int, int] | None = None, scratch: int = -1) -> LayerPlan:
     if not 0 <= layer < state.layers:
         raise ValueError(f"MoE layer {layer} out of range [0, {state.layers})")

@@ -11,7 +11,8 @@ Contract:
     the CPU keeps B_H - B_P while PCIe runs; when that holds B_P' = B_P and B_C' = B_H - B_P and
     both forms agree. Where the CPU alone does not saturate DRAM (BENCHMARKS.md: 8 threads, CPU 50,
     PCIe 55, ~100 together) the paper's form sends every miss over PCIe; the contended form does not.
-- `fetch_count(misses, ratio)` -> q for a tensor of miss counts m (any shape, integer dtype):
+- `fetch_count(misses, ratio)` -> q for a tensor of miss counts m (any shape, integer dtype; the
+  ratio a float or a float64 0-d tensor on m's device, which gives the same q without a host read):
   q = clamp(round(m * ratio), 1, m) when m > 0, else 0. round is half-to-even on the float64
   product (as Python's `round`). At least one fetch per layer keeps the cache warming even when
   the CPU takes most misses (paper 3.2). ratio == 0 is the one exception: fetching is off, q = 0
@@ -49,18 +50,28 @@ def check_ratio(ratio: float) -> float:
     return float(ratio)
 
 
-def fetch_count(misses: torch.Tensor, ratio: float) -> torch.Tensor:
-    ratio = check_ratio(ratio)
+Ratio = float | torch.Tensor  # a float, or a float64 0-d device scalar (the executor's online ratio)
+
+
+def _checked(ratio: Ratio) -> Ratio:
+    """A float is checked here; a device scalar is checked where it is written (reading it here
+    would synchronise, and the plan may run inside a CUDA graph capture)."""
+    return ratio if isinstance(ratio, torch.Tensor) else check_ratio(ratio)
+
+
+def fetch_count(misses: torch.Tensor, ratio: Ratio) -> torch.Tensor:
+    ratio = _checked(ratio)
     m = misses.to(torch.int64)
-    if ratio == 0.0:
+    if not isinstance(ratio, torch.Tensor) and ratio == 0.0:
         return torch.zeros_like(m)
     q = torch.round(m.to(torch.float64) * ratio).to(torch.int64)
     # clamp(q, 1, m) is 0 for m == 0 because the upper bound wins
-    return torch.minimum(torch.clamp(q, min=1), m)
+    q = torch.minimum(torch.clamp(q, min=1), m)
+    return torch.where(ratio == 0, 0, q) if isinstance(ratio, torch.Tensor) else q
 
 
-def split_share(misses: torch.Tensor, ratio: float, units: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ratio = check_ratio(ratio)
+def split_share(misses: torch.Tensor, ratio: Ratio, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = _checked(ratio)
     if units < 1:
         raise ValueError(f"units must be >= 1, got {units}")
     m = misses.to(torch.int64)

@@ -168,10 +168,34 @@ def test_the_torch_plan_copies_no_python_number_into_a_tensor(split: tuple[int, 
     with spy:
         for step in range(4):
             ids = torch.randint(0, 16, (5, 4), generator=torch.Generator().manual_seed(step)).to("meta")
-            plan_layer(state, step % 2, ids, 0.5, split, scratch)
+            ratio = 0.5 if step % 2 else torch.tensor([0.5], dtype=torch.float64, device="meta")[0]
+            plan_layer(state, step % 2, ids, ratio, split, scratch)
     assert spy.copies == []
     # and the spy does see the pattern it guards against
     with spy:
         t = torch.zeros(2, dtype=torch.int64, device="meta")
         t[0] = -1
     assert spy.copies == ["aten.copy_.default"]
+
+
+@pytest.mark.parametrize("split", [None, (4, 16)])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.47, 0.5, 1.0])
+def test_the_torch_plan_reads_a_device_ratio_as_it_reads_a_float(split: tuple[int, int] | None,
+                                                                 ratio: float) -> None:
+    """The decode step's torch plan takes the executor's online ratio as a float64 0-d tensor (no
+    host read inside a capture): the same plans and cache states as with the float, call by call."""
+    states = [CacheTable(3, 16, 7, "cpu") for _ in range(2)]
+    scratch = 7 if split is not None else -1
+    device_ratio = torch.tensor([ratio], dtype=torch.float64)[0]
+    rng = random.Random(7)
+    for call in range(120):
+        n = rng.choice([1, 2, 5])
+        ids = torch.tensor([rng.sample(range(16), 4) for _ in range(n)])
+        layer = rng.randrange(3)
+        a = plan_layer(states[0], layer, ids, ratio, split, scratch)
+        b = plan_layer(states[1], layer, ids, device_ratio, split, scratch)
+        for name in ("slot_ids", "copy_src", "copy_dst", "hits", "misses", "fetched"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (call, name)
+        assert (a.split is None) == (b.split is None)
+        assert a.split is None or torch.equal(a.split, b.split), call
+    assert torch.equal(states[0].table, states[1].table) and torch.equal(states[0].last_use, states[1].last_use)
