@@ -1,7 +1,8 @@
 """Where a decode step's host time goes: one engine on random weights of a real shape (the `bench
 decode` model flags), a warm-up generation (graphs captured), then `--tokens` decode tokens with the
-engine thread's calls timed by wall clock (the scheduler step, the decode pass's input copies and
-graph launch, the LM head, the wait in the executor's check, the sampler, the listener). The GPU
+engine thread's calls timed by wall clock (the scheduler step, its admission and KV allocation, the
+decode pass's rotary check, input copies, metadata fill and graph launch, the LM head, the wait in
+the executor's check, the sampler, the emission to the listener). The GPU
 is idle from the end of one step's wait to the next graph launch: that interval, split by call,
 is printed per token with the step time next to it (off CUDA nothing is replayed: no idle time).
 
@@ -86,6 +87,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         marks.wrap(sched_mod, "sample", "sample")
         marks.wrap(eng, "_refresh_cache_stats", "refresh")
+        # finer marks inside the batch build and the pass's inputs (the tenth session's 206 / 208 us)
+        marks.wrap(sched, "_admit", "admit")
+        marks.wrap(sched, "_alloc_kv", "alloc")
+        marks.wrap(dec.rotary, "prepare", "rotary")
+        from engine.request import RequestHandle
+
+        marks.wrap(RequestHandle, "_emit", "emit")
+        if torch.cuda.is_available():
+            from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
+
+            marks.wrap(DecodeMeta, "fill", "fill")
         bench.timed_request(bench.random_prompt(4, -1), WARMUP_TOKENS)
         marks.on = True
         timing = bench.timed_request(bench.random_prompt(4, 0), args.tokens + 1)
