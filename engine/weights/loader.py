@@ -28,6 +28,7 @@ from engine.weights.layout import (
 from engine.weights.reader import CheckpointReader
 
 Progress = Callable[[int, int], None]
+_ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
 
 
 class _Fetch:
@@ -45,8 +46,11 @@ class _Fetch:
         return self.reader.get(name)
 
     def dense(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self.raw(name, tuple(shape))
-        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        t = self.raw(name, tuple(shape)).to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        # a tensor read in place from a file sits wherever the file put it; CPU BLAS kernels order
+        # their sums by the pointer's alignment (a one-row product on the torch 2.13 CPU build gave
+        # other float32 roundings for the same router weights at offsets 0 and 40): own, aligned memory
+        return t.clone() if t.device.type == "cpu" and t.data_ptr() % _ALIGN else t
 
     def optional(self, name: str, *shape: int) -> torch.Tensor | None:
         return self.dense(name, *shape) if self.reader.has(name) else None
