@@ -103,3 +103,31 @@ def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path,
         graphs = eng.decoder._graphs.get(n)
         assert graphs is not None and graphs.captured == 1, "the short prompts' pass ran eagerly"
     assert got == want
+
+
+def test_concurrent_decode_batches_are_captured_under_a_cap(tmp_path: Path) -> None:
+    """Eight requests decoding together under a cap (the split on, the default): the decode passes
+    of 8, 4, 2 and 1 sequences are each captured once and replayed (CUDA-graph decode for every
+    batch size, the cache step inside), and every request's logits (forced outputs) are the
+    uncapped engine's within the miss split's rounding."""
+    model, _, cap, _ = _uncapped(tmp_path, "qwen3_moe")
+    lengths = [32, 24, 16, 16, 8, 8, 8, 8]  # running: 8, then 4, 2, 1 sequences, ~8 steps each
+    prompts = [[300 + (7 * i + j) % 200 for j in range(16)] for i in range(len(lengths))]
+    forced = [[(11 * i + 3 * j) % 250 + 300 for j in range(n)] for i, n in enumerate(lengths)]
+
+    def run(**kw: object) -> tuple[list[torch.Tensor], dict[int, int], object]:
+        with Engine(model, EngineOptions(**{**BASE, "max_running": 8}, **kw)) as eng:  # type: ignore[arg-type]
+            handles = [eng.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), capture_logits=True,
+                                  forced_output=f) for p, n, f in zip(prompts, lengths, forced, strict=True)]
+            for h in handles:
+                h.result(timeout=600)
+            captured = {n: g.captured for n, g in eng.decoder._graphs.items()}
+            return [torch.stack([t.float().cpu() for t in h.logits]) for h in handles], captured, eng.decoder.executor
+
+    want, _, _ = run()
+    got, captured, ex = run(gpu_memory=cap, fetch_ratio=0.5)
+    assert isinstance(ex, CachedExpertExecutor) and ex.split and ex.stats.misses > ex.stats.fetched
+    assert all(captured.get(n) == 1 for n in (8, 4, 2, 1)), captured
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
