@@ -1,9 +1,11 @@
 """The per-layer cache plan of a decode step: dedupe, lookup, q*, victims, state update, id
-rewrite, copy list. Fully vectorised: no `.item()`, no Python loop over data, every output of a
-fixed shape (padded with -1, counts as 0-d tensors), so it can be captured in a CUDA graph.
+rewrite, copy list. Fully vectorised: no `.item()`, no Python loop over data, no Python number
+written into a tensor (`t[i] = 3` copies a host scalar to the GPU, which a capture refuses), every
+output of a fixed shape (padded with -1, counts as 0-d tensors), so it can be captured in a CUDA graph.
 
 Contract: `plan_layer(state, layer, ids, ratio)` for routed ids [N, k] (int, expert ids of MoE
-layer `layer`, on `state.device`) updates `state` (engine/gpu/cache_table.py) and returns a
+layer `layer`, on `state.device`) and a ratio (a float, or a float64 0-d tensor on that device:
+the executor's online one) updates `state` (engine/gpu/cache_table.py) and returns a
 `LayerPlan`. The policy, which tests/engine/gpu's pure-Python reference restates:
 1. the distinct experts routed in this call are split into hits (resident) and misses (m of them);
 2. q = min(fetch_count(m, ratio), slots that may be taken) (engine/gpu/policy.py; hits are never
