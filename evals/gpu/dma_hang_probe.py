@@ -19,6 +19,9 @@ Variants, one hypothesis each:
   stream in one hardware queue);
 - stream-word, polled: the host polls an event instead of a blocking read after each layer;
 - host-word, polled: the engine's way (the host reads only after the step is done).
+- host-word, pinned read: the step's counters copied asynchronously into page-locked memory while
+  the step may still wait for the copier, then an event polled: what queueing the next step before
+  reading this one's picks needs (the tenth session's idea against the host time between steps).
 
 With the host-written word, copies that never land fail the fetch after 5 s (FAILED, not HANG).
 Found in the eighth session (before host-word, polled existed): host-word and stream-word hung
@@ -46,6 +49,7 @@ VARIANTS = {
     "stream-word, connections-32": {"FREETOKEN_DMA_WORD": "stream", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
     "stream-word, polled": {"FREETOKEN_DMA_WORD": "stream", "FT_PROBE_POLLED": "1"},
     "host-word, polled": {"FREETOKEN_DMA_WORD": "host", "FT_PROBE_POLLED": "1"},
+    "host-word, pinned read": {"FREETOKEN_DMA_WORD": "host", "FT_PROBE_READ": "pinned"},
 }
 L, E, K, H, INTER = 3, 16, 4, 256, 96  # tests/engine/gpu_cache/test_device_step_cuda.py's sizes
 
@@ -65,6 +69,8 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
     ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, fetch="dma")
     where = {"step": -1, "layer": -1}
     polled = os.environ.get("FT_PROBE_POLLED") == "1"
+    pinned = (torch.zeros(ex._counts.shape, dtype=ex._counts.dtype, pin_memory=True)
+              if os.environ.get("FT_PROBE_READ") == "pinned" else None)
 
     def watchdog() -> None:
         time.sleep(watchdog_s)
@@ -98,7 +104,14 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
                     done.record()
                     while not done.query():
                         time.sleep(50e-6)
-                ex._counts.tolist()
+                if pinned is not None:  # an async read into page-locked memory, then an event
+                    pinned.copy_(ex._counts, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    while not done.query():
+                        time.sleep(50e-6)
+                else:
+                    ex._counts.tolist()
                 ex.check()  # a failed fetch raises at the layer it failed
     except Exception as e:  # a fetch that failed (the host-written word's deadline) is reported, not hung
         print(f"FAILED step {where['step']} layer {where['layer']}: {e}")
