@@ -150,6 +150,10 @@ class DeviceStep:
         else:
             self._fused = None
         self._split = executor.split_steps
+        # the executor's device ratio as a 0-d view, made once: the torch plan reads it like the fused
+        # plan, so a captured step follows the online ratio (check() rewrites it in place)
+        assert executor.ratio_device is not None  # a CUDA executor's (device steps run on CUDA only)
+        self._ratio = executor.ratio_device[0]
         self.fetch = resolve_fetch(fetch, self.cpu_branch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
@@ -207,9 +211,7 @@ class DeviceStep:
             plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts, self._split,
                                                 self._scratch)
         else:
-            # the device scalar here too: a captured step follows the online ratio like the fused plan's
-            assert ex.ratio_device is not None
-            plan = plan_layer(ex.table, layer, ids, ex.ratio_device[0], self._split, self._scratch)
+            plan = plan_layer(ex.table, layer, ids, self._ratio, self._split, self._scratch)
             ex._counts += plan.counts()
         task = self._task(layer)
         kernels = self._kernels

@@ -101,6 +101,11 @@ def resolve_split(split: bool | None, banks: ExpertBanks, fetch: str, plan: str,
     return asked
 
 
+def serves_steps(cpu_executor: ExpertExecutor) -> bool:
+    """Whether the CPU executor can run a device step's CPU branch (the native one: its host tasks)."""
+    return hasattr(cpu_executor, "experts")
+
+
 def split_units(banks: ExpertBanks) -> int:
     """Steps of SPLIT_ROWS rows in one expert, or 0 where the banks cannot be split (the native CPU
     side splits bf16 / f32 weights at multiples of 16 rows)."""
@@ -213,7 +218,7 @@ class CachedExpertExecutor:
         # one miss per decode step split by rows between a partial fetch and the CPU (on where it can
         # run since the tenth GPU session); the requests are kept for a rebuilt pool (engine/gpu/elastic.py)
         self.split_request, self.adapt_request = split, adapt
-        native = hasattr(cpu_executor, "experts")
+        native = serves_steps(cpu_executor)
         on = resolve_split(split, banks, self.fetch, self.plan, table.device, native)
         # the plan's (units, rows per unit), or None: also none for a pool too small for a scratch slot
         # next to a table slot (create_cached_executor makes the scratch when the split is on)
@@ -229,7 +234,7 @@ class CachedExpertExecutor:
         # the plan kernel reads the ratio from here: check() may rewrite it between steps
         self.ratio_device = (torch.tensor([self.ratio], dtype=torch.float64, device=table.device)
                              if table.device.type == "cuda" else None)
-        self.step_tokens = step_tokens if table.device.type == "cuda" and hasattr(cpu_executor, "experts") else 0
+        self.step_tokens = step_tokens if table.device.type == "cuda" and native else 0
         self._steps: dict[int, DeviceStep] = {}
         self._failures_checked = 0  # native host-task failures seen by check()
         self._graph_pool: tuple[int, int] | None = None
@@ -415,7 +420,7 @@ def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.
     cpu_executor = cpu_executor or default_cpu_executor(banks, threads)
     branch = resolve_cpu_branch(cpu_branch)
     scratch = resolve_split(split, banks, resolve_fetch(fetch, branch), resolve_plan(plan), torch.device(device),
-                            hasattr(cpu_executor, "experts"))
+                            serves_steps(cpu_executor))
     slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=scratch)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
