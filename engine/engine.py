@@ -220,6 +220,9 @@ class Engine:
         # getattr would evaluate it every step (~60 us per token on the H200)
         if time.monotonic() - self._cache_stats_at < 1.0 or not hasattr(type(self.decoder.executor), "stats"):
             return
+        if self.scheduler.in_flight:  # the read would wait for the queued pass: after the next step
+            self.scheduler.request_drain()
+            return
         self._cache_stats_at = time.monotonic()
         s = self.decoder.executor.stats  # type: ignore[attr-defined]
         self._cache_stats = {"hits": s.hits, "misses": s.misses, "fetched": s.fetched, "hit_rate": s.hit_rate}
@@ -255,6 +258,7 @@ class Engine:
         from engine.gpu.elastic import rebuild_expert_cache
 
         with self._step_lock:  # rebuild_expert_cache refuses an engine without a cache
+            self.scheduler.drain()  # no pass may still use the old cache
             self.gpu_budget = rebuild_expert_cache(self.decoder, self.opts, self.dtype, total)
             self._cache_stats, self._cache_stats_at = {}, 0.0
             if torch.device(self.opts.device).type == "cuda":

@@ -114,6 +114,8 @@ class Request:
     forced: list[int] | None = None  # replay: these ids replace the sampled ones, then "stop"
     pending_anchor: DecodeAnchor | None = None  # generated last step: checkpoint after this step
     finish_pending: str | None = None  # finish reason held back for that one extra step
+    finish_error: EngineError | None = None  # with finish_pending "error": a failed draw, nothing cached
+    kv_tail: list[int] = field(default_factory=list)  # KV slots taken while passes were in flight, not yet in kv_slots
     match_node: Node | None = None
     state_slot: int = -1
     generator: torch.Generator | None = None

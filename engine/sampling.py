@@ -84,8 +84,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return _constrained(logits, params, generator, constraint)
     if params.greedy:
         return int(torch.argmax(logits))
+    return read_draw(queue_draw(logits, params, generator))
+
+
+def queue_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample`'s draw for a request without a constraint at temperature > 0, queued on logits'
+    device and not read: [index, valid] in float64 (valid 0: the filtered distribution's total is not
+    a positive finite number). The generator's uniform number is taken now, as `sample` takes it, so
+    a seeded request draws the same tokens either way (engine/decode_pipeline.py reads it later)."""
     probs = torch.softmax(_filtered_scores(logits, params), dim=-1)
-    return draw_index(probs, float(torch.rand((), generator=generator, dtype=torch.float64)))
+    return _draw(probs, float(torch.rand((), generator=generator, dtype=torch.float64)))
+
+
+def read_draw(draw: torch.Tensor | list[float]) -> int:
+    """The token of a `queue_draw` result (read here, or already read into a list); ValueError for
+    a distribution without a positive finite total (NaN logits)."""
+    index, valid = draw.tolist() if isinstance(draw, torch.Tensor) else draw
+    if not valid:
+        raise ValueError("cannot sample from a distribution whose total is not a positive finite number")
+    return int(index)
 
 
 def draw_index(probs: torch.Tensor, u: float) -> int:
@@ -97,13 +114,13 @@ def draw_index(probs: torch.Tensor, u: float) -> int:
     it), so the first entry above the threshold exists and has a probability of its own. A
     distribution whose total is not a positive finite number (NaN logits) raises ValueError, read
     in the same transfer as the index."""
+    return read_draw(_draw(probs, u))
+
+
+def _draw(probs: torch.Tensor, u: float) -> torch.Tensor:
     cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
     total = cdf[-1]
-    index, valid = torch.stack([(cdf <= total * u).sum().double(),
-                                (torch.isfinite(total) & (total > 0)).double()]).tolist()
-    if not valid:
-        raise ValueError(f"cannot sample from a distribution that sums to {total.item()}")
-    return int(index)
+    return torch.stack([(cdf <= total * u).sum().double(), (torch.isfinite(total) & (total > 0)).double()])
 
 
 def _filtered_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

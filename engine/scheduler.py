@@ -24,6 +24,7 @@ from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta
 from engine.cache.checkpoints import CheckpointStore
 from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
+from engine.decode_pipeline import DecodePipeline, overlap_enabled
 from engine.errors import CapacityError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
 from engine.model.decoder import Decoder
@@ -46,6 +47,24 @@ class Scheduler:
         self.eos = set(cfg.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # steady decode through captured graphs: the next pass queued before this one's tokens are read
+        self.pipeline = DecodePipeline(self) if overlap_enabled(opts.overlap_decode) else None
+
+    @property
+    def in_flight(self) -> bool:
+        """A pass is queued whose tokens are not read yet (engine/decode_pipeline.py): no device
+        read into pageable memory until it is done."""
+        return self.pipeline is not None and bool(self.pipeline.inflight)
+
+    def drain(self) -> None:
+        """Completes every pass in flight (before anything replaces what they use)."""
+        if self.pipeline is not None:
+            self.pipeline.drain()
+
+    def request_drain(self) -> None:
+        """The next step completes what is in flight without queueing more."""
+        if self.pipeline is not None:
+            self.pipeline.drain_requested = True
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +121,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.inflight:
+            pipeline.advance()
+            return
         for req in [r for r in self.running if r.handle.aborted]:
             self._finish(req, "abort")
         if any(r.handle.aborted for r in self.waiting):
@@ -145,8 +168,14 @@ class Scheduler:
             return
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
+        overlap = pipeline is not None and pipeline.may_start(entries)
         try:
             hidden = self.decoder.forward(batch, self.kv, self.states)
+            if overlap:
+                assert pipeline is not None
+                pipeline.start(entries, hidden)
+                pipeline.advance()
+                return
             # a decode batch (one token per sequence) needs no gather of the last tokens
             last = hidden if len(ids) == len(batch.seqs) else hidden[batch.last_token_index()]
             logits = self.decoder.logits(last)
@@ -158,6 +187,8 @@ class Scheduler:
                 check(len(ids))
             greedy_ids = picks.tolist() if picks is not None else None
         except Exception as e:  # a failed step must not take the engine down
+            if pipeline is not None:
+                pipeline.abandon()  # nothing may stay in flight while the requests are released
             err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
             for req, _ in entries:
                 self._finish(req, "error", err, keep_cache=False)
@@ -170,15 +201,23 @@ class Scheduler:
                     self._checkpoint(req, SnapshotMeta(anchor.kind, anchor.priority, req.session))
                 if req.computed < len(req.prompt):
                     continue
-            elif req.pending_anchor is not None:
-                # The anchor token was fed this step: the state now includes it.
-                da, req.pending_anchor = req.pending_anchor, None
-                self._checkpoint(req, SnapshotMeta(da.kind, da.priority, req.session))
-            if req.finish_pending is not None:
-                self._finish(req, req.finish_pending)
+            elif self.decoded(req):
                 continue
             req.phase = Phase.DECODE
             self._sample(req, logits[row], greedy_ids[row] if greedy_ids is not None else None)
+
+    def decoded(self, req: Request) -> bool:
+        """After a pass fed a decoding request its last token: the checkpoint a decode anchor asked
+        for, and the finish held back for that pass; True when the request is finished."""
+        if req.pending_anchor is not None:
+            # The anchor token was fed this step: the state now includes it.
+            da, req.pending_anchor = req.pending_anchor, None
+            self._checkpoint(req, SnapshotMeta(da.kind, da.priority, req.session))
+        if req.finish_pending is not None:
+            # a held-back error: the pass fed a token that is not in the output, keep none of it
+            self._finish(req, req.finish_pending, req.finish_error, keep_cache=req.finish_error is None)
+            return True
+        return False
 
     def _sample(self, req: Request, logits: torch.Tensor, pick: int | None = None) -> None:
         """`pick`: the row's argmax, computed with the step's (used for a greedy request without a
@@ -200,9 +239,16 @@ class Scheduler:
         except Exception as e:  # a bad constraint must fail its request, not the engine
             self._finish(req, "error", EngineError(f"sampling failed: {type(e).__name__}: {e}"))
             return
+        self.accept(req, token)
+
+    def accept(self, req: Request, token: int, defer: bool = False) -> None:
+        """A request's next token: emitted, then the stop and length checks and decode anchors.
+        `defer`: a pass that feeds it is already queued (engine/decode_pipeline.py), so a finish
+        waits for that pass like a decode anchor's (`decoded`)."""
         req.output.append(token)
         req.handle._emit(token)
         p = req.params
+        forced = req.forced
         reason = None
         if (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)
                 or (forced is not None and len(req.output) >= len(forced))):
@@ -215,7 +261,17 @@ class Scheduler:
             # step anyway (output already complete, its logits unreported) so the anchor is kept.
             req.pending_anchor, req.finish_pending = anchor, reason
         elif reason is not None:
-            self._finish(req, reason)
+            self.end(req, reason, defer=defer)
+
+    def end(self, req: Request, reason: str, error: EngineError | None = None, defer: bool = False,
+            keep_cache: bool = True) -> None:
+        """Finishes the request now, or (`defer`) once the pass already queued for it is done; a
+        deferred finish without `keep_cache` must carry its error."""
+        if not defer:
+            self._finish(req, reason, error, keep_cache)
+            return
+        assert keep_cache or error is not None
+        req.finish_pending, req.finish_error = reason, error
 
     def _decode_anchor(self, req: Request, token: int) -> DecodeAnchor | None:
         best = None
@@ -248,6 +304,8 @@ class Scheduler:
 
     def fail_all(self, err: EngineError) -> None:
         """Ends every request with `err` after an unexpected failure, dropping their cache state."""
+        if self.pipeline is not None:
+            self.pipeline.abandon()
         for req in list(self.running):
             self._finish(req, "error", err, keep_cache=False)
         while self.waiting:

@@ -63,6 +63,10 @@ class KVPool:
         ids = self._slots.take(n)
         return None if ids is None else torch.tensor(ids, dtype=torch.long, device=self.device)
 
+    def take(self, n: int) -> list[int] | None:
+        """`n` free slots as host integers (nothing crosses to the device), or None."""
+        return self._slots.take(n)
+
     def free(self, slots: torch.Tensor) -> None:
         self._slots.give(slots.tolist())
 

@@ -360,19 +360,21 @@ class CachedExpertExecutor:
         step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
         return step.enqueue_with_side(x, ids, weights, moe_index, side)
 
-    def check(self, tokens: int | None = None) -> None:
+    def check(self, tokens: int | None = None, wait: bool = True) -> None:
         """After a forward pass of `tokens` tokens: raises `EngineError` if a decode step's CPU branch
         or host-issued fetch failed since the last check (they run where nothing can raise: a host
         node, the poller). The queued work is waited for first (the caller reads the logits next
-        anyway); a failure empties the cache (a failed fetch may have left stale rows in slots the
-        table calls resident), so the next step starts clean. One native read when nothing failed.
-        A pass larger than a decode step ran no device step: nothing to wait for (a prefill chunk's
-        successor is queued while it runs)."""
+        anyway), unless `wait` is False: the caller waited for that pass's own event, and a later
+        pass may be queued behind it (engine/decode_pipeline.py); a failure then waits for the
+        stream before it looks further. A failure empties the cache (a failed fetch may have left
+        stale rows in slots the table calls resident), so the next step starts clean. One native
+        read when nothing failed. A pass larger than a decode step ran no device step: nothing to
+        wait for (a prefill chunk's successor is queued while it runs)."""
         if not self._steps or (tokens is not None and tokens > self.step_tokens):
             return
         from native.ftnative import host_task_failures, poll_lateness
 
-        if self.table.device.type == "cuda":
+        if wait and self.table.device.type == "cuda":
             torch.cuda.current_stream(self.table.device).synchronize()
         if self.adapt and self.ratio_device is not None:
             new = self._controller.observe(*poll_lateness())
@@ -383,6 +385,8 @@ class CachedExpertExecutor:
         if failures == self._failures_checked:
             return
         self._failures_checked = failures
+        if not wait and self.table.device.type == "cuda":
+            torch.cuda.current_stream(self.table.device).synchronize()  # before the steps read the device
         try:
             for step in self._steps.values():
                 step.check()

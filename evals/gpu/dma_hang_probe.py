@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -125,6 +126,7 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--watchdog-s", type=float, default=8.0)  # past the host word's 5 s deadline
+    ap.add_argument("--only", default="", help="run the variants whose name matches this regex")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -133,6 +135,8 @@ def main() -> None:
         return
     rows = []
     for variant, env in VARIANTS.items():
+        if not re.search(args.only, variant):
+            continue
         for slots, ratio, graphs in CASES:
             cmd = [sys.executable, "-m", "evals.gpu.dma_hang_probe", "--watchdog-s", str(args.watchdog_s),
                    "--child", str(slots), str(ratio), "1" if graphs else "0"]

@@ -49,7 +49,8 @@ F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 # FETCHES="kernel dma split split+adapt" runs ours once per variant against the same llama.cpp run,
 # each into $OUT/ours_<variant>/ with its own summary: "kernel" / "dma" pick FREETOKEN_FETCH, "split"
-# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1;
+# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+serial"
+# FREETOKEN_OVERLAP_DECODE=0 (each pass's tokens read before the next pass is queued);
 # unset: one run as the environment says
 run_ours() {  # $1: the directory ours writes to
 local out=$1 seen=" " p cap
@@ -72,10 +73,12 @@ else
     for fetch in $FETCHES; do
         mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
         echo "== ours with FREETOKEN_FETCH=$fetch"
-        path=${fetch%%+*} split=0 adapt=0
+        path=${fetch%%+*} split=0 adapt=0 overlap=1
         [ "$path" = split ] && path=dma split=1
         case "$fetch" in *+adapt*) adapt=1 ;; esac
-        FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt run_ours "$OUT/ours_$fetch"
+        case "$fetch" in *+serial*) overlap=0 ;; esac
+        FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt FREETOKEN_OVERLAP_DECODE=$overlap \
+            run_ours "$OUT/ours_$fetch"
     done
 fi
 rm -f "$GGUF"

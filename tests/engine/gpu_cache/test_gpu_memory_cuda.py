@@ -24,18 +24,20 @@ PROMPT = list(range(300, 364))
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def _uncapped(tmp_path: Path, arch: str) -> tuple[Path, list[int], int, int]:
+def _uncapped(tmp_path: Path, arch: str, **options: object) -> tuple[Path, list[int], int, int]:
     """The demo model, the uncapped engine's greedy tokens, a cap with room for 10 expert slots and
-    the dense bytes the capped engine keeps on the GPU; the allocator's peak reset after."""
+    the dense bytes the capped engine keeps on the GPU (for BASE with `options`: the workspace and
+    the state slots grow with max_running); the allocator's peak reset after."""
     model = write_demo_model(tmp_path / "m", arch=arch)
-    with Engine(model, EngineOptions(**BASE)) as ref:
+    opts = EngineOptions(**{**BASE, **options})  # type: ignore[arg-type]
+    with Engine(model, opts) as ref:
         want = list(ref.generate(PROMPT, PARAMS))
         w = ref.decoder.weights
         # the capped engine keeps the (untied) embedding table in page-locked host memory
         assert w.embed.data_ptr() != w.lm_head.data_ptr()
         dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
         banks = ref.decoder.weights.experts
-        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**BASE), ref.dtype, dense, banks.expert_bytes)
+        fixed = split_gpu_memory(2**40, ref.cfg, opts, ref.dtype, dense, banks.expert_bytes)
         cap = fixed.total - fixed.experts + 10 * banks.expert_bytes  # room for 10 expert slots
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -110,7 +112,7 @@ def test_concurrent_decode_batches_are_captured_under_a_cap(tmp_path: Path) -> N
     of 8, 4, 2 and 1 sequences are each captured once and replayed (CUDA-graph decode for every
     batch size, the cache step inside), and every request's logits (forced outputs) are the
     uncapped engine's within the miss split's rounding."""
-    model, _, cap, _ = _uncapped(tmp_path, "qwen3_moe")
+    model, _, cap, _ = _uncapped(tmp_path, "qwen3_moe", max_running=8)
     lengths = [32, 24, 16, 16, 8, 8, 8, 8]  # running: 8, then 4, 2, 1 sequences, ~8 steps each
     prompts = [[300 + (7 * i + j) % 200 for j in range(16)] for i in range(len(lengths))]
     forced = [[(11 * i + 3 * j) % 250 + 300 for j in range(n)] for i, n in enumerate(lengths)]
@@ -131,3 +133,35 @@ def test_concurrent_decode_batches_are_captured_under_a_cap(tmp_path: Path) -> N
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_overlapped_decode_equals_serial_under_a_cap(tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three requests (greedy, seeded sampling, seeded nucleus sampling) decoding together under a
+    cap with the split on: with the overlap (engine/decode_pipeline.py, the default: each pass queued
+    while the host-issued fetches and the CPU branch of the one before still run) the tokens of the
+    serial engine (FREETOKEN_OVERLAP_DECODE=0), most passes staged, nothing hung, the peak under
+    the cap."""
+    model, _, cap, _ = _uncapped(tmp_path, arch, max_running=4)
+    prompts = [PROMPT[:40], PROMPT[8:30], PROMPT[20:64]]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=32, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=28, temperature=1.0, top_p=0.9, seed=2, ignore_eos=True)]
+
+    def run(overlap: bool) -> tuple[list[list[int]], int, int]:
+        monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1" if overlap else "0")
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with Engine(model, EngineOptions(**{**BASE, "max_running": 4}, gpu_memory=cap, fetch_ratio=0.5)) as eng:  # type: ignore[arg-type]
+            assert isinstance(eng.decoder.executor, CachedExpertExecutor) and eng.decoder.executor.split
+            handles = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            outs = [h.result(timeout=300) for h in handles]
+            pipeline = eng.scheduler.pipeline
+            staged = pipeline.staged if pipeline is not None else 0
+        return outs, staged, torch.cuda.max_memory_allocated() - before
+
+    want, none, _ = run(False)
+    got, staged, peak = run(True)
+    assert none == 0 and staged >= 40, staged  # 84 tokens: per width two passes serial, the rest staged
+    assert got == want
+    assert peak <= cap, f"peak {peak} > cap {cap}"

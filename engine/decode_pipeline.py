@@ -1,0 +1,260 @@
+"""Overlapped decode: the next pass is queued before this pass's tokens are read.
+
+Contract: `DecodePipeline(scheduler)` serves `Scheduler.step()` in steady decode: every running
+request decoding one token per pass through a captured decode graph (engine/model/decode_graph.py),
+none waiting to be admitted, none with a constraint, forced ids or captured logits. `start(entries,
+hidden)` queues the LM head and every row's draw on the device after a pass the scheduler built
+(engine/sampling.py `queue_draw`: the same draw, the generator's number taken now), an asynchronous
+copy of the tokens into page-locked memory and an event; nothing waits. `advance()` then queues the
+next pass when it may (`_may_queue`): its token ids are the previous draws, still on the device; its
+positions and new KV slots go over from page-locked staging; the KV table gains one slot per row in
+place. Then it waits for the oldest pass's event only and hands its tokens to the scheduler. So the
+host's work between passes (building the step, the launches, reading, emitting, the stop checks)
+runs while the GPU computes the next pass, instead of in a gap between two passes.
+
+What may happen while a pass is in flight is restricted (`Scheduler` and this module keep to it):
+no read of device memory into pageable memory and no pageable copy to the device (either would
+wait for the queued pass while holding a driver lock the host-issued expert fetch needs:
+evals/gpu/dma_hang_probe.py), so KV slots come from the free list on the host and every request's
+new slots wait in `Request.kv_tail` until the pipeline drains; no finish, checkpoint, eviction or
+admission. A token that ends its request (a stop id, the length) or is a decode anchor arrives
+while the next pass, which feeds it, is in flight: the request finishes (or checkpoints) once that
+pass is done, with that token's KV and state computed (the scheduler's extra step for a decode
+anchor), and nothing more is queued until then. A failed draw (NaN logits) ends its request with
+the sampler's error and without caching its state (the next pass fed a token that is not in its
+output). `drain()` completes everything in flight.
+
+Off CUDA the same logic runs synchronously (no page-locked memory, no events; the pass builds the
+batch the eager attention core walks): how the CPU tests compare it with the serial scheduler.
+`FREETOKEN_OVERLAP_DECODE=0` (or `EngineOptions.overlap_decode=False`) turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.errors import ConfigError, EngineError
+from engine.model.batch import ForwardBatch, SeqEntry
+from engine.request import Phase, Request
+from engine.sampling import queue_draw
+
+if TYPE_CHECKING:
+    from engine.model.decode_graph import DecodeGraphs
+    from engine.scheduler import Scheduler
+
+
+def overlap_enabled(option: bool) -> bool:
+    """The option, unless FREETOKEN_OVERLAP_DECODE says 0 (off) or 1 (on); another value is an error."""
+    env = os.environ.get("FREETOKEN_OVERLAP_DECODE", "")
+    if env not in ("", "0", "1"):
+        raise ConfigError(f"FREETOKEN_OVERLAP_DECODE must be 0 or 1, got {env!r}")
+    return option if env == "" else env == "1"
+
+
+def servable(req: Request) -> bool:
+    """A request whose passes the pipeline may run: decoding, its token drawn on the device."""
+    return (req.phase is Phase.DECODE and req.constraint is None and req.forced is None and not req.capture_logits
+            and req.pending_anchor is None and req.finish_pending is None and not req.handle.aborted)
+
+
+@dataclass
+class _Pass:
+    """One queued pass: its sequences in row order, the draws on the device (the next pass's token
+    ids) and their host copy, valid once `done` has fired."""
+
+    reqs: list[Request]
+    next_ids: torch.Tensor  # [n] long, device
+    host: torch.Tensor  # [n, 2] float64 (index, valid), page-locked on CUDA
+    done: torch.cuda.Event | None
+
+
+class DecodePipeline:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.device = scheduler.device
+        self.cuda = self.device.type == "cuda"
+        self.inflight: deque[_Pass] = deque()
+        self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
+        # per width, two page-locked buffers each for the staged inputs and the draws, used in turn:
+        # a pass's buffers are rewritten two passes later, after its event (made while nothing is in
+        # flight: allocating page-locked memory may wait for the device)
+        self._buffers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._flip = 0
+        self.staged = 0  # passes queued from the previous pass's draws
+
+    # ------------------------------------------------------------------ eligibility
+    def graph_for(self, n: int) -> DecodeGraphs | None:
+        """The decode graph that would run an n-sequence pass, when it is ready to replay staged
+        inputs (captured on CUDA; run once off CUDA)."""
+        g = self.s.decoder._graphs.get(n)
+        return g if g is not None and g.replayable(self.s.kv, self.s.states) else None
+
+    def may_start(self, entries: list[tuple[Request, list[int]]]) -> bool:
+        """The serial step about to run may hand its draws to the pipeline instead of reading them
+        (then its page-locked buffers exist: made here, while nothing is in flight)."""
+        s, n = self.s, len(entries)
+        if (self.inflight or self.drain_requested or n != len(s.running)
+                or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(n) is None):
+            return False
+        if n not in self._buffers:  # now, before the pass is queued
+            pin = self.cuda
+            self._buffers[n] = ([torch.empty(2, n, dtype=torch.long, pin_memory=pin) for _ in range(2)],
+                                [torch.empty(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
+        return True
+
+    def _may_queue(self) -> bool:
+        s, last = self.s, self.inflight[-1]
+        if len(self.inflight) > 1 or self.drain_requested or s.running != last.reqs:
+            return False
+        if s.waiting and len(s.running) < s.opts.max_running:
+            return False  # admit first
+        n = len(last.reqs)
+        g = self.graph_for(n)
+        if g is None or s.kv.num_free < n:
+            return False  # a longer rotary table, another pool or eviction: the serial step does those
+        for req in last.reqs:
+            if not servable(req):
+                return False
+            # the token in flight ends the request by length: no pass after it
+            made = len(req.output) + 1
+            if made >= req.params.max_tokens or len(req.prompt) + made >= req.max_len:
+                return False
+            if _next_position(req) >= g.limit:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ queueing
+    def start(self, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
+        """After a pass the serial step built and queued (`may_start` said yes): its draws, queued,
+        not read."""
+        self._queue_draws([req for req, _ in entries], hidden)
+
+    @torch.inference_mode()
+    def _queue_draws(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        logits = self.s.decoder.logits(hidden)
+        greedy = logits.argmax(dim=-1) if any(r.params.greedy for r in reqs) else None
+        rows = []
+        for row, req in enumerate(reqs):
+            if req.params.greedy:
+                assert greedy is not None
+                rows.append(torch.stack([greedy[row].double(), greedy.new_ones((), dtype=torch.float64)]))
+            else:
+                rows.append(queue_draw(logits[row], req.params, req.generator))
+        draws = torch.stack(rows)
+        self._flip ^= 1
+        host = self._buffers[len(reqs)][1][self._flip]
+        host.copy_(draws, non_blocking=self.cuda)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self.inflight.append(_Pass(reqs, draws[:, 0].long(), host, done))
+
+    @torch.inference_mode()
+    def _queue_next(self) -> None:
+        """The pass after the newest one in flight, for the same sequences, fed its draws."""
+        s, last = self.s, self.inflight[-1]
+        reqs, n = last.reqs, len(last.reqs)
+        g = self.graph_for(n)
+        assert g is not None
+        slots = s.kv.take(n)
+        assert slots is not None  # _may_queue saw room
+        positions = [_next_position(req) for req in reqs]
+        for req, slot in zip(reqs, slots, strict=True):
+            req.kv_tail.append(slot)
+        staged = self._stage(positions, slots)
+        batch = None if self.cuda else _eager_batch(reqs)
+        hidden = g.forward_staged(last.next_ids, staged, batch)
+        self._queue_draws(reqs, hidden)
+        self.staged += 1
+
+    def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
+        """[positions, slots] on the device, from one of two page-locked buffers per width (the other
+        may still be read by the pass before: each is rewritten only after a later pass's event)."""
+        buf = self._buffers[len(slots)][0][self._flip ^ 1]  # the buffers of the pass this one queues
+        buf.copy_(torch.tensor([positions, slots], dtype=torch.long))  # host to host
+        return buf.to(self.device, non_blocking=True) if self.cuda else buf.clone()
+
+    # ------------------------------------------------------------------ completing
+    def advance(self) -> None:
+        """One scheduler step while a pass is in flight: queue the next one when allowed, then
+        complete the oldest."""
+        if self._may_queue():
+            self._queue_next()
+        self._complete_oldest()
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._complete_oldest()
+
+    def abandon(self) -> None:
+        """After an unexpected failure: waits for the device, forgets what was in flight (its tokens
+        unread) and moves every pending KV slot into its request, so the requests can be released."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        reqs = {id(r): r for p in self.inflight for r in p.reqs}
+        self.inflight.clear()
+        for req in reqs.values():
+            _flush(req)
+
+    def _complete_oldest(self) -> None:
+        s = self.s
+        p = self.inflight.popleft()
+        if p.done is not None:
+            p.done.synchronize()
+        drained = not self.inflight
+        if drained:
+            self.drain_requested = False
+            for req in p.reqs:
+                _flush(req)
+        check = getattr(s.decoder.executor, "check", None)
+        try:
+            if check is not None:
+                check(len(p.reqs), wait=False)
+        except EngineError as err:
+            self.abandon()
+            for req in p.reqs:
+                s._finish(req, "error", err, keep_cache=False)
+            return
+        draws = p.host.tolist()
+        for req, (index, valid) in zip(p.reqs, draws, strict=True):
+            req.computed += 1
+            if not drained:
+                assert req.pending_anchor is None and req.finish_pending is None, "queued past an ending"
+            if s.decoded(req):
+                continue
+            if valid:
+                s.accept(req, int(index), defer=not drained)
+            else:
+                err = EngineError("sampling failed: ValueError: cannot sample from a distribution whose total "
+                                  "is not a positive finite number")
+                s.end(req, "error", err, defer=not drained, keep_cache=False)
+
+
+def _next_position(req: Request) -> int:
+    """Where the request's next fed token goes: one past every token with a KV slot."""
+    assert req.kv_slots is not None
+    return req.kv_slots.shape[0] + len(req.kv_tail)
+
+
+def _flush(req: Request) -> None:
+    if req.kv_tail and req.kv_slots is not None:
+        tail = torch.tensor(req.kv_tail, dtype=torch.long, device=req.kv_slots.device)
+        req.kv_slots = torch.cat([req.kv_slots, tail])
+    req.kv_tail.clear()
+
+
+def _eager_batch(reqs: list[Request]) -> ForwardBatch:
+    """Off CUDA: the batch of a staged pass (the eager attention core walks every sequence's slots)."""
+    seqs = []
+    for row, req in enumerate(reqs):
+        assert req.kv_slots is not None
+        slots = torch.cat([req.kv_slots, torch.tensor(req.kv_tail, dtype=torch.long)])
+        seqs.append(SeqEntry(row, 1, slots.shape[0] - 1, slots, req.state_slot))
+    ids = torch.zeros(len(reqs), dtype=torch.long)  # unused: the pass reads the staged ids
+    return ForwardBatch(ids, torch.tensor([s.cached_len for s in seqs]), seqs)

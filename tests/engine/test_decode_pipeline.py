@@ -1,0 +1,208 @@
+"""Overlapped decode (engine/decode_pipeline.py) gives what the serial scheduler gives.
+
+Off CUDA the pipeline's logic runs synchronously through the eager decode pass (nothing captured),
+which is what these CPU tests check against the same engine with the overlap off: the tokens of
+greedy and seeded sampled requests finishing at different steps, a stop id, an abort, decode
+anchors' checkpoints and what a later request restores from them, a failed draw, and that the
+staged passes really ran. The overlap itself (passes queued on the GPU before the tokens are read)
+runs in tests/engine/gpu_cache/test_gpu_memory_cuda.py on the GPU machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.anchors import DecodeAnchor
+from engine.decode_pipeline import overlap_enabled
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from freetoken_agent.demo import write_demo_model
+
+OPTS = dict(dtype="float32", kv_tokens=1024, max_running=4, prefill_chunk=64)
+
+
+class CaptureSafe:
+    """The executor's call marked safe inside a decode pass (on the CPU nothing is captured)."""
+
+    capture_safe = True
+
+    def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
+        self.inner = inner
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        return self.inner(x, ids, weights, moe_index)
+
+
+def _engine(model: Path, overlap: bool) -> Engine:
+    eng = Engine(model, EngineOptions(**OPTS, overlap_decode=overlap))  # type: ignore[arg-type]
+    eng.decoder.executor = CaptureSafe(eng.decoder.executor)
+    eng.decoder.cuda_graphs = True  # the decode passes go through engine/model/decode_graph.py
+    return eng
+
+
+def _staged(eng: Engine) -> int:
+    pipeline = eng.scheduler.pipeline
+    return 0 if pipeline is None else pipeline.staged
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("m") / "m", arch=request.param)
+
+
+def test_switch() -> None:
+    assert overlap_enabled(True) and not overlap_enabled(False)
+
+
+def test_switch_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "0")
+    assert not overlap_enabled(True)
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1")
+    assert overlap_enabled(False)
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "yes")
+    with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_DECODE"):
+        overlap_enabled(True)
+
+
+def test_concurrent_requests_get_the_serial_tokens(model: Path) -> None:
+    """Four requests decoding together (greedy, and sampled with a seed, with top-k and top-p),
+    ending at different steps: every token as in the serial engine, and most passes staged."""
+    prompts = [list(range(300 + 7 * i, 340 + 5 * i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.3, top_k=20, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)]
+
+    def run(overlap: bool) -> tuple[list[list[int]], int]:
+        with _engine(model, overlap) as eng:
+            handles = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            return [h.result(timeout=300) for h in handles], _staged(eng)
+
+    want, none = run(False)
+    got, staged = run(True)
+    assert got == want
+    assert [len(t) for t in got] == [12, 20, 6, 16]
+    # 4, 3, 2 then 1 sequences: per width the graph's first pass and the pass that starts the
+    # pipeline are built serially, and no pass follows one whose token ends a request by length
+    assert none == 0 and staged >= 8
+
+
+def test_a_stop_id_ends_the_request_and_its_prefix_is_reused(model: Path) -> None:
+    """A greedy request stopped by a stop id mid-stream: the same tokens and finish as serial, and a
+    follow-up request over prompt + output reuses as much of it as after the serial run."""
+    prompt = list(range(300, 340))
+    with _engine(model, False) as eng:
+        free_run = list(eng.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
+    stop = free_run[7]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,))
+    results = []
+    for overlap in (False, True):
+        with _engine(model, overlap) as eng:
+            h = eng.submit(prompt, params)
+            out = h.result(timeout=300)
+            follow = eng.submit(prompt + out + [301, 302], SamplingParams(max_tokens=4, ignore_eos=True))
+            tail = follow.result(timeout=300)
+            results.append((out, h.finish_reason, follow.reuse, tail))
+            assert _staged(eng) > 0 if overlap else _staged(eng) == 0
+    (out_s, why_s, reuse_s, tail_s), (out_o, why_o, reuse_o, tail_o) = results
+    assert out_o == out_s == free_run[:free_run.index(stop) + 1] and why_o == why_s == "stop"
+    assert reuse_o is not None and reuse_s is not None
+    assert reuse_o.kv_tokens >= reuse_s.kv_tokens and tail_o == tail_s
+
+
+def test_decode_anchors_checkpoint_where_serial_does(model: Path) -> None:
+    """Decode anchors on generated tokens: the checkpoints sit at the serial run's positions, and a
+    request resuming after them computes the serial run's tokens."""
+    prompt = list(range(310, 350))
+    with _engine(model, False) as eng:
+        free_run = list(eng.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
+    anchors = [DecodeAnchor(token_id=free_run[5], kind="tool_call_end", priority=2)]
+    listings, tails = [], []
+    for overlap in (False, True):
+        with _engine(model, overlap) as eng:
+            h = eng.submit(prompt, SamplingParams(max_tokens=16, ignore_eos=True), decode_anchors=anchors,
+                           session="s")
+            out = h.result(timeout=300)
+            assert out == free_run
+            listings.append([(c["position"], c["kind"]) for c in eng.checkpoints("s")])
+            follow = eng.submit(prompt + out[:8] + [333, 334], SamplingParams(max_tokens=6, ignore_eos=True),
+                                session="s")
+            tails.append((follow.result(timeout=300), follow.reuse))
+            assert _staged(eng) > 0 if overlap else _staged(eng) == 0
+    assert listings[1] == listings[0]
+    assert tails[1][0] == tails[0][0]
+    if eng.cfg.is_hybrid:  # the anchor's checkpoint is where the follow-up resumes
+        assert any(kind == "tool_call_end" for _, kind in listings[0])
+        assert tails[1][1] is not None and tails[0][1] is not None
+        assert tails[1][1].state_position == tails[0][1].state_position > len(prompt)
+
+
+def test_an_abort_mid_stream_leaves_the_others_as_serial(model: Path) -> None:
+    prompts = [list(range(300, 330)), list(range(350, 372))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def run(overlap: bool) -> tuple[list[int], list[int], str | None]:
+        with _engine(model, overlap) as eng:
+            seen: list[int] = []
+            holder: dict[str, object] = {}
+
+            def listen(token: int | None) -> None:
+                if token is not None:
+                    seen.append(token)
+                    if len(seen) == 5:
+                        holder["h"].abort()  # type: ignore[attr-defined]
+
+            first = eng.submit(prompts[0], params, listener=listen)
+            holder["h"] = first
+            second = eng.submit(prompts[1], params)
+            out = second.result(timeout=300)
+            first.result(timeout=300)
+            assert _staged(eng) > 0 if overlap else _staged(eng) == 0
+            return seen, out, first.finish_reason
+
+    seen_s, out_s, why_s = run(False)
+    seen_o, out_o, why_o = run(True)
+    assert why_o == why_s == "abort"
+    assert out_o == out_s and len(out_o) == 20
+    assert seen_o[:5] == seen_s[:5] and len(seen_o) <= 6  # at most the token already drawn
+
+
+def test_a_failed_draw_fails_its_request_only(model: Path) -> None:
+    """NaN logits for one request at one step: that request ends with the sampler's error, the
+    other one gets the serial tokens, and the engine goes on serving."""
+    prompts = [list(range(300, 330)), list(range(350, 372))]
+    params = SamplingParams(max_tokens=14, temperature=0.7, seed=5, ignore_eos=True)
+
+    def run(overlap: bool) -> tuple[str | None, list[int]]:
+        with _engine(model, overlap) as eng:
+            dec = eng.decoder
+            real = dec.logits
+            calls = {"n": 0}
+
+            def poisoned(hidden: torch.Tensor) -> torch.Tensor:
+                out = real(hidden)
+                calls["n"] += 1
+                if calls["n"] == 6 and out.shape[0] == 2:
+                    out = out.clone()
+                    out[0] = float("nan")
+                return out
+
+            dec.logits = poisoned  # type: ignore[method-assign]
+            bad = eng.submit(prompts[0], params)
+            good = eng.submit(prompts[1], params)
+            out = good.result(timeout=300)
+            with pytest.raises(Exception, match="cannot sample"):
+                bad.result(timeout=300)
+            again = list(eng.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True)))
+            assert len(again) == 3
+            assert _staged(eng) > 0 if overlap else _staged(eng) == 0
+            return bad.finish_reason, out
+
+    want = run(False)
+    got = run(True)
+    assert got == want and got[0] == "error"
