@@ -1,14 +1,17 @@
 """Overlapped decode: the next pass is queued before this pass's tokens are read.
 
-Contract: `DecodePipeline(scheduler)` serves `Scheduler.step()` in steady decode: every running
+Contract: `DecodePipeline(device)`, owned by a `Scheduler` and handed it on each call (no reference
+back: a cycle would keep a closed engine's GPU memory until a garbage collection), serves
+`Scheduler.step()` in steady decode: every running
 request decoding one token per pass through a captured decode graph (engine/model/decode_graph.py),
 none waiting to be admitted, none with a constraint, forced ids or captured logits. `start(entries,
 hidden)` queues the LM head and every row's draw on the device after a pass the scheduler built
 (engine/sampling.py `queue_draw`: the same draw, the generator's number taken now), an asynchronous
 copy of the tokens into page-locked memory and an event; nothing waits. `advance()` then queues the
 next pass when it may (`_may_queue`): its token ids are the previous draws, still on the device; its
-positions and new KV slots go over from page-locked staging; the KV table gains one slot per row in
-place. Then it waits for the oldest pass's event only and hands its tokens to the scheduler. So the
+positions and new KV slots are read from page-locked memory by a kernel that also gives the KV table
+one slot per row in place (engine/model/decode_staging.py: no copy engine work is queued behind a
+pass, since the host-issued expert fetch needs those engines). Then it waits for the oldest pass's event only and hands its tokens to the scheduler. So the
 host's work between passes (building the step, the launches, reading, emitting, the stop checks)
 runs while the GPU computes the next pass, instead of in a gap between two passes.
 
@@ -74,9 +77,8 @@ class _Pass:
 
 
 class DecodePipeline:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-        self.device = scheduler.device
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = self.device.type == "cuda"
         self.inflight: deque[_Pass] = deque()
         self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
@@ -88,18 +90,19 @@ class DecodePipeline:
         self.staged = 0  # passes queued from the previous pass's draws
 
     # ------------------------------------------------------------------ eligibility
-    def graph_for(self, n: int) -> DecodeGraphs | None:
+    @staticmethod
+    def graph_for(s: Scheduler, n: int) -> DecodeGraphs | None:
         """The decode graph that would run an n-sequence pass, when it is ready to replay staged
         inputs (captured on CUDA; run once off CUDA)."""
-        g = self.s.decoder._graphs.get(n)
-        return g if g is not None and g.replayable(self.s.kv, self.s.states) else None
+        g = s.decoder._graphs.get(n)
+        return g if g is not None and g.replayable(s.kv, s.states) else None
 
-    def may_start(self, entries: list[tuple[Request, list[int]]]) -> bool:
+    def may_start(self, s: Scheduler, entries: list[tuple[Request, list[int]]]) -> bool:
         """The serial step about to run may hand its draws to the pipeline instead of reading them
         (then its page-locked buffers exist: made here, while nothing is in flight)."""
-        s, n = self.s, len(entries)
+        n = len(entries)
         if (self.inflight or self.drain_requested or n != len(s.running)
-                or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(n) is None):
+                or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(s, n) is None):
             return False
         if n not in self._buffers:  # now, before the pass is queued
             pin = self.cuda
@@ -107,14 +110,14 @@ class DecodePipeline:
                                 [torch.empty(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
         return True
 
-    def _may_queue(self) -> bool:
-        s, last = self.s, self.inflight[-1]
+    def _may_queue(self, s: Scheduler) -> bool:
+        last = self.inflight[-1]
         if len(self.inflight) > 1 or self.drain_requested or s.running != last.reqs:
             return False
         if s.waiting and len(s.running) < s.opts.max_running:
             return False  # admit first
         n = len(last.reqs)
-        g = self.graph_for(n)
+        g = self.graph_for(s, n)
         if g is None or s.kv.num_free < n:
             return False  # a longer rotary table, another pool or eviction: the serial step does those
         for req in last.reqs:
@@ -129,14 +132,14 @@ class DecodePipeline:
         return True
 
     # ------------------------------------------------------------------ queueing
-    def start(self, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
+    def start(self, s: Scheduler, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
         """After a pass the serial step built and queued (`may_start` said yes): its draws, queued,
         not read."""
-        self._queue_draws([req for req, _ in entries], hidden)
+        self._queue_draws(s, [req for req, _ in entries], hidden)
 
     @torch.inference_mode()
-    def _queue_draws(self, reqs: list[Request], hidden: torch.Tensor) -> None:
-        logits = self.s.decoder.logits(hidden)
+    def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:
+        logits = s.decoder.logits(hidden)
         greedy = logits.argmax(dim=-1) if any(r.params.greedy for r in reqs) else None
         rows = []
         for row, req in enumerate(reqs):
@@ -148,19 +151,25 @@ class DecodePipeline:
         draws = torch.stack(rows)
         self._flip ^= 1
         host = self._buffers[len(reqs)][1][self._flip]
-        host.copy_(draws, non_blocking=self.cuda)
         done = None
         if self.cuda:
+            from engine.model.decode_staging import publish_draws  # triton: CUDA only
+
+            next_ids = torch.empty(len(reqs), dtype=torch.long, device=draws.device)
+            publish_draws(draws, host, next_ids)  # a kernel, not a copy (see decode_staging)
             done = torch.cuda.Event()
             done.record()
-        self.inflight.append(_Pass(reqs, draws[:, 0].long(), host, done))
+        else:
+            host.copy_(draws)
+            next_ids = draws[:, 0].long()
+        self.inflight.append(_Pass(reqs, next_ids, host, done))
 
     @torch.inference_mode()
-    def _queue_next(self) -> None:
+    def _queue_next(self, s: Scheduler) -> None:
         """The pass after the newest one in flight, for the same sequences, fed its draws."""
-        s, last = self.s, self.inflight[-1]
+        last = self.inflight[-1]
         reqs, n = last.reqs, len(last.reqs)
-        g = self.graph_for(n)
+        g = self.graph_for(s, n)
         assert g is not None
         slots = s.kv.take(n)
         assert slots is not None  # _may_queue saw room
@@ -170,27 +179,27 @@ class DecodePipeline:
         staged = self._stage(positions, slots)
         batch = None if self.cuda else _eager_batch(reqs)
         hidden = g.forward_staged(last.next_ids, staged, batch)
-        self._queue_draws(reqs, hidden)
+        self._queue_draws(s, reqs, hidden)
         self.staged += 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
-        """[positions, slots] on the device, from one of two page-locked buffers per width (the other
-        may still be read by the pass before: each is rewritten only after a later pass's event)."""
+        """[positions, slots] in one of two page-locked buffers per width (the other may still be read
+        by the pass before: each is rewritten only after a later pass's event)."""
         buf = self._buffers[len(slots)][0][self._flip ^ 1]  # the buffers of the pass this one queues
         buf.copy_(torch.tensor([positions, slots], dtype=torch.long))  # host to host
-        return buf.to(self.device, non_blocking=True) if self.cuda else buf.clone()
+        return buf  # on CUDA read by the pass's staging kernel through its device mapping
 
     # ------------------------------------------------------------------ completing
-    def advance(self) -> None:
+    def advance(self, s: Scheduler) -> None:
         """One scheduler step while a pass is in flight: queue the next one when allowed, then
         complete the oldest."""
-        if self._may_queue():
-            self._queue_next()
-        self._complete_oldest()
+        if self._may_queue(s):
+            self._queue_next(s)
+        self._complete_oldest(s)
 
-    def drain(self) -> None:
+    def drain(self, s: Scheduler) -> None:
         while self.inflight:
-            self._complete_oldest()
+            self._complete_oldest(s)
 
     def abandon(self) -> None:
         """After an unexpected failure: waits for the device, forgets what was in flight (its tokens
@@ -202,8 +211,7 @@ class DecodePipeline:
         for req in reqs.values():
             _flush(req)
 
-    def _complete_oldest(self) -> None:
-        s = self.s
+    def _complete_oldest(self, s: Scheduler) -> None:
         p = self.inflight.popleft()
         if p.done is not None:
             p.done.synchronize()

@@ -48,7 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # steady decode through captured graphs: the next pass queued before this one's tokens are read
-        self.pipeline = DecodePipeline(self) if overlap_enabled(opts.overlap_decode) else None
+        self.pipeline = DecodePipeline(self.device) if overlap_enabled(opts.overlap_decode) else None
 
     @property
     def in_flight(self) -> bool:
@@ -59,7 +59,7 @@ class Scheduler:
     def drain(self) -> None:
         """Completes every pass in flight (before anything replaces what they use)."""
         if self.pipeline is not None:
-            self.pipeline.drain()
+            self.pipeline.drain(self)
 
     def request_drain(self) -> None:
         """The next step completes what is in flight without queueing more."""
@@ -123,7 +123,7 @@ class Scheduler:
     def step(self) -> None:
         pipeline = self.pipeline
         if pipeline is not None and pipeline.inflight:
-            pipeline.advance()
+            pipeline.advance(self)
             return
         for req in [r for r in self.running if r.handle.aborted]:
             self._finish(req, "abort")
@@ -168,13 +168,13 @@ class Scheduler:
             return
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
-        overlap = pipeline is not None and pipeline.may_start(entries)
+        overlap = pipeline is not None and pipeline.may_start(self, entries)
         try:
             hidden = self.decoder.forward(batch, self.kv, self.states)
             if overlap:
                 assert pipeline is not None
-                pipeline.start(entries, hidden)
-                pipeline.advance()
+                pipeline.start(self, entries, hidden)
+                pipeline.advance(self)
                 return
             # a decode batch (one token per sequence) needs no gather of the last tokens
             last = hidden if len(ids) == len(batch.seqs) else hidden[batch.last_token_index()]

@@ -90,7 +90,6 @@ class DecodeGraphs:
         self._kv: KVPool | None = None
         self._states: StatePool | None = None
         self._meta: DecodeMeta | None = None  # CUDA: the device-side lengths the captured attention reads
-        self._row_base: torch.Tensor | None = None  # each row's offset in the flattened KV table
         self._batch: ForwardBatch | None = None  # off CUDA: the batch the eager attention core walks
         self.steps = 0  # passes run
 
@@ -151,7 +150,6 @@ class DecodeGraphs:
                 from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
 
                 self._meta = DecodeMeta.empty(self.tokens, kv.k.shape[1], self.final.device)
-                self._row_base = None
         streamer = getattr(d.executor, "streamer", None)
         if streamer is not None and streamer.active:  # a large forward stopped midway
             streamer.finish()
@@ -179,20 +177,20 @@ class DecodeGraphs:
     def forward_staged(self, ids: torch.Tensor, staged: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """The pass after the previous one for the same sequences in the same rows
         (engine/decode_pipeline.py): `ids` [n] the tokens on the device (the previous pass's draws),
-        `staged` [2, n] each row's position and new KV slot, on the device. Each row's KV table gains
+        `staged` [2, n] each row's position and new KV slot, in page-locked memory on CUDA (read by
+        a kernel, engine/model/decode_staging.py: no copy engine involved). Each row's KV table gains
         its new slot in place (the rows keep the slots the pass before wrote); the state slots are
         the previous pass's. Positions must lie below `limit`. Off CUDA `batch` (the same sequences)
         drives the eager attention core. Only queued device work: nothing is read. Returns the final
         hidden states buffer itself, which the next pass overwrites in stream order."""
-        self.input_ids.copy_(ids)
-        self.positions.copy_(staged[0])
         meta = self._meta
         if meta is not None:
-            if self._row_base is None:
-                self._row_base = torch.arange(self.tokens, device=self.final.device) * meta.table.stride(0)
-            meta.new_slots.copy_(staged[1])
-            meta.table.view(-1).index_copy_(0, staged[0] + self._row_base, staged[1].to(meta.table.dtype))
-            torch.add(staged[0], 1, out=meta.lengths)
+            from engine.model.decode_staging import stage_pass  # triton: CUDA only
+
+            stage_pass(staged, ids, self.input_ids, self.positions, meta.new_slots, meta.lengths, meta.table)
+        else:
+            self.input_ids.copy_(ids)
+            self.positions.copy_(staged[0])
         self._batch = batch
         self._graph.run(0, self._pass)
         self._batch = None
