@@ -1,0 +1,96 @@
+"""Where overlapped decode (engine/decode_pipeline.py) meets the host-issued fetch: the demo model
+under a cap with room for 10 expert slots, three requests decoding together (widths 3, 2, 1), run
+under several switch settings in one process; per setting the outcome (tokens or the error), the
+staged passes, the tokens each request got before an error and the seconds taken. The eleventh GPU
+session saw "the host-issued copies did not land within 5000 ms" at a layer task's first run here,
+not with one request (the capped engine tests).
+
+Usage: python -m evals.gpu.overlap_probe [--only REGEX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine
+from engine.gpu.budget import dense_bytes, split_gpu_memory
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from freetoken_agent.demo import write_demo_model
+
+BASE = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=4, prefill_chunk=128)
+SETTINGS = {  # name -> environment
+    "split, serial": {"FREETOKEN_OVERLAP_DECODE": "0"},
+    "split, overlap": {"FREETOKEN_OVERLAP_DECODE": "1"},
+    "split, overlap, one request": {"FREETOKEN_OVERLAP_DECODE": "1", "ONE": "1"},
+    "split, overlap, greedy": {"FREETOKEN_OVERLAP_DECODE": "1", "GREEDY": "1"},
+    "whole dma, overlap": {"FREETOKEN_OVERLAP_DECODE": "1", "FREETOKEN_SPLIT_EXPERT": "0"},
+    "kernel fetch, overlap": {"FREETOKEN_OVERLAP_DECODE": "1", "FREETOKEN_SPLIT_EXPERT": "0",
+                              "FREETOKEN_FETCH": "kernel"},
+}
+KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_SPLIT_EXPERT", "FREETOKEN_FETCH")
+
+
+def cap_for(model: Path) -> int:
+    with Engine(model, EngineOptions(**BASE)) as ref:  # type: ignore[arg-type]
+        w = ref.decoder.weights
+        dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
+        banks = w.experts
+        fixed = split_gpu_memory(2**40, ref.cfg, EngineOptions(**BASE), ref.dtype, dense, banks.expert_bytes)  # type: ignore[arg-type]
+        return fixed.total - fixed.experts + 10 * banks.expert_bytes
+
+
+def run(model: Path, cap: int, env: dict[str, str]) -> str:
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    os.environ.update({k: v for k, v in env.items() if k in KNOBS})
+    prompt = list(range(300, 364))
+    prompts = [prompt[:40], prompt[8:30], prompt[20:64]]
+    greedy = env.get("GREEDY") == "1"
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=32, temperature=0.0 if greedy else 0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=28, temperature=0.0 if greedy else 1.0, top_p=0.9, seed=2, ignore_eos=True)]
+    if env.get("ONE") == "1":
+        prompts, params = prompts[:1], params[1:2]
+    t0 = time.perf_counter()
+    with Engine(model, EngineOptions(**{**BASE, "gpu_memory": cap, "fetch_ratio": 0.5})) as eng:  # type: ignore[arg-type]
+        handles = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        errors = []
+        for h in handles:
+            try:
+                h.result(timeout=120)
+            except Exception as e:  # the outcome is what we print
+                errors.append(f"{type(e).__name__}: {str(e)[:160]}")
+        got = [len(h.output_ids) for h in handles]
+        pipeline = eng.scheduler.pipeline
+        staged = pipeline.staged if pipeline is not None else 0
+        widths = sorted(eng.decoder._graphs)
+        ex = eng.decoder.executor
+        desc = ex.describe() if hasattr(ex, "describe") else type(ex).__name__
+    took = time.perf_counter() - t0
+    outcome = "OK" if not errors else "ERROR " + errors[0]
+    return f"{outcome} | tokens {got} | staged {staged} | graph widths {widths} | {took:.1f} s | {desc[:120]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_demo_model(Path(tmp) / "m", arch="qwen3_moe")
+        cap = cap_for(model)
+        torch.cuda.empty_cache()
+        for name, env in SETTINGS.items():
+            if re.search(args.only, name):
+                print(f"{name}: {run(model, cap, env)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
