@@ -29,7 +29,8 @@ output). `drain()` completes everything in flight.
 
 Off CUDA the same logic runs synchronously (no page-locked memory, no events; the pass builds the
 batch the eager attention core walks): how the CPU tests compare it with the serial scheduler.
-`FREETOKEN_OVERLAP_DECODE=0` (or `EngineOptions.overlap_decode=False`) turns it off.
+`FREETOKEN_OVERLAP_DECODE=0` (or `EngineOptions.overlap_decode=False`) turns it off;
+`FREETOKEN_OVERLAP_WIDTH` (default 1) bounds the sequences of an overlapped pass (`overlap_width`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,22 @@ def overlap_enabled(option: bool) -> bool:
     return option if env == "" else env == "1"
 
 
+def overlap_width() -> int:
+    """The most sequences a pass may have and still be overlapped: FREETOKEN_OVERLAP_WIDTH, default
+    1. Only single-sequence decode has run overlapped on the GPU machine so far (the capped engine
+    tests, eleventh session); with three sequences the host-issued fetch failed at the batch's
+    3 -> 2 width change in the serial engine as well, so wider overlapped passes wait until that is
+    understood (docs/gpu-tier.md). The CPU tests run wider ones."""
+    raw = os.environ.get("FREETOKEN_OVERLAP_WIDTH", "1")
+    try:
+        width = int(raw)
+    except ValueError:
+        width = 0
+    if width < 1:
+        raise ConfigError(f"FREETOKEN_OVERLAP_WIDTH must be a positive integer, got {raw!r}")
+    return width
+
+
 def servable(req: Request) -> bool:
     """A request whose passes the pipeline may run: decoding, its token drawn on the device."""
     return (req.phase is Phase.DECODE and req.constraint is None and req.forced is None and not req.capture_logits
@@ -79,6 +96,7 @@ class _Pass:
 class DecodePipeline:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.width = overlap_width()
         self.cuda = self.device.type == "cuda"
         self.inflight: deque[_Pass] = deque()
         self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
@@ -88,6 +106,7 @@ class DecodePipeline:
         self._buffers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._flip = 0
         self.staged = 0  # passes queued from the previous pass's draws
+        self.staged_by_width: dict[int, int] = {}  # the same, per sequences in the pass
 
     # ------------------------------------------------------------------ eligibility
     @staticmethod
@@ -101,7 +120,7 @@ class DecodePipeline:
         """The serial step about to run may hand its draws to the pipeline instead of reading them
         (then its page-locked buffers exist: made here, while nothing is in flight)."""
         n = len(entries)
-        if (self.inflight or self.drain_requested or n != len(s.running)
+        if (self.inflight or self.drain_requested or n != len(s.running) or n > self.width
                 or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(s, n) is None):
             return False
         if n not in self._buffers:  # now, before the pass is queued
@@ -181,6 +200,7 @@ class DecodePipeline:
         hidden = g.forward_staged(last.next_ids, staged, batch)
         self._queue_draws(s, reqs, hidden)
         self.staged += 1
+        self.staged_by_width[n] = self.staged_by_width.get(n, 0) + 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
         """[positions, slots] in one of two page-locked buffers per width (the other may still be read

@@ -28,6 +28,8 @@ QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_s
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_short_prompts_run_as_captured_decode_passes_under_a_cap
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_concurrent_decode_batches_are_captured_under_a_cap
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_overlapped_decode_equals_serial_under_a_cap
+       tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_concurrent_sampled_requests_finish_under_a_cap
+       tests/engine/test_decode_staging.py
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
      tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.anchors import DecodeAnchor
-from engine.decode_pipeline import overlap_enabled
+from engine.decode_pipeline import overlap_enabled, overlap_width
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.options import EngineOptions
@@ -50,6 +50,12 @@ def _staged(eng: Engine) -> int:
     return 0 if pipeline is None else pipeline.staged
 
 
+@pytest.fixture(autouse=True)
+def wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes of up to four sequences overlap here (the default is one: engine/decode_pipeline.py)."""
+    monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", "4")
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("m") / "m", arch=request.param)
@@ -67,6 +73,33 @@ def test_switch_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "yes")
     with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_DECODE"):
         overlap_enabled(True)
+
+
+def test_width_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FREETOKEN_OVERLAP_WIDTH")
+    assert overlap_width() == 1
+    for bad in ("0", "two"):
+        monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", bad)
+        with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_WIDTH"):
+            overlap_width()
+
+
+def test_by_default_only_single_sequence_passes_overlap(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests, the second longer: while both decode every pass is serial; once the first has
+    ended the other's passes are staged."""
+    monkeypatch.delenv("FREETOKEN_OVERLAP_WIDTH")
+    with _engine(model, True) as eng:
+        handles = [eng.submit(list(range(300, 330)), SamplingParams(max_tokens=6, ignore_eos=True)),
+                   eng.submit(list(range(340, 360)), SamplingParams(max_tokens=30, ignore_eos=True))]
+        outs = [h.result(timeout=300) for h in handles]
+        pipeline = eng.scheduler.pipeline
+        assert pipeline is not None and pipeline.width == 1
+        passes = {n: g.steps for n, g in eng.decoder._graphs.items()}
+        by_width = dict(pipeline.staged_by_width)
+    assert [len(o) for o in outs] == [6, 30]
+    # two-sequence passes all ran through the serial forward; of the ~24 one-sequence passes all
+    # but the graph's first, the start of the pipeline and the last are staged
+    assert passes[2] >= 4 and 2 not in by_width and by_width[1] >= 15
 
 
 def test_concurrent_requests_get_the_serial_tokens(model: Path) -> None:
