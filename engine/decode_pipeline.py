@@ -107,6 +107,7 @@ class DecodePipeline:
         self._flip = 0
         self.staged = 0  # passes queued from the previous pass's draws
         self.staged_by_width: dict[int, int] = {}  # the same, per sequences in the pass
+        self._warmed: set[tuple[int, tuple[tuple[bool, bool, bool], ...]]] = set()  # (width, sampling kinds)
 
     # ------------------------------------------------------------------ eligibility
     @staticmethod
@@ -125,9 +126,36 @@ class DecodePipeline:
             return False
         if n not in self._buffers:  # now, before the pass is queued
             pin = self.cuda
-            self._buffers[n] = ([torch.empty(2, n, dtype=torch.long, pin_memory=pin) for _ in range(2)],
-                                [torch.empty(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
+            self._buffers[n] = ([torch.zeros(2, n, dtype=torch.long, pin_memory=pin) for _ in range(2)],
+                                [torch.zeros(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
+        self._warm(s, [req for req, _ in entries])
         return True
+
+    def _warm(self, s: Scheduler, reqs: list[Request]) -> None:
+        """Launches, once per width and mix of sampling kinds and while nothing is in flight, every
+        kernel a staged pass adds to the captured one (the draws, the staging kernels) and waits:
+        a kernel's first launch may load its module, and loading can wait for a device that waits
+        for the host-issued fetch (engine/gpu/device_step.py `_enqueue`)."""
+        n = len(reqs)
+        key = (n, tuple(sorted({_kind(r) for r in reqs})))
+        if key in self._warmed:
+            return
+        with torch.inference_mode():
+            logits = torch.zeros(n, s.decoder.cfg.vocab_size, dtype=torch.float32, device=self.device)
+            draws = _draws(logits, reqs, [torch.Generator().manual_seed(0) for _ in reqs])
+            if self.cuda:
+                from engine.model.decode_staging import publish_draws, stage_pass  # triton: CUDA only
+
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                scratch = [torch.zeros(n, dtype=torch.long, device=self.device) for _ in range(3)]
+                table = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
+                lengths = torch.zeros(n, dtype=torch.int32, device=self.device)
+                host_in, host_out = self._buffers[n][0][0], self._buffers[n][1][0]
+                host_in.zero_()  # positions 0: the scratch table has one column
+                stage_pass(host_in, ids, *scratch, lengths, table)
+                publish_draws(draws, host_out, ids)
+                torch.cuda.current_stream(self.device).synchronize()
+        self._warmed.add(key)
 
     def _may_queue(self, s: Scheduler) -> bool:
         last = self.inflight[-1]
@@ -158,16 +186,7 @@ class DecodePipeline:
 
     @torch.inference_mode()
     def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:
-        logits = s.decoder.logits(hidden)
-        greedy = logits.argmax(dim=-1) if any(r.params.greedy for r in reqs) else None
-        rows = []
-        for row, req in enumerate(reqs):
-            if req.params.greedy:
-                assert greedy is not None
-                rows.append(torch.stack([greedy[row].double(), greedy.new_ones((), dtype=torch.float64)]))
-            else:
-                rows.append(queue_draw(logits[row], req.params, req.generator))
-        draws = torch.stack(rows)
+        draws = _draws(s.decoder.logits(hidden), reqs, [r.generator for r in reqs])
         self._flip ^= 1
         host = self._buffers[len(reqs)][1][self._flip]
         done = None
@@ -262,6 +281,26 @@ class DecodePipeline:
                 err = EngineError("sampling failed: ValueError: cannot sample from a distribution whose total "
                                   "is not a positive finite number")
                 s.end(req, "error", err, defer=not drained, keep_cache=False)
+
+
+def _kind(req: Request) -> tuple[bool, bool, bool]:
+    """What a request's draw launches: greedy, or sampled with top-k and / or top-p filtering."""
+    p = req.params
+    return p.greedy, not p.greedy and p.top_k > 0, not p.greedy and p.top_p < 1.0
+
+
+def _draws(logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[n, 2] float64 on logits' device: each row's (token, valid) as the serial sampler would draw
+    it (engine/sampling.py `queue_draw`; the argmax of the step's logits for a greedy row)."""
+    greedy = logits.argmax(dim=-1) if any(r.params.greedy for r in reqs) else None
+    rows = []
+    for row, (req, gen) in enumerate(zip(reqs, generators, strict=True)):
+        if req.params.greedy:
+            assert greedy is not None
+            rows.append(torch.stack([greedy[row].double(), greedy.new_ones((), dtype=torch.float64)]))
+        else:
+            rows.append(queue_draw(logits[row], req.params, gen))
+    return torch.stack(rows)
 
 
 def _next_position(req: Request) -> int:

@@ -168,6 +168,7 @@ class DeviceStep:
                                      pin_memory=True)
             self._context = current_context()
         self._tasks: dict[int, object] = {}
+        self._settled: set[int] = set()  # layers whose first (eager) run is done: their kernels are loaded
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
@@ -204,6 +205,21 @@ class DeviceStep:
     def _enqueue(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                  side_work: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         ex = self.ex
+        main = torch.cuda.current_stream()
+        # A layer's first run is eager (the capture comes later) and launches kernels never loaded
+        # before (a new width's or layer's specialisation: the plan kernel's per-layer offset, the
+        # phases after the waits). Loading a module can wait for the device (NVIDIA's lazy-loading
+        # notes warn of kernels that wait on other work), while the device waits for this step's
+        # host side: the likely cause of the eleventh GPU session's "host-issued copies did not
+        # land within 5000 ms" at a batch's first pass after it shrank 3 -> 2 (not yet confirmed
+        # on the GPU). So in a first run each wait for the host is waited out before the next
+        # kernel is launched; captured and later runs are untouched.
+        first = layer not in self._settled and not torch.cuda.is_current_stream_capturing()
+
+        def settle() -> None:
+            if first:
+                main.synchronize()
+
         if self._fused is not None:
             # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
             # to captured steps too
@@ -222,7 +238,6 @@ class DeviceStep:
         copy_list = (plan.copy_src[:self.copies], plan.copy_dst[:self.copies], self.copy_h) if dma else ()
         kernels.hand_off(x, ids, plan.slot_ids, w, self.x_h, self.ids_h, self.w_h, *copy_list, split=plan.split,
                          scratch=self._scratch)
-        main = torch.cuda.current_stream()
         if self.cpu_branch == "doorbell":
             # everything on one stream: the ring follows the hand-off (its write fences the
             # kernel's), and the wait for the answer comes after all of the layer's GPU work
@@ -241,6 +256,7 @@ class DeviceStep:
                 if side_work is not None:
                     side_out.append(side_work())
                 wait_done(main, word)
+                settle()
 
             rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
                                        between, plan.split, self._scratch)
@@ -260,6 +276,8 @@ class DeviceStep:
         else:
             assert self.side is not None
             main.wait_stream(self.side)
+        settle()
+        self._settled.add(layer)
         # the GPU's rows in the reference's order plus the CPU's part, read from host memory
         kernels.combine_experts(rows, ids, self.out, self.out_h)
         return side_out[0] if side_out else None
