@@ -5,6 +5,10 @@ decode pass's rotary check, input copies, metadata fill and graph launch, the LM
 the executor's check, the sampler, the emission to the listener). The GPU
 is idle from the end of one step's wait to the next graph launch: that interval, split by call,
 is printed per token with the step time next to it (off CUDA nothing is replayed: no idle time).
+With the overlapped decode on (the default, engine/decode_pipeline.py) the next pass is replayed
+before this one's check, so "check returned -> next replay" is host work beside a busy GPU, not
+idle time: the probe says how many passes were overlapped; FREETOKEN_OVERLAP_DECODE=0 gives the
+serial step's breakdown.
 
 Usage: python -m evals.gpu.host_probe --shape qwen3-30b-a3b --layers 24 --dummy --gpu-memory 16GiB
            --cpu-threads 8 [--tokens 64] [--zero-experts] [--out PATH]
@@ -99,9 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             marks.wrap(DecodeMeta, "fill", "fill")
         bench.timed_request(bench.random_prompt(4, -1), WARMUP_TOKENS)
+        pipeline = eng.scheduler.pipeline
+        staged_before = pipeline.staged if pipeline is not None else 0
         marks.on = True
         timing = bench.timed_request(bench.random_prompt(4, 0), args.tokens + 1)
         marks.on = False
+        overlapped = (pipeline.staged if pipeline is not None else 0) - staged_before
         title = bench.title()
     finally:
         bench.close()
@@ -120,11 +127,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif lab == "replay>" and last_check is not None:
             idle.append((t - last_check) / 1e3)
             last_check = None
-    result = {"title": title, "zero_experts": args.zero_experts, "steps": steps, "wall_us_per_token": wall_us,
+    result = {"title": title, "zero_experts": args.zero_experts, "steps": steps, "overlapped_passes": overlapped, "wall_us_per_token": wall_us,
               "idle_us_per_token": sum(idle) / len(idle) if idle else None, "intervals_us": intervals(ev, steps)}
     print(f"{title}; {'routed experts skipped' if args.zero_experts else 'routed experts run'}")
     print(f"decode {wall_us:.0f} us/token; host-only (check returned -> next replay) "
-          f"{result['idle_us_per_token'] or 0:.0f} us/token over {steps} steps")
+          f"{result['idle_us_per_token'] or 0:.0f} us/token over {steps} steps; {overlapped} passes overlapped "
+          f"(then that interval is not idle time)")
     for k, v in list(result["intervals_us"].items())[:16]:
         print(f"{v:9.1f} us  {k}")
     if args.out is not None:

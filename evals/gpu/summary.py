@@ -20,7 +20,8 @@ def main(out: Path) -> None:
                   f"cpu/tok {r['cpu_misses_per_token']:.1f} "
                   f"(CPU branch {r.get('cpu_branch_ms_per_token', 0):.2f} ms), "
                   f"dense {r['dense_ms']:.1f} ms, bound {r['bound_ms']} ms, measured/bound {r['measured_over_bound']}, "
-                  f"peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}")
+                  f"peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}, "
+                  f"overlapped passes {r.get('overlapped_share', 0.0):.0%}")
             if (lt := r.get("layer_timeline")) and lt.get("gpu_gap_us") is not None:
                 fetch = "" if lt.get("fetch_us") is None else \
                     f", fetch {lt['fetch_us']:.0f} us ({100 * lt['fetch_late_share']:.0f} % after the CPU)"

@@ -145,6 +145,7 @@ def _decode_s(t: Timing) -> float:
 def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     bench.cold()
     bench.timed_request(bench.random_prompt(args.prompt_tokens, -1), WARMUP_TOKENS, args.temperature, 0)
+    staged_before = _staged(bench)
     timings = []
     for rep in range(args.reps):
         bench.cold()
@@ -152,6 +153,8 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
                                            args.temperature, rep))
         bench.note(f"rep {rep + 1}/{args.reps}: {1 / _decode_s(timings[-1]):.2f} tok/s")
     per_token = _per_token(timings, bench)
+    # the share of timed passes queued before the previous pass's tokens were read (engine/decode_pipeline.py)
+    overlapped = (_staged(bench) - staged_before) / sum(t.tokens - 1 for t in timings)
     real = bench.engine.decoder.executor
     bench.engine.decoder.executor = ZeroExperts()
     dense = []
@@ -183,7 +186,13 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         "ms_per_token": ms, "distinct_tokens": median([len(set(t.output)) / len(t.output) for t in timings]),
         **per_token, "step_rest_ms": step_rest_ms, "dense_ms": dense_ms, "dense_ms_reps": dense_reps, "bound_ms": bound_ms, "bandwidth_gbps": bandwidth,
         "measured_over_bound": ms / bound_ms if bound_ms else None, "bound_note": note,
+        "overlapped_share": overlapped,
     }
+
+
+def _staged(bench: ModelBench) -> int:
+    pipeline = bench.engine.scheduler.pipeline
+    return pipeline.staged if pipeline is not None else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "to
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
                            "split_per_token", "cpu_misses_per_token", "cpu_branch_ms_per_token", "layer_timeline", "step_rest_ms", "dense_ms",
                            "dense_ms_reps", "bound_ms",
-                           "measured_over_bound"}
+                           "measured_over_bound", "overlapped_share"}
 PREFILL_KEYS = FACT_KEYS | {"chunk", "reps", "expert_cache", "runs"}
 RUN_KEYS = {"prompt_tokens", "ttft_s", "ttft_s_reps", "prefill_tok_s", "passes", "bound_s", "measured_over_bound",
             "hit_rate", "streamed_experts", "streamed_unused_share"}
@@ -264,6 +264,7 @@ def test_bench_decode_and_prefill_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert set(r) >= DECODE_KEYS and r["bench"] == "decode" and r["weights"] == "dummy"
+    assert r["overlapped_share"] == 0.0  # off CUDA no decode graph runs, so no pass is overlapped
     assert r["shape"] == "tiny-qwen3" and r["layers"] == 3 and r["tokens"] == 8 and len(r["tok_s_reps"]) == 2
     assert r["tok_s"] > 0 and r["ms_per_token"] > 0 and r["dense_ms"] > 0 and r["load_s"] > 0
     assert len(r["dense_ms_reps"]) == 2 and r["dense_ms"] == statistics.median(r["dense_ms_reps"])
