@@ -7,7 +7,7 @@ in the serial engine (split, sampled: tokens [24, 23, 23], the first pass after 
 3 -> 2), not with one request (the capped engine tests); the overlapped setting after it did not
 finish within the call.
 
-Usage: python -m evals.gpu.overlap_probe [--only REGEX]
+Usage: python -m evals.gpu.overlap_probe [--only REGEX] [--timeout-s 60] [--device cpu (a dry run)]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_OVERLAP_WIDTH", "FREETOKEN_SPLIT
 
 
 def cap_for(model: Path) -> int:
+    if BASE["device"] != "cuda":
+        return 0  # a dry run of the plumbing: no expert cache
     with Engine(model, EngineOptions(**BASE)) as ref:  # type: ignore[arg-type]
         w = ref.decoder.weights
         dense = dense_bytes(w) - w.embed.numel() * w.embed.element_size()
@@ -86,14 +90,33 @@ def run(model: Path, cap: int, env: dict[str, str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="per setting: a hang costs this, not the call")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing (no expert cache)")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # model dir, cap bytes, setting name
     args = ap.parse_args()
+    BASE["device"] = args.device
+    if args.child:
+        model, cap, name = args.child
+        print(f"RESULT {run(Path(model), int(cap), SETTINGS[name])}", flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = write_demo_model(Path(tmp) / "m", arch="qwen3_moe")
         cap = cap_for(model)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         for name, env in SETTINGS.items():
-            if re.search(args.only, name):
-                print(f"{name}: {run(model, cap, env)}", flush=True)
+            if not re.search(args.only, name):
+                continue
+            cmd = [sys.executable, "-m", "evals.gpu.overlap_probe", "--device", args.device, "--child", str(model),
+                   str(cap), name]
+            try:
+                proc = subprocess.run(cmd, env={**os.environ, **{k: v for k, v in env.items() if k in KNOBS}},
+                                      capture_output=True, text=True, timeout=args.timeout_s)
+                got = next((ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                outcome = got or f"no result (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+            except subprocess.TimeoutExpired:
+                outcome = f"TIMEOUT after {args.timeout_s:.0f} s (a hang)"
+            print(f"{name}: {outcome}", flush=True)
 
 
 if __name__ == "__main__":
