@@ -42,6 +42,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with load_progress("loading weights") as progress:
         opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
                              gpu_memory=resolve_gpu_memory(args.gpu_memory, args.device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                             overlap_decode=args.overlap_decode,
                              calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
     print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)

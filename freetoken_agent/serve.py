@@ -69,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
                          gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
                          follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                         overlap_decode=args.overlap_decode,
                          calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
                          max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
                          host_checkpoint_slots=args.host_checkpoint_slots)

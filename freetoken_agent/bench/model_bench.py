@@ -148,6 +148,7 @@ class ModelBench:
                                   kv_tokens=kv_tokens, max_running=1, checkpoint_slots=0, host_checkpoint_slots=0,
                                   prefill_chunk=prefill_chunk, gpu_memory=args.gpu_memory,
                                   fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
+                                  overlap_decode=args.overlap_decode,
                                   calibration_file=str(calibration_path()))
         self.dtype = parse_dtype(args.dtype or self.cfg.torch_dtype)
         self.device = torch.device(args.device)

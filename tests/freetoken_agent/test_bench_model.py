@@ -164,7 +164,7 @@ def test_from_decoder_checks_the_device() -> None:
 # ------------------------------------------------------------------------------- benches
 def bench_args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = dict(shape="tiny-qwen3", layers=None, dummy=True, seed=0, device="cpu", threads=1,
-                                   executor="torch", dtype=None, gpu_memory=0, fetch_ratio=-1.0, cuda_graphs=True, json=True,
+                                   executor="torch", dtype=None, gpu_memory=0, fetch_ratio=-1.0, cuda_graphs=True, overlap_decode=True, json=True,
                                    tokens=6, reps=2, prompt_tokens=12, temperature=0.0)
     return argparse.Namespace(**{**base, **kw})
 
