@@ -239,3 +239,29 @@ def test_a_failed_draw_fails_its_request_only(model: Path) -> None:
     want = run(False)
     got = run(True)
     assert got == want and got[0] == "error"
+
+
+def test_a_drain_request_empties_the_pipeline_for_one_step(model: Path) -> None:
+    """What the engine's once-a-second counter read asks for: after `request_drain()` the next token
+    arrives with nothing in flight (its pass completed, none queued behind it); then the overlap
+    resumes, and the tokens are the serial engine's."""
+    prompt = list(range(300, 330))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with _engine(model, False) as eng:
+        want = list(eng.generate(prompt, params))
+    with _engine(model, True) as eng:
+        pipeline = eng.scheduler.pipeline
+        assert pipeline is not None
+        in_flight: list[int] = []
+
+        def listen(token: int | None) -> None:  # the engine thread, inside the step
+            if token is None:
+                return
+            in_flight.append(len(pipeline.inflight))
+            if len(in_flight) == 12:
+                eng.scheduler.request_drain()
+
+        got = eng.submit(prompt, params, listener=listen).result(timeout=300)
+    assert got == want
+    assert in_flight[4:12] == [1] * 8  # overlapped: the next pass was queued before each token was read
+    assert in_flight[12] == 0 and in_flight[14:22] == [1] * 8
