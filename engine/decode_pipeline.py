@@ -2,18 +2,21 @@
 
 Contract: `DecodePipeline(device)`, owned by a `Scheduler` and handed it on each call (no reference
 back: a cycle would keep a closed engine's GPU memory until a garbage collection), serves
-`Scheduler.step()` in steady decode: every running
-request decoding one token per pass through a captured decode graph (engine/model/decode_graph.py),
-none waiting to be admitted, none with a constraint, forced ids or captured logits. `start(entries,
-hidden)` queues the LM head and every row's draw on the device after a pass the scheduler built
-(engine/sampling.py `queue_draw`: the same draw, the generator's number taken now), an asynchronous
-copy of the tokens into page-locked memory and an event; nothing waits. `advance()` then queues the
-next pass when it may (`_may_queue`): its token ids are the previous draws, still on the device; its
-positions and new KV slots are read from page-locked memory by a kernel that also gives the KV table
-one slot per row in place (engine/model/decode_staging.py: no copy engine work is queued behind a
-pass, since the host-issued expert fetch needs those engines). Then it waits for the oldest pass's event only and hands its tokens to the scheduler. So the
-host's work between passes (building the step, the launches, reading, emitting, the stop checks)
-runs while the GPU computes the next pass, instead of in a gap between two passes.
+`Scheduler.step()` in steady decode: every running request decoding one token per pass through a
+captured decode graph (engine/model/decode_graph.py), at most `overlap_width()` of them, none
+waiting to be admitted, none with a constraint, forced ids or captured logits. `may_start(s,
+entries)` says whether the serial step may hand its pass over (and launches, once per width and
+sampling mix, every kernel the pipeline adds, while nothing is in flight: a first launch may load a
+module, which can wait for a device that waits for the host). `start(s, entries, hidden)` queues
+the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
+the generator's number taken now) and a kernel that writes the tokens into page-locked memory, then
+an event; nothing waits. `advance(s)` queues the next pass when it may (`_may_queue`): its token
+ids are the previous draws, still on the device; its positions and new KV slots are read from
+page-locked memory by a kernel that also gives the KV table one slot per row in place
+(engine/model/decode_staging.py). Then it waits for the oldest pass's event only and hands its
+tokens to the scheduler. So the host's work between passes (building the step, the launches,
+reading, emitting, the stop checks) runs while the GPU computes the next pass, instead of in a
+gap between two passes.
 
 What may happen while a pass is in flight is restricted (`Scheduler` and this module keep to it):
 no read of device memory into pageable memory and no pageable copy to the device (either would

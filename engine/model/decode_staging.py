@@ -8,13 +8,13 @@ lengths (position + 1, int32) and table[row, position] = new slot (int32). `publ
 host, next_ids)` writes draws [n, 2] float64 into `host` (page-locked, read by the host after the
 pass's event) and their first column into next_ids [n] int64.
 
-Why kernels: the GPU's copy engines are shared with the host-issued expert fetch. A host-to-device
-copy queued on the compute stream behind a pass that waits for that fetch held the engine the
-fetch needed, and the fetch never landed (the eleventh GPU session: "the host-issued copies did not
-land within 5000 ms" on the first overlapped passes; device-to-device copies queued behind a
-waiting pass, as the serial step's clone of the hidden states, never did that). A kernel that
-reads or writes page-locked memory through its mapping uses the SMs, which wait in stream order
-like the rest of the pass; the device-to-host copy of the draws goes the same way for symmetry.
+Why kernels: these run while an earlier pass may still wait for the host-issued expert fetch,
+whose copies use the copy engines; a copy-engine transfer queued on the compute stream behind such
+a pass was the first suspect when the overlapped three-request runs of the eleventh GPU session
+failed with "the host-issued copies did not land within 5000 ms", but the serial engine then failed
+the same way (docs/gpu-tier.md), so that suspicion is unconfirmed. A kernel reading or writing
+page-locked memory through its mapping keeps the question away and folds the conversions
+(int64 positions to the int32 table, float64 draws to int64 ids) into the same launch.
 """
 
 from __future__ import annotations
