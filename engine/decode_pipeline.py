@@ -38,6 +38,7 @@ batch the eager attention core walks): how the CPU tests compare it with the ser
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from engine.errors import ConfigError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
 from engine.request import Phase, Request
 from engine.sampling import queue_draw
+
+log = logging.getLogger("freetoken.engine")
 
 if TYPE_CHECKING:
     from engine.model.decode_graph import DecodeGraphs
@@ -131,7 +134,12 @@ class DecodePipeline:
             pin = self.cuda
             self._buffers[n] = ([torch.zeros(2, n, dtype=torch.long, pin_memory=pin) for _ in range(2)],
                                 [torch.zeros(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
-        self._warm(s, [req for req, _ in entries])
+        try:
+            self._warm(s, [req for req, _ in entries])
+        except Exception as exc:  # e.g. a staging kernel that does not compile: serial, as a failed capture
+            log.warning("overlapped decode turned off: preparing a %d-sequence pass failed: %s", n, exc)
+            self.width = 0
+            return False
         return True
 
     def _warm(self, s: Scheduler, reqs: list[Request]) -> None:

@@ -265,3 +265,23 @@ def test_a_drain_request_empties_the_pipeline_for_one_step(model: Path) -> None:
     assert got == want
     assert in_flight[4:12] == [1] * 8  # overlapped: the next pass was queued before each token was read
     assert in_flight[12] == 0 and in_flight[14:22] == [1] * 8
+
+
+def test_a_failed_preparation_turns_the_overlap_off_with_a_warning(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A pipeline that cannot prepare its kernels (say, one does not compile) leaves the engine
+    serial, says so once, and the request gets the serial tokens."""
+    import engine.decode_pipeline as dp
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no kernel")
+
+    prompt, params = list(range(300, 330)), SamplingParams(max_tokens=12, ignore_eos=True)
+    with _engine(model, False) as eng:
+        want = list(eng.generate(prompt, params))
+    monkeypatch.setattr(dp.DecodePipeline, "_warm", broken)
+    with caplog.at_level("WARNING", logger="freetoken.engine"), _engine(model, True) as eng:
+        got = list(eng.generate(prompt, params))
+        assert _staged(eng) == 0 and eng.scheduler.pipeline is not None and eng.scheduler.pipeline.width == 0
+    assert got == want
+    assert sum("overlapped decode turned off" in r.getMessage() for r in caplog.records) == 1
