@@ -11,7 +11,10 @@ ends on it). A finished request's computed tokens (prompt + output) are inserted
 with its final recurrent state as a checkpoint of kind "request_end", so the next request that
 extends it resumes there. Checkpoint slots and eviction: engine/cache/checkpoints.py and
 engine/anchors.py. `forced_output` replaces sampled ids (after the real logits were captured) and
-finishes with "stop" when exhausted. Only the engine thread calls this.
+finishes with "stop" when exhausted. In steady decode through captured graphs the passes run
+overlapped (engine/decode_pipeline.py: each queued before the previous pass's tokens are read); a
+step then completes the oldest pass in flight, and a finish the tokens call for waits for the pass
+already queued behind them (`accept(defer=True)`, `decoded`). Only the engine thread calls this.
 """
 
 from __future__ import annotations
