@@ -10,7 +10,7 @@ sampling mix, every kernel the pipeline adds, while nothing is in flight: a firs
 module, which can wait for a device that waits for the host). `start(s, entries, hidden)` queues
 the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
 the generator's number taken now) and a kernel that writes the tokens into page-locked memory, then
-an event; nothing waits. `advance(s)` queues the next pass when it may (`_may_queue`): its token
+an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
 ids are the previous draws, still on the device; its positions and new KV slots are read from
 page-locked memory by a kernel that also gives the KV table one slot per row in place
 (engine/model/decode_staging.py). Then it waits for the oldest pass's event only and hands its
@@ -42,14 +42,16 @@ import logging
 import os
 from collections import deque
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import ConfigError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
+from engine.model.ops import env_switch
 from engine.request import Phase, Request
-from engine.sampling import queue_draw
+from engine.sampling import queue_draw, read_draw, sampling_failed
 
 log = logging.getLogger("freetoken.engine")
 
@@ -59,11 +61,9 @@ if TYPE_CHECKING:
 
 
 def overlap_enabled(option: bool) -> bool:
-    """The option, unless FREETOKEN_OVERLAP_DECODE says 0 (off) or 1 (on); another value is an error."""
-    env = os.environ.get("FREETOKEN_OVERLAP_DECODE", "")
-    if env not in ("", "0", "1"):
-        raise ConfigError(f"FREETOKEN_OVERLAP_DECODE must be 0 or 1, got {env!r}")
-    return option if env == "" else env == "1"
+    """The option, unless the FREETOKEN_OVERLAP_DECODE switch says otherwise (engine/model/ops.py
+    `env_switch`: a value that is no switch is a ConfigError)."""
+    return env_switch("FREETOKEN_OVERLAP_DECODE", option)
 
 
 def overlap_width() -> int:
@@ -104,6 +104,11 @@ class DecodePipeline:
         self.device = device
         self.width = overlap_width()
         self.cuda = self.device.type == "cuda"
+        self._kernels: ModuleType | None = None  # engine/model/decode_staging.py, on CUDA (triton)
+        if self.cuda:
+            from engine.model import decode_staging
+
+            self._kernels = decode_staging
         self.inflight: deque[_Pass] = deque()
         self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
         # per width, two page-locked buffers each for the staged inputs and the draws, used in turn:
@@ -111,9 +116,13 @@ class DecodePipeline:
         # flight: allocating page-locked memory may wait for the device)
         self._buffers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._flip = 0
-        self.staged = 0  # passes queued from the previous pass's draws
-        self.staged_by_width: dict[int, int] = {}  # the same, per sequences in the pass
+        self.staged_by_width: dict[int, int] = {}  # passes queued from the previous pass's draws, per width
         self._warmed: set[tuple[int, tuple[tuple[bool, bool, bool], ...]]] = set()  # (width, sampling kinds)
+
+    @property
+    def staged(self) -> int:
+        """Passes queued from the previous pass's draws, all widths."""
+        return sum(self.staged_by_width.values())
 
     # ------------------------------------------------------------------ eligibility
     @staticmethod
@@ -154,42 +163,41 @@ class DecodePipeline:
         with torch.inference_mode():
             logits = torch.zeros(n, s.decoder.cfg.vocab_size, dtype=torch.float32, device=self.device)
             draws = _draws(logits, reqs, [torch.Generator().manual_seed(0) for _ in reqs])
-            if self.cuda:
-                from engine.model.decode_staging import publish_draws, stage_pass  # triton: CUDA only
-
+            if self._kernels is not None:
                 ids = torch.zeros(n, dtype=torch.long, device=self.device)
                 scratch = [torch.zeros(n, dtype=torch.long, device=self.device) for _ in range(3)]
                 table = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
                 lengths = torch.zeros(n, dtype=torch.int32, device=self.device)
                 host_in, host_out = self._buffers[n][0][0], self._buffers[n][1][0]
                 host_in.zero_()  # positions 0: the scratch table has one column
-                stage_pass(host_in, ids, *scratch, lengths, table)
-                publish_draws(draws, host_out, ids)
+                self._kernels.stage_pass(host_in, ids, *scratch, lengths, table)
+                self._kernels.publish_draws(draws, host_out, ids)
                 # the online fetch ratio's rewrite (CachedExpertExecutor.check, done per completed pass)
                 torch.empty((), dtype=torch.float64, device=self.device).fill_(0.5)
                 torch.cuda.current_stream(self.device).synchronize()
         self._warmed.add(key)
 
-    def _may_queue(self, s: Scheduler) -> bool:
+    def _next_graph(self, s: Scheduler) -> DecodeGraphs | None:
+        """The graph of the pass after the newest one in flight, when that pass may be queued."""
         last = self.inflight[-1]
         if len(self.inflight) > 1 or self.drain_requested or s.running != last.reqs:
-            return False
+            return None
         if s.waiting and len(s.running) < s.opts.max_running:
-            return False  # admit first
+            return None  # admit first
         n = len(last.reqs)
         g = self.graph_for(s, n)
         if g is None or s.kv.num_free < n:
-            return False  # a longer rotary table, another pool or eviction: the serial step does those
+            return None  # a longer rotary table, another pool or eviction: the serial step does those
         for req in last.reqs:
             if not servable(req):
-                return False
+                return None
             # the token in flight ends the request by length: no pass after it
             made = len(req.output) + 1
             if made >= req.params.max_tokens or len(req.prompt) + made >= req.max_len:
-                return False
+                return None
             if _next_position(req) >= g.limit:
-                return False
-        return True
+                return None
+        return g
 
     # ------------------------------------------------------------------ queueing
     def start(self, s: Scheduler, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
@@ -203,11 +211,9 @@ class DecodePipeline:
         self._flip ^= 1
         host = self._buffers[len(reqs)][1][self._flip]
         done = None
-        if self.cuda:
-            from engine.model.decode_staging import publish_draws  # triton: CUDA only
-
+        if self._kernels is not None:
             next_ids = torch.empty(len(reqs), dtype=torch.long, device=draws.device)
-            publish_draws(draws, host, next_ids)  # a kernel, not a copy (see decode_staging)
+            self._kernels.publish_draws(draws, host, next_ids)  # a kernel, not a copy (see decode_staging)
             done = torch.cuda.Event()
             done.record()
         else:
@@ -216,14 +222,13 @@ class DecodePipeline:
         self.inflight.append(_Pass(reqs, next_ids, host, done))
 
     @torch.inference_mode()
-    def _queue_next(self, s: Scheduler) -> None:
-        """The pass after the newest one in flight, for the same sequences, fed its draws."""
+    def _queue_next(self, s: Scheduler, g: DecodeGraphs) -> None:
+        """The pass after the newest one in flight (`g`, from `_next_graph`), for the same
+        sequences, fed its draws."""
         last = self.inflight[-1]
         reqs, n = last.reqs, len(last.reqs)
-        g = self.graph_for(s, n)
-        assert g is not None
         slots = s.kv.take(n)
-        assert slots is not None  # _may_queue saw room
+        assert slots is not None  # _next_graph saw room
         positions = [_next_position(req) for req in reqs]
         for req, slot in zip(reqs, slots, strict=True):
             req.kv_tail.append(slot)
@@ -231,7 +236,6 @@ class DecodePipeline:
         batch = None if self.cuda else _eager_batch(reqs)
         hidden = g.forward_staged(last.next_ids, staged, batch)
         self._queue_draws(s, reqs, hidden)
-        self.staged += 1
         self.staged_by_width[n] = self.staged_by_width.get(n, 0) + 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -245,8 +249,9 @@ class DecodePipeline:
     def advance(self, s: Scheduler) -> None:
         """One scheduler step while a pass is in flight: queue the next one when allowed, then
         complete the oldest."""
-        if self._may_queue(s):
-            self._queue_next(s)
+        g = self._next_graph(s)
+        if g is not None:
+            self._queue_next(s, g)
         self._complete_oldest(s)
 
     def drain(self, s: Scheduler) -> None:
@@ -288,12 +293,12 @@ class DecodePipeline:
                 assert req.pending_anchor is None and req.finish_pending is None, "queued past an ending"
             if s.decoded(req):
                 continue
-            if valid:
-                s.accept(req, int(index), defer=not drained)
-            else:
-                err = EngineError("sampling failed: ValueError: cannot sample from a distribution whose total "
-                                  "is not a positive finite number")
-                s.end(req, "error", err, defer=not drained, keep_cache=False)
+            try:
+                token = read_draw([index, valid])
+            except ValueError as e:
+                s.end(req, "error", sampling_failed(e), defer=not drained, keep_cache=False)
+                continue
+            s.accept(req, token, defer=not drained)
 
 
 def _kind(req: Request) -> tuple[bool, bool, bool]:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from engine.errors import RequestError
+from engine.errors import EngineError, RequestError
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,11 @@ def queue_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     a seeded request draws the same tokens either way (engine/decode_pipeline.py reads it later)."""
     probs = torch.softmax(_filtered_scores(logits, params), dim=-1)
     return _draw(probs, float(torch.rand((), generator=generator, dtype=torch.float64)))
+
+
+def sampling_failed(exc: Exception) -> EngineError:
+    """A request's sampler failure as the error it ends with (the serial and the overlapped step)."""
+    return EngineError(f"sampling failed: {type(exc).__name__}: {exc}")
 
 
 def read_draw(draw: torch.Tensor | list[float]) -> int:

@@ -33,7 +33,7 @@ from engine.model.batch import ForwardBatch, SeqEntry
 from engine.model.decoder import Decoder
 from engine.options import EngineOptions
 from engine.request import Phase, Request
-from engine.sampling import sample
+from engine.sampling import sample, sampling_failed
 
 
 class Scheduler:
@@ -58,6 +58,11 @@ class Scheduler:
         """A pass is queued whose tokens are not read yet (engine/decode_pipeline.py): no device
         read into pageable memory until it is done."""
         return self.pipeline is not None and bool(self.pipeline.inflight)
+
+    @property
+    def staged_passes(self) -> int:
+        """Passes queued before the previous pass's tokens were read, so far (0 without the overlap)."""
+        return self.pipeline.staged if self.pipeline is not None else 0
 
     def drain(self) -> None:
         """Completes every pass in flight (before anything replaces what they use)."""
@@ -240,7 +245,7 @@ class Scheduler:
             else:
                 token = sample(logits, req.params, req.generator, req.constraint)
         except Exception as e:  # a bad constraint must fail its request, not the engine
-            self._finish(req, "error", EngineError(f"sampling failed: {type(e).__name__}: {e}"))
+            self._finish(req, "error", sampling_failed(e))
             return
         self.accept(req, token)
 

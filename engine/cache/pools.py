@@ -60,7 +60,7 @@ class KVPool:
         return self._slots.num_free
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        ids = self._slots.take(n)
+        ids = self.take(n)
         return None if ids is None else torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def take(self, n: int) -> list[int] | None:

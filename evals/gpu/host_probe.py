@@ -103,12 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             marks.wrap(DecodeMeta, "fill", "fill")
         bench.timed_request(bench.random_prompt(4, -1), WARMUP_TOKENS)
-        pipeline = eng.scheduler.pipeline
-        staged_before = pipeline.staged if pipeline is not None else 0
+        staged_before = eng.scheduler.staged_passes
         marks.on = True
         timing = bench.timed_request(bench.random_prompt(4, 0), args.tokens + 1)
         marks.on = False
-        overlapped = (pipeline.staged if pipeline is not None else 0) - staged_before
+        overlapped = eng.scheduler.staged_passes - staged_before
         title = bench.title()
     finally:
         bench.close()

@@ -77,8 +77,7 @@ def run(model: Path, cap: int, env: dict[str, str]) -> str:
             except Exception as e:  # the outcome is what we print
                 errors.append(f"{type(e).__name__}: {str(e)[:160]}")
         got = [len(h.output_ids) for h in handles]
-        pipeline = eng.scheduler.pipeline
-        staged = pipeline.staged if pipeline is not None else 0
+        staged = eng.scheduler.staged_passes
         widths = sorted(eng.decoder._graphs)
         ex = eng.decoder.executor
         desc = ex.describe() if hasattr(ex, "describe") else type(ex).__name__

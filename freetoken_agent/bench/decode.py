@@ -191,8 +191,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _staged(bench: ModelBench) -> int:
-    pipeline = bench.engine.scheduler.pipeline
-    return pipeline.staged if pipeline is not None else 0
+    return bench.engine.scheduler.staged_passes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -70,7 +70,7 @@ def test_switch_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not overlap_enabled(True)
     monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1")
     assert overlap_enabled(False)
-    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "yes")
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "sometimes")
     with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_DECODE"):
         overlap_enabled(True)
 
