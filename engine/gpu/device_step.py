@@ -60,6 +60,7 @@ from engine.errors import ConfigError
 from engine.gpu.host_fn import clear, device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
 from engine.graphs import GraphCache
+from engine.model.ops import env_switch
 
 if TYPE_CHECKING:
     from engine.gpu.executor import CachedExpertExecutor
@@ -169,6 +170,8 @@ class DeviceStep:
             self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._settled: set[int] = set()  # layers whose first (eager) run is done: their kernels are loaded
+        # FREETOKEN_SETTLE_FIRST_RUN=0 only to show on the GPU what the settle prevents (overlap_probe)
+        self._settle_first = env_switch("FREETOKEN_SETTLE_FIRST_RUN", True)
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported
         self._doorbells: dict[int, tuple[torch.Tensor, int]] = {}
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
@@ -214,7 +217,7 @@ class DeviceStep:
         # land within 5000 ms" at a batch's first pass after it shrank 3 -> 2 (not yet confirmed
         # on the GPU). So in a first run each wait for the host is waited out before the next
         # kernel is launched; captured and later runs are untouched.
-        first = layer not in self._settled and not torch.cuda.is_current_stream_capturing()
+        first = self._settle_first and layer not in self._settled and not torch.cuda.is_current_stream_capturing()
 
         def settle() -> None:
             if first:

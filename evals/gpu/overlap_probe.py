@@ -32,6 +32,7 @@ from freetoken_agent.demo import write_demo_model
 BASE = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=4, prefill_chunk=128)
 SETTINGS = {  # name -> environment; the serial ones first: the eleventh session's failure was there
     "split, serial": {"FREETOKEN_OVERLAP_DECODE": "0"},
+    "split, serial, no first-run settle": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SETTLE_FIRST_RUN": "0"},
     "split, serial, greedy": {"FREETOKEN_OVERLAP_DECODE": "0", "GREEDY": "1"},
     "whole dma, serial": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SPLIT_EXPERT": "0"},
     "kernel fetch, serial": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SPLIT_EXPERT": "0",
@@ -41,7 +42,8 @@ SETTINGS = {  # name -> environment; the serial ones first: the eleventh session
     "kernel fetch, overlap width 4": {"FREETOKEN_OVERLAP_DECODE": "1", "FREETOKEN_OVERLAP_WIDTH": "4",
                                       "FREETOKEN_SPLIT_EXPERT": "0", "FREETOKEN_FETCH": "kernel"},
 }
-KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_OVERLAP_WIDTH", "FREETOKEN_SPLIT_EXPERT", "FREETOKEN_FETCH")
+KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_OVERLAP_WIDTH", "FREETOKEN_SPLIT_EXPERT", "FREETOKEN_FETCH",
+         "FREETOKEN_SETTLE_FIRST_RUN")
 
 
 def cap_for(model: Path) -> int:
