@@ -32,7 +32,12 @@ output). `drain()` completes everything in flight.
 
 Off CUDA the same logic runs synchronously (no page-locked memory, no events; the pass builds the
 batch the eager attention core walks): how the CPU tests compare it with the serial scheduler.
-`FREETOKEN_OVERLAP_DECODE=0` (or `EngineOptions.overlap_decode=False`) turns it off;
+Off by default (experimental): `EngineOptions.overlap_decode=True`, `--overlap-decode` or
+`FREETOKEN_OVERLAP_DECODE=1` turns it on. The twelfth GPU session found it hanging on both real
+shapes: the staging kernel met a new Triton specialisation while a pass was in flight and its
+module load waited for a device that waited for the host-issued copies. Fixed since (one
+specialisation, engine/gpu/load_guard.py for any other load, the warm-up keyed by top-k's k) but
+not yet run on the GPU; it becomes the default once it has.
 `FREETOKEN_OVERLAP_WIDTH` (default 1) bounds the sequences of an overlapped pass (`overlap_width`).
 """
 
@@ -68,10 +73,10 @@ def overlap_enabled(option: bool) -> bool:
 
 def overlap_width() -> int:
     """The most sequences a pass may have and still be overlapped: FREETOKEN_OVERLAP_WIDTH, default
-    1. Only single-sequence decode has run overlapped on the GPU machine so far (the capped engine
-    tests, eleventh session); with three sequences the host-issued fetch failed at the batch's
-    3 -> 2 width change in the serial engine as well, so wider overlapped passes wait until that is
-    understood (docs/gpu-tier.md). The CPU tests run wider ones."""
+    1. Single-sequence decode ran overlapped in the capped engine tests (eleventh GPU session) and
+    three requests at width 4 in evals/gpu/overlap_probe.py (twelfth, once the first-run settle had
+    cured the 3 -> 2 width change); wider passes stay opt-in until the GPU tests have run them. The
+    CPU tests run wider ones."""
     raw = os.environ.get("FREETOKEN_OVERLAP_WIDTH", "1")
     try:
         width = int(raw)
@@ -106,8 +111,10 @@ class DecodePipeline:
         self.cuda = self.device.type == "cuda"
         self._kernels: ModuleType | None = None  # engine/model/decode_staging.py, on CUDA (triton)
         if self.cuda:
+            from engine.gpu import load_guard
             from engine.model import decode_staging
 
+            load_guard.install()  # a kernel loaded while a pass is in flight waits for it first
             self._kernels = decode_staging
         self.inflight: deque[_Pass] = deque()
         self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
@@ -117,7 +124,7 @@ class DecodePipeline:
         self._buffers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._flip = 0
         self.staged_by_width: dict[int, int] = {}  # passes queued from the previous pass's draws, per width
-        self._warmed: set[tuple[int, tuple[tuple[bool, bool, bool], ...]]] = set()  # (width, sampling kinds)
+        self._warmed: set[tuple[int, tuple[tuple[bool, int, bool], ...]]] = set()  # (width, sampling kinds)
 
     @property
     def staged(self) -> int:
@@ -157,7 +164,7 @@ class DecodePipeline:
         a kernel's first launch may load its module, and loading can wait for a device that waits
         for the host-issued fetch (engine/gpu/device_step.py `_enqueue`)."""
         n = len(reqs)
-        key = (n, tuple(sorted({_kind(r) for r in reqs})))
+        key = (n, tuple(sorted({_kind(r) for r in reqs})))  # top-k's k in it: torch picks kernels by k
         if key in self._warmed:
             return
         with torch.inference_mode():
@@ -301,10 +308,11 @@ class DecodePipeline:
             s.accept(req, token, defer=not drained)
 
 
-def _kind(req: Request) -> tuple[bool, bool, bool]:
-    """What a request's draw launches: greedy, or sampled with top-k and / or top-p filtering."""
+def _kind(req: Request) -> tuple[bool, int, bool]:
+    """What a request's draw launches: greedy, or sampled with top-k (its k: torch's top-k picks its
+    kernels by k and the row length) and / or top-p filtering."""
     p = req.params
-    return p.greedy, not p.greedy and p.top_k > 0, not p.greedy and p.top_p < 1.0
+    return p.greedy, 0 if p.greedy else p.top_k, not p.greedy and p.top_p < 1.0
 
 
 def _draws(logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator | None]) -> torch.Tensor:

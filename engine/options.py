@@ -36,7 +36,7 @@ class EngineOptions:
     fetch_ratio: float = -1.0  # share of misses fetched over PCIe; < 0 = from the calibration (measured if none)
     calibration_file: str = ""  # where measured bandwidths are stored per machine
     cuda_graphs: bool = True  # capture the expert cache's decode-sized MoE steps (engine/gpu/device_step.py)
-    overlap_decode: bool = True  # queue the next captured decode pass before reading this one's tokens
+    overlap_decode: bool = False  # queue the next captured decode pass before reading this one's tokens (experimental)
     # seconds between looks at the device's free memory, the expert cache following it (engine/gpu/elastic.py);
     # 0 = the cap stays as set (the CLI turns it on for --gpu-memory auto)
     follow_free_memory: float = 0.0

@@ -96,6 +96,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, .
                         "stored calibration of this machine, measured at first start)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
-    p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
-                   help="read each decode pass's tokens before the next pass is queued, instead of queueing "
-                        "the next captured pass first (debugging, A/B; FREETOKEN_OVERLAP_DECODE=0 does the same)")
+    p.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=False,
+                   help="queue the next captured decode pass before this pass's tokens are read (experimental, "
+                        "off by default until its fix is confirmed on a GPU: docs/gpu-tier.md; "
+                        "FREETOKEN_OVERLAP_DECODE=1 does the same)")

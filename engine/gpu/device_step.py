@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.errors import ConfigError
+from engine.gpu import load_guard
 from engine.gpu.host_fn import clear, device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
 from engine.graphs import GraphCache
@@ -170,6 +171,7 @@ class DeviceStep:
             self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._settled: set[int] = set()  # layers whose first (eager) run is done: their kernels are loaded
+        load_guard.install()  # and any Triton load elsewhere waits for the device first
         # FREETOKEN_SETTLE_FIRST_RUN=0 only to show on the GPU what the settle prevents (overlap_probe)
         self._settle_first = env_switch("FREETOKEN_SETTLE_FIRST_RUN", True)
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported

@@ -23,8 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+# No specialisation on values or alignment: one compiled kernel per BLOCK, whatever the KV table's
+# stride (the warm-up's scratch table has stride 1, a value Triton would otherwise bake in) or the
+# buffers' addresses, so nothing new is compiled and loaded while a pass is in flight
+# (engine/gpu/load_guard.py: the twelfth GPU session's hang)
+_STAGE_ARGS = ["host_ptr", "ids_ptr", "input_ids_ptr", "positions_ptr", "new_slots_ptr", "lengths_ptr", "table_ptr"]
+_PUBLISH_ARGS = ["draws_ptr", "host_ptr", "next_ids_ptr"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["table_stride", "n"], do_not_specialize_on_alignment=_STAGE_ARGS)
 def _stage_kernel(host_ptr, ids_ptr, input_ids_ptr, positions_ptr, new_slots_ptr, lengths_ptr, table_ptr,
                   table_stride, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
@@ -38,7 +45,7 @@ def _stage_kernel(host_ptr, ids_ptr, input_ids_ptr, positions_ptr, new_slots_ptr
     tl.store(table_ptr + i.to(tl.int64) * table_stride + pos, slot.to(tl.int32), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=_PUBLISH_ARGS)
 def _publish_kernel(draws_ptr, host_ptr, next_ids_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < n

@@ -29,7 +29,7 @@ QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_s
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_concurrent_decode_batches_are_captured_under_a_cap
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_overlapped_decode_equals_serial_under_a_cap
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_concurrent_sampled_requests_finish_under_a_cap
-       tests/engine/test_decode_staging.py
+       tests/engine/test_decode_staging.py tests/engine/gpu_cache/test_load_guard.py
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
      tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)
@@ -46,7 +46,7 @@ end=$(( $(date +%s) + ${TEST_S:-300} ))
 # a test that hangs (a GPU wait nothing answers) ends its file with every thread's stack in the log,
 # where pytest-timeout is installed (the GPU machine's image has it)
 PER_TEST=()
-python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "${TEST_TIMEOUT_S:-120}" --timeout-method=thread)
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "${TEST_TIMEOUT_S:-240}" --timeout-method=thread)
 for t in "${SEL[@]+"${SEL[@]}"}"; do
     left=$(( end - $(date +%s) ))
     [ "$left" -gt 5 ] || { echo "$t: not run (TEST_S)" | tee -a "$OUT/gpu_tests.log"; continue; }

@@ -49,8 +49,9 @@ F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 # FETCHES="kernel dma split split+adapt" runs ours once per variant against the same llama.cpp run,
 # each into $OUT/ours_<variant>/ with its own summary: "kernel" / "dma" pick FREETOKEN_FETCH, "split"
-# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+serial"
-# FREETOKEN_OVERLAP_DECODE=0 (each pass's tokens read before the next pass is queued);
+# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+overlap"
+# FREETOKEN_OVERLAP_DECODE=1 (the next pass queued before this one's tokens are read; else serial,
+# the default; "+serial" is accepted and changes nothing);
 # unset: one run as the environment says
 run_ours() {  # $1: the directory ours writes to
 local out=$1 seen=" " p cap
@@ -58,7 +59,7 @@ for p in $PAIRS; do
     cap=${p#*:}
     case "$seen" in *" $cap "*) continue ;; esac  # two -ncmoe for one cap: ours runs once
     seen="$seen$cap "
-    timeout "${DEC_S:-110}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
+    timeout "${DEC_S:-240}" $F bench decode "${MODEL[@]}" "${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"}" --gpu-memory "$cap" \
         --cpu-threads 8 --tokens 128 --reps 3 --json > "$out/dec_ours_$cap.json" 2> "$out/dec_ours_$cap.err"
     echo "decode $cap: exit $? at $(( $(date +%s) - t0 )) s"
     [ "$PROMPTS" = 0 ] && continue  # decode only (llama-bench runs no prompt test for -p 0 either)
@@ -73,10 +74,10 @@ else
     for fetch in $FETCHES; do
         mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
         echo "== ours with FREETOKEN_FETCH=$fetch"
-        path=${fetch%%+*} split=0 adapt=0 overlap=1
+        path=${fetch%%+*} split=0 adapt=0 overlap=0
         [ "$path" = split ] && path=dma split=1
         case "$fetch" in *+adapt*) adapt=1 ;; esac
-        case "$fetch" in *+serial*) overlap=0 ;; esac
+        case "$fetch" in *+overlap*) overlap=1 ;; esac
         FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt FREETOKEN_OVERLAP_DECODE=$overlap \
             run_ours "$OUT/ours_$fetch"
     done

@@ -62,6 +62,28 @@ def test_kernels_on_cuda_with_page_locked_buffers() -> None:
     assert check("cuda", pin=True) == 4
 
 
+@pytest.mark.gpu
+def test_one_compiled_staging_kernel_whatever_the_table_stride() -> None:
+    """The overlapped decode's warm-up stages into a one-column scratch table (stride 1) and the
+    passes into the KV table: a second specialisation would be compiled and loaded while a pass is
+    in flight, the twelfth GPU session's hang. One kernel per BLOCK is all there may be."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.model.decode_staging import _stage_kernel, stage_pass
+
+    check("cuda", pin=True)  # n 1, 3, 8 (BLOCK 16) and 17 (BLOCK 32), table stride 40, page-locked host
+    for stride in (1, 16, 33):
+        for n in (1, 2):
+            host = torch.zeros(2, n, dtype=torch.long).pin_memory()
+            bufs = [torch.zeros(n + 3, dtype=torch.long, device="cuda")[3:] for _ in range(3)]  # unaligned
+            stage_pass(host, torch.zeros(n, dtype=torch.long, device="cuda"), *bufs,
+                       torch.zeros(n, dtype=torch.int32, device="cuda"),
+                       torch.zeros(n, stride, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    compiled = _stage_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(compiled) == 2, list(compiled)
+
+
 if __name__ == "__main__":  # the interpreter test's child
     assert check("cpu", pin=False) == 4
     print("ok")

@@ -138,7 +138,7 @@ def test_concurrent_decode_batches_are_captured_under_a_cap(tmp_path: Path) -> N
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_overlapped_decode_equals_serial_under_a_cap(tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One request at a time (greedy, then seeded nucleus sampling) under a cap with the split on:
-    with the overlap (engine/decode_pipeline.py, the default: each pass queued while the host-issued
+    with the overlap (engine/decode_pipeline.py, opt-in: each pass queued while the host-issued
     fetches and the CPU branch of the one before still run) the tokens of the serial engine
     (FREETOKEN_OVERLAP_DECODE=0), most passes staged, nothing hung, the peak under the cap."""
     model, _, cap, _ = _uncapped(tmp_path, arch)
@@ -163,13 +163,14 @@ def test_overlapped_decode_equals_serial_under_a_cap(tmp_path: Path, arch: str, 
     assert peak <= cap, f"peak {peak} > cap {cap}"
 
 
-@pytest.mark.xfail(strict=False, reason="eleventh GPU session: the host-issued fetch of the first two-sequence "
-                                        "pass after three-sequence ones did not land within 5 s (serial engine); "
-                                        "cause not found yet, see docs/gpu-tier.md")
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_concurrent_sampled_requests_finish_under_a_cap(tmp_path: Path, arch: str) -> None:
     """Three sampled requests decoding together under a cap with the split on (the batch shrinks
-    3 -> 2 -> 1): every request ends with all its tokens, no error."""
+    3 -> 2 -> 1): every request ends with all its tokens, no error. The eleventh GPU session's
+    failure here ("host-issued copies did not land within 5000 ms" at the first two-sequence pass)
+    was a kernel module loaded while the device waited for the copier; the first-run settle in
+    engine/gpu/device_step.py cured it (twelfth session: qwen3_moe passed; overlap_probe hangs
+    without the settle and not with it)."""
     model, _, cap, _ = _uncapped(tmp_path, arch, max_running=4)
     prompts = [PROMPT[:40], PROMPT[8:30], PROMPT[20:64]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
