@@ -4,8 +4,9 @@ under several switch settings in one process; per setting the outcome (tokens or
 staged passes, the tokens each request got before an error and the seconds taken. The eleventh GPU
 session saw "the host-issued copies did not land within 5000 ms" at a layer task's first run here
 in the serial engine (split, sampled: tokens [24, 23, 23], the first pass after the batch shrank
-3 -> 2), not with one request (the capped engine tests); the overlapped setting after it did not
-finish within the call.
+3 -> 2), not with one request (the capped engine tests). The twelfth session confirmed the cause:
+"split, serial, no first-run settle" (FREETOKEN_SETTLE_FIRST_RUN=0) hangs, every other setting
+finishes (docs/data/h200-2026-12-01-session12/results.md).
 
 Usage: python -m evals.gpu.overlap_probe [--only REGEX] [--timeout-s 60] [--device cpu (a dry run)]
 """
