@@ -5,10 +5,9 @@ decode pass's rotary check, input copies, metadata fill and graph launch, the LM
 the executor's check, the sampler, the emission to the listener). The GPU
 is idle from the end of one step's wait to the next graph launch: that interval, split by call,
 is printed per token with the step time next to it (off CUDA nothing is replayed: no idle time).
-With the overlapped decode on (the default, engine/decode_pipeline.py) the next pass is replayed
-before this one's check, so "check returned -> next replay" is host work beside a busy GPU, not
-idle time: the probe says how many passes were overlapped; FREETOKEN_OVERLAP_DECODE=0 gives the
-serial step's breakdown.
+With the overlapped decode on (FREETOKEN_OVERLAP_DECODE=1, engine/decode_pipeline.py; off by
+default) the next pass is replayed before this one's check, so "check returned -> next replay" is
+host work beside a busy GPU, not idle time: the probe says how many passes were overlapped.
 
 Usage: python -m evals.gpu.host_probe --shape qwen3-30b-a3b --layers 24 --dummy --gpu-memory 16GiB
            --cpu-threads 8 [--tokens 64] [--zero-experts] [--out PATH]
