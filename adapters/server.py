@@ -123,6 +123,10 @@ def create_app(state: AppState) -> FastAPI:
         eng = state.service.engine
         out: dict[str, Any] = {"status": "ok", "model": state.model_name, "running": len(eng.scheduler.running),
                                "waiting": len(eng.scheduler.waiting)}
+        stalled = eng.stalled_step_s()
+        if stalled is not None:  # a step past FREETOKEN_STEP_WATCH_S: the log holds where it stands
+            out["status"] = "stalled"
+            out["stalled_step_s"] = round(stalled, 1)
         gpu = eng.gpu_report()
         if gpu is not None:  # --gpu-memory: the cap, its split and the measured peak beside it
             out["gpu_memory"] = gpu

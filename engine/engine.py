@@ -37,6 +37,7 @@ from engine.options import EngineOptions
 from engine.request import Request, RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
 from engine.scheduler import Scheduler
+from engine.watchdog import StepWatch
 from engine.weights.loader import Progress
 
 log = logging.getLogger("freetoken.engine")
@@ -88,6 +89,7 @@ class Engine:
         self._next_id = 0
         self._inbox: deque[Request] = deque()
         self._step_lock = threading.Lock()  # held while a step runs: lets inspection see a settled state
+        self._watch = StepWatch.from_env()  # a step that never returns is reported (engine/watchdog.py)
         if self.gpu_budget is not None and opts.follow_free_memory:
             threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,), name="freetoken-memory",
                              daemon=True).start()
@@ -169,8 +171,14 @@ class Engine:
         if handle.error is not None:
             raise handle.error
 
+    def stalled_step_s(self) -> float | None:
+        """How long the running step has taken when it is past the step watch's threshold
+        (FREETOKEN_STEP_WATCH_S), else None. Safe from any thread."""
+        return self._watch.running_for() if self._watch.stalled() else None
+
     def close(self) -> None:
         self._stop_follow.set()
+        self._watch.stop()
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -188,6 +196,7 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
             self._thread.start()
+            self._watch.start()
 
     def _loop(self) -> None:
         # Only this thread steps the scheduler; other threads meet it at the inbox, so a long step
@@ -207,11 +216,14 @@ class Engine:
                 if not sched.has_work:
                     return
             with self._step_lock:
+                self._watch.begin()
                 try:
                     sched.step()
                     self._refresh_cache_stats()
                 except Exception as e:  # never let the engine thread die with requests waiting on it
                     sched.fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                finally:
+                    self._watch.end()
 
     def _refresh_cache_stats(self) -> None:
         """Copies the expert cache's device counters to the host at most once a second, here on the
