@@ -7,7 +7,8 @@ captured decode graph (engine/model/decode_graph.py), at most `overlap_width()` 
 waiting to be admitted, none with a constraint, forced ids or captured logits. `may_start(s,
 entries)` says whether the serial step may hand its pass over (and launches, once per width and
 sampling mix, every kernel the pipeline adds, while nothing is in flight: a first launch may load a
-module, which can wait for a device that waits for the host). `start(s, entries, hidden)` queues
+module, which can wait for a device that waits for the host; the first real pass of each kind is
+also run settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py). `start(s, entries, hidden)` queues
 the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
 the generator's number taken now) and a kernel that writes the tokens into page-locked memory, then
 an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
@@ -46,6 +47,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -125,6 +128,8 @@ class DecodePipeline:
         self._flip = 0
         self.staged_by_width: dict[int, int] = {}  # passes queued from the previous pass's draws, per width
         self._warmed: set[tuple[int, tuple[tuple[bool, int, bool], ...]]] = set()  # (width, sampling kinds)
+        # (stage, width, sampling kinds) whose real launches have run once with nothing in flight
+        self._settled: set[tuple[str, int, tuple[tuple[bool, int, bool], ...]]] = set()
 
     @property
     def staged(self) -> int:
@@ -164,7 +169,7 @@ class DecodePipeline:
         a kernel's first launch may load its module, and loading can wait for a device that waits
         for the host-issued fetch (engine/gpu/device_step.py `_enqueue`)."""
         n = len(reqs)
-        key = (n, tuple(sorted({_kind(r) for r in reqs})))  # top-k's k in it: torch picks kernels by k
+        key = _mix(reqs)
         if key in self._warmed:
             return
         with torch.inference_mode():
@@ -210,7 +215,24 @@ class DecodePipeline:
     def start(self, s: Scheduler, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
         """After a pass the serial step built and queued (`may_start` said yes): its draws, queued,
         not read."""
-        self._queue_draws(s, [req for req, _ in entries], hidden)
+        reqs = [req for req, _ in entries]
+        with self._settled_once("start", reqs):
+            self._queue_draws(s, reqs, hidden)
+
+    @contextmanager
+    def _settled_once(self, stage: str, reqs: list[Request]) -> Iterator[None]:
+        """The first time a stage runs for a width and sampling mix, its real launches wait for
+        the device before and after: whatever they load for the first time (a torch kernel the
+        warm-up's list missed: CUDA loads modules lazily) then loads with nothing in flight, and
+        the pass is simply not overlapped. Later passes run as they are."""
+        key = (stage, *_mix(reqs))
+        first = self.cuda and key not in self._settled
+        if first:
+            torch.cuda.current_stream(self.device).synchronize()
+        yield
+        if first:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._settled.add(key)
 
     @torch.inference_mode()
     def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:
@@ -241,8 +263,9 @@ class DecodePipeline:
             req.kv_tail.append(slot)
         staged = self._stage(positions, slots)
         batch = None if self.cuda else _eager_batch(reqs)
-        hidden = g.forward_staged(last.next_ids, staged, batch)
-        self._queue_draws(s, reqs, hidden)
+        with self._settled_once("next", reqs):
+            hidden = g.forward_staged(last.next_ids, staged, batch)
+            self._queue_draws(s, reqs, hidden)
         self.staged_by_width[n] = self.staged_by_width.get(n, 0) + 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -306,6 +329,11 @@ class DecodePipeline:
                 s.end(req, "error", sampling_failed(e), defer=not drained, keep_cache=False)
                 continue
             s.accept(req, token, defer=not drained)
+
+
+def _mix(reqs: list[Request]) -> tuple[int, tuple[tuple[bool, int, bool], ...]]:
+    """A pass's width and the sampling kinds of its rows: what decides the kernels it launches."""
+    return len(reqs), tuple(sorted({_kind(r) for r in reqs}))
 
 
 def _kind(req: Request) -> tuple[bool, int, bool]:
