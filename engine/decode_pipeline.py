@@ -8,8 +8,8 @@ waiting to be admitted, none with a constraint, forced ids or captured logits. `
 entries)` says whether the serial step may hand its pass over (and launches, once per width and
 sampling mix, every kernel the pipeline adds, while nothing is in flight: a first launch may load a
 module, which can wait for a device that waits for the host; the first real pass of each kind is
-also run settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py). `start(s, entries, hidden)` queues
-the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
+also run settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
+`start(s, entries, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
 the generator's number taken now) and a kernel that writes the tokens into page-locked memory, then
 an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
 ids are the previous draws, still on the device; its positions and new KV slots are read from

@@ -216,9 +216,10 @@ class DeviceStep:
         # phases after the waits). Loading a module can wait for the device (NVIDIA's lazy-loading
         # notes warn of kernels that wait on other work), while the device waits for this step's
         # host side: the likely cause of the eleventh GPU session's "host-issued copies did not
-        # land within 5000 ms" at a batch's first pass after it shrank 3 -> 2 (not yet confirmed
-        # on the GPU). So in a first run each wait for the host is waited out before the next
-        # kernel is launched; captured and later runs are untouched.
+        # land within 5000 ms" at a batch's first pass after it shrank 3 -> 2 (confirmed in the
+        # twelfth: the overlap probe hangs without this settle and finishes with it). So in a first
+        # run each wait for the host is waited out before the next kernel is launched; captured and
+        # later runs are untouched.
         first = self._settle_first and layer not in self._settled and not torch.cuda.is_current_stream_capturing()
 
         def settle() -> None:
