@@ -52,6 +52,7 @@ $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/de
 # the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+overlap"
 # FREETOKEN_OVERLAP_DECODE=1 (the next pass queued before this one's tokens are read; else serial,
 # the default; "+serial" is accepted and changes nothing);
+# (each variant's directory: ours_<variant> with "+" as "-", a name the device tool brings back);
 # unset: one run as the environment says
 run_ours() {  # $1: the directory ours writes to
 local out=$1 seen=" " p cap
@@ -72,14 +73,14 @@ if [ -z "${FETCHES:-}" ]; then
     run_ours "$OUT"
 else
     for fetch in $FETCHES; do
-        mkdir -p "$OUT/ours_$fetch" && cp "$OUT/peer-bench.json" "$OUT/ours_$fetch/"
+        mkdir -p "$OUT/ours_${fetch//+/-}" && cp "$OUT/peer-bench.json" "$OUT/ours_${fetch//+/-}/"
         echo "== ours with FREETOKEN_FETCH=$fetch"
         path=${fetch%%+*} split=0 adapt=0 overlap=0
         [ "$path" = split ] && path=dma split=1
         case "$fetch" in *+adapt*) adapt=1 ;; esac
         case "$fetch" in *+overlap*) overlap=1 ;; esac
         FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt FREETOKEN_OVERLAP_DECODE=$overlap \
-            run_ours "$OUT/ours_$fetch"
+            run_ours "$OUT/ours_${fetch//+/-}"
     done
 fi
 rm -f "$GGUF"
@@ -89,7 +90,7 @@ if [ -z "${FETCHES:-}" ]; then
 else
     for fetch in $FETCHES; do
         echo "== FREETOKEN_FETCH=$fetch"
-        python3 -m evals.gpu.summary "$OUT/ours_$fetch"
-        python3 -m evals.gpu.side_by_side "$OUT/ours_$fetch" $PAIRS
+        python3 -m evals.gpu.summary "$OUT/ours_${fetch//+/-}"
+        python3 -m evals.gpu.side_by_side "$OUT/ours_${fetch//+/-}" $PAIRS
     done
 fi
