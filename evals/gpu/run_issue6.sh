@@ -32,7 +32,8 @@ QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_s
        tests/engine/test_decode_staging.py tests/engine/gpu_cache/test_load_guard.py
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
 ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
-     tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py)
+     tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py
+     tests/engine/test_decode_staging.py)
 case "${TESTS:-quick}" in
     all) SEL=("${ALL[@]}") ;;
     quick) SEL=("${QUICK[@]}") ;;
