@@ -14,7 +14,8 @@ F="python3 -m freetoken_agent"
 python3 native/build.py -j 16 >/dev/null 2>&1 || echo "native build failed"
 # explicit paths: collecting the whole tests/ tree imports client SDKs the GPU machine lacks.
 # TESTS=quick (default): what changed since the last GPU run, the engine-level equalities and one
-# capped engine per family (~3 min); TESTS=all: every GPU test of the engine (> 6 min); TESTS=none;
+# capped engine per family (~3 min); TESTS=all: every GPU test of the engine (~15 min; all1 / all2:
+# its halves, one device call each); TESTS=none;
 # or TESTS="path path ...".
 QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_slot_kernels.py
        tests/engine/test_host_embedding.py tests/engine/test_fused_shared.py tests/engine/test_fused_gdn.py
@@ -31,11 +32,22 @@ QUICK=(tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_s
        tests/engine/gpu_cache/test_gpu_memory_cuda.py::test_concurrent_sampled_requests_finish_under_a_cap
        tests/engine/test_decode_staging.py tests/engine/gpu_cache/test_load_guard.py
        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_gpu.py tests/evals/test_kernel_profile.py)
-ALL=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
-     tests/engine/gpu_cache tests/engine/test_gguf_model.py tests/engine/test_gpu.py tests/native/test_host_task.py
-     tests/engine/test_decode_staging.py)
+# TESTS=all is ~15 min on the H200 (tenth session's files took ~11): more than one device call, so
+# all1 and all2 split it into halves of ~8 and ~7 min, one per call
+ALL1=(tests/engine/test_decode_attention.py tests/engine/test_graph_cache.py tests/engine/test_decode_graph.py
+      tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_memory_cuda.py
+      tests/engine/gpu_cache/test_elastic.py tests/engine/gpu_cache/test_load_guard.py
+      tests/engine/test_decode_staging.py tests/native/test_host_task.py tests/engine/test_gguf_model.py)
+ALL2=(tests/engine/gpu_cache/test_plan_kernel.py tests/engine/gpu_cache/test_prefill_stream_cuda.py
+      tests/engine/gpu_cache/test_gpu_cache_cuda.py tests/engine/gpu_cache/test_grouped_experts.py
+      tests/engine/gpu_cache/test_step_kernels.py tests/engine/gpu_cache/test_slot_kernels.py
+      tests/engine/test_gpu.py tests/freetoken_agent/test_gpu_memory_default.py tests/engine/test_fused_gdn.py
+      tests/engine/test_fused_ops.py tests/engine/test_fused_shared.py tests/engine/test_host_embedding.py
+      tests/evals/test_kernel_profile.py)
 case "${TESTS:-quick}" in
-    all) SEL=("${ALL[@]}") ;;
+    all) SEL=("${ALL1[@]}" "${ALL2[@]}") ;;
+    all1) SEL=("${ALL1[@]}") ;;
+    all2) SEL=("${ALL2[@]}") ;;
     quick) SEL=("${QUICK[@]}") ;;
     none) SEL=() ;;
     *) read -r -a SEL <<< "$TESTS" ;;  # a list of test paths
