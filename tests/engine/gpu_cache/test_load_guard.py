@@ -73,13 +73,15 @@ def test_install_adds_the_hook_once() -> None:
 
 
 @pytest.mark.gpu
-def test_a_first_load_while_the_device_waits_for_a_host_thread_finishes() -> None:
+def test_a_first_load_while_the_device_waits_for_a_host_thread_finishes(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = tmp_path / "load_during_wait.py"  # a file: Triton reads a kernel's source with inspect
+    child.write_text(CHILD)
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, str(child)], env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("the kernel load deadlocked with the device waiting for the host (guard ineffective)")
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
