@@ -114,10 +114,10 @@ class DecodePipeline:
         self.cuda = self.device.type == "cuda"
         self._kernels: ModuleType | None = None  # engine/model/decode_staging.py, on CUDA (triton)
         if self.cuda:
-            from engine.gpu import load_guard
+            # (a Triton load while a pass waits for the host waits for the device first: the load
+            # guard the device steps install, engine/gpu/load_guard.py)
             from engine.model import decode_staging
 
-            load_guard.install()  # a kernel loaded while a pass is in flight waits for it first
             self._kernels = decode_staging
         self.inflight: deque[_Pass] = deque()
         self.drain_requested = False  # the engine wants a point with nothing in flight (a device read)
@@ -221,18 +221,16 @@ class DecodePipeline:
 
     @contextmanager
     def _settled_once(self, stage: str, reqs: list[Request]) -> Iterator[None]:
-        """The first time a stage runs for a width and sampling mix, its real launches wait for
-        the device before and after: whatever they load for the first time (a torch kernel the
-        warm-up's list missed: CUDA loads modules lazily) then loads with nothing in flight, and
-        the pass is simply not overlapped. Later passes run as they are."""
+        """The first time a stage runs for a width and sampling mix, its real launches wait for the
+        device first: whatever they load for the first time (a torch kernel the warm-up's list
+        missed: CUDA loads modules lazily) then loads behind nothing that waits for the host. In
+        "next" the replay, which waits for the host, comes after the staging kernel and before the
+        draws, whose kernels "start" has loaded already. Later passes run as they are."""
         key = (stage, *_mix(reqs))
-        first = self.cuda and key not in self._settled
-        if first:
-            torch.cuda.current_stream(self.device).synchronize()
-        yield
-        if first:
+        if self.cuda and key not in self._settled:
             torch.cuda.current_stream(self.device).synchronize()
             self._settled.add(key)
+        yield
 
     @torch.inference_mode()
     def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:

@@ -171,7 +171,9 @@ class DeviceStep:
             self._context = current_context()
         self._tasks: dict[int, object] = {}
         self._settled: set[int] = set()  # layers whose first (eager) run is done: their kernels are loaded
-        load_guard.install()  # and any Triton load elsewhere waits for the device first
+        # device steps make the device wait for the host: from now on every Triton load in the
+        # process waits for the device first (a load behind such a wait can deadlock)
+        load_guard.install()
         # FREETOKEN_SETTLE_FIRST_RUN=0 only to show on the GPU what the settle prevents (overlap_probe)
         self._settle_first = env_switch("FREETOKEN_SETTLE_FIRST_RUN", True)
         self._failures_seen: dict[int, int] = {}  # per layer: the task failures check() has reported

@@ -9,12 +9,11 @@ host, next_ids)` writes draws [n, 2] float64 into `host` (page-locked, read by t
 pass's event) and their first column into next_ids [n] int64.
 
 Why kernels: these run while an earlier pass may still wait for the host-issued expert fetch,
-whose copies use the copy engines; a copy-engine transfer queued on the compute stream behind such
-a pass was the first suspect when the overlapped three-request runs of the eleventh GPU session
-failed with "the host-issued copies did not land within 5000 ms", but the serial engine then failed
-the same way (docs/gpu-tier.md), so that suspicion is unconfirmed. A kernel reading or writing
-page-locked memory through its mapping keeps the question away and folds the conversions
-(int64 positions to the int32 table, float64 draws to int64 ids) into the same launch.
+whose copies use the copy engines; a kernel reading or writing page-locked memory through its
+mapping keeps any copy-engine transfer from queueing behind such a pass and folds the conversions
+(int64 positions to the int32 table, float64 draws to int64 ids) into the same launch. Neither
+kernel specialises on its arguments: one compiled kernel per BLOCK, loaded before anything is in
+flight (a load behind a pass that waits for the host deadlocked in the twelfth GPU session).
 """
 
 from __future__ import annotations
