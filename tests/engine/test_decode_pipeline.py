@@ -285,3 +285,33 @@ def test_a_failed_preparation_turns_the_overlap_off_with_a_warning(model: Path, 
         assert _staged(eng) == 0 and eng.scheduler.pipeline is not None and eng.scheduler.pipeline.width == 0
     assert got == want
     assert sum("overlapped decode turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_off_unless_asked(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experimental since the twelfth GPU session: no pipeline by default; `--overlap-decode` (CLI)
+    or the option turns it on, `--no-overlap-decode` leaves it off."""
+    import argparse
+
+    from freetoken_agent.argtypes import add_engine_arguments
+
+    monkeypatch.delenv("FREETOKEN_OVERLAP_DECODE", raising=False)
+    assert EngineOptions().overlap_decode is False
+    with Engine(model, EngineOptions(**OPTS)) as eng:  # type: ignore[arg-type]
+        assert eng.scheduler.pipeline is None
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert parser.parse_args([]).overlap_decode is False
+    assert parser.parse_args(["--overlap-decode"]).overlap_decode is True
+    assert parser.parse_args(["--no-overlap-decode"]).overlap_decode is False
+
+
+def test_the_warm_up_is_per_top_k(model: Path) -> None:
+    """torch picks its top-k kernels by k, so a request with another k is warmed up again (a kernel
+    first launched behind a pass in flight could load its module there)."""
+    prompt = list(range(300, 330))
+    with _engine(model, True) as eng:
+        for k in (20, 50, 20):
+            list(eng.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, top_k=k, seed=3, ignore_eos=True)))
+        pipeline = eng.scheduler.pipeline
+        assert pipeline is not None and _staged(eng) > 0
+        assert sorted(kinds for _, kinds in pipeline._warmed) == [((False, 20, False),), ((False, 50, False),)]
