@@ -5,13 +5,13 @@ back: a cycle would keep a closed engine's GPU memory until a garbage collection
 `Scheduler.step()` in steady decode: every running request decoding one token per pass through a
 captured decode graph (engine/model/decode_graph.py), at most `overlap_width()` of them, none
 waiting to be admitted, none with a constraint, forced ids or captured logits. `may_start(s,
-entries)` says whether the serial step may hand its pass over (and launches, once per width and
-sampling mix, every kernel the pipeline adds, while nothing is in flight: a first launch may load a
-module, which can wait for a device that waits for the host; the first real pass of each kind is
-also run settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
-`start(s, entries, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py `queue_draw`: the serial draw,
-the generator's number taken now) and a kernel that writes the tokens into page-locked memory, then
-an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
+entries)` says whether the serial step may hand its pass over (and loads, once per width while
+nothing is in flight, the staging kernels: a first launch may load a module, which can wait for a
+device that waits for the host; for the same reason the first real pass of each width and sampling
+mix runs settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
+`start(s, entries, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py
+`queue_draw`: the serial draw, the generator's number taken now) and a kernel that writes the tokens
+into page-locked memory, then an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
 ids are the previous draws, still on the device; its positions and new KV slots are read from
 page-locked memory by a kernel that also gives the KV table one slot per row in place
 (engine/model/decode_staging.py). Then it waits for the oldest pass's event only and hands its
@@ -37,7 +37,7 @@ Off by default (experimental): `EngineOptions.overlap_decode=True`, `--overlap-d
 `FREETOKEN_OVERLAP_DECODE=1` turns it on. The twelfth GPU session found it hanging on both real
 shapes: the staging kernel met a new Triton specialisation while a pass was in flight and its
 module load waited for a device that waited for the host-issued copies. Fixed since (one
-specialisation, engine/gpu/load_guard.py for any other load, the warm-up keyed by top-k's k) but
+specialisation, engine/gpu/load_guard.py for any other load, a settled first pass per top-k's k) but
 not yet run on the GPU; it becomes the default once it has.
 `FREETOKEN_OVERLAP_WIDTH` (default 1) bounds the sequences of an overlapped pass (`overlap_width`).
 """
@@ -127,7 +127,7 @@ class DecodePipeline:
         self._buffers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._flip = 0
         self.staged_by_width: dict[int, int] = {}  # passes queued from the previous pass's draws, per width
-        self._warmed: set[tuple[int, tuple[tuple[bool, int, bool], ...]]] = set()  # (width, sampling kinds)
+        self._warmed: set[int] = set()  # widths whose staging kernels are loaded
         # (stage, width, sampling kinds) whose real launches have run once with nothing in flight
         self._settled: set[tuple[str, int, tuple[tuple[bool, int, bool], ...]]] = set()
 
@@ -156,38 +156,34 @@ class DecodePipeline:
             self._buffers[n] = ([torch.zeros(2, n, dtype=torch.long, pin_memory=pin) for _ in range(2)],
                                 [torch.zeros(n, 2, dtype=torch.float64, pin_memory=pin) for _ in range(2)])
         try:
-            self._warm(s, [req for req, _ in entries])
+            self._warm(n)
         except Exception as exc:  # e.g. a staging kernel that does not compile: serial, as a failed capture
             log.warning("overlapped decode turned off: preparing a %d-sequence pass failed: %s", n, exc)
             self.width = 0
             return False
         return True
 
-    def _warm(self, s: Scheduler, reqs: list[Request]) -> None:
-        """Launches, once per width and mix of sampling kinds and while nothing is in flight, every
-        kernel a staged pass adds to the captured one (the draws, the staging kernels) and waits:
-        a kernel's first launch may load its module, and loading can wait for a device that waits
-        for the host-issued fetch (engine/gpu/device_step.py `_enqueue`)."""
-        n = len(reqs)
-        key = _mix(reqs)
-        if key in self._warmed:
+    def _warm(self, n: int) -> None:
+        """Compiles and launches, once per width and while nothing is in flight, the kernels a
+        staged pass adds that the real passes' settled first runs (`_settled_once`) do not launch
+        before a pass is in flight: the staging kernels (a compile failure here turns the pipeline
+        off) and the online fetch ratio's rewrite (CachedExpertExecutor.check, after each completed
+        pass); then waits. A kernel's first launch may load its module, and loading can wait for a
+        device that waits for the host-issued fetch (engine/gpu/device_step.py `_enqueue`)."""
+        if n in self._warmed or self._kernels is None:
             return
         with torch.inference_mode():
-            logits = torch.zeros(n, s.decoder.cfg.vocab_size, dtype=torch.float32, device=self.device)
-            draws = _draws(logits, reqs, [torch.Generator().manual_seed(0) for _ in reqs])
-            if self._kernels is not None:
-                ids = torch.zeros(n, dtype=torch.long, device=self.device)
-                scratch = [torch.zeros(n, dtype=torch.long, device=self.device) for _ in range(3)]
-                table = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
-                lengths = torch.zeros(n, dtype=torch.int32, device=self.device)
-                host_in, host_out = self._buffers[n][0][0], self._buffers[n][1][0]
-                host_in.zero_()  # positions 0: the scratch table has one column
-                self._kernels.stage_pass(host_in, ids, *scratch, lengths, table)
-                self._kernels.publish_draws(draws, host_out, ids)
-                # the online fetch ratio's rewrite (CachedExpertExecutor.check, done per completed pass)
-                torch.empty((), dtype=torch.float64, device=self.device).fill_(0.5)
-                torch.cuda.current_stream(self.device).synchronize()
-        self._warmed.add(key)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            scratch = [torch.zeros(n, dtype=torch.long, device=self.device) for _ in range(3)]
+            table = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
+            lengths = torch.zeros(n, dtype=torch.int32, device=self.device)
+            host_in, host_out = self._buffers[n][0][0], self._buffers[n][1][0]
+            host_in.zero_()  # positions 0: the scratch table has one column
+            self._kernels.stage_pass(host_in, ids, *scratch, lengths, table)
+            self._kernels.publish_draws(torch.zeros(n, 2, dtype=torch.float64, device=self.device), host_out, ids)
+            torch.empty((), dtype=torch.float64, device=self.device).fill_(0.5)
+            torch.cuda.current_stream(self.device).synchronize()
+        self._warmed.add(n)
 
     def _next_graph(self, s: Scheduler) -> DecodeGraphs | None:
         """The graph of the pass after the newest one in flight, when that pass may be queued."""
@@ -222,13 +218,15 @@ class DecodePipeline:
     @contextmanager
     def _settled_once(self, stage: str, reqs: list[Request]) -> Iterator[None]:
         """The first time a stage runs for a width and sampling mix, its real launches wait for the
-        device first: whatever they load for the first time (a torch kernel the warm-up's list
-        missed: CUDA loads modules lazily) then loads behind nothing that waits for the host. In
+        device first: whatever they load for the first time (the draws' torch kernels, which torch
+        picks by width and sampling kind, top-k's k included; CUDA loads modules lazily) then loads
+        behind nothing that waits for the host. In
         "next" the replay, which waits for the host, comes after the staging kernel and before the
         draws, whose kernels "start" has loaded already. Later passes run as they are."""
         key = (stage, *_mix(reqs))
-        if self.cuda and key not in self._settled:
-            torch.cuda.current_stream(self.device).synchronize()
+        if key not in self._settled:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             self._settled.add(key)
         yield
 

@@ -305,13 +305,14 @@ def test_off_unless_asked(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parser.parse_args(["--no-overlap-decode"]).overlap_decode is False
 
 
-def test_the_warm_up_is_per_top_k(model: Path) -> None:
-    """torch picks its top-k kernels by k, so a request with another k is warmed up again (a kernel
-    first launched behind a pass in flight could load its module there)."""
+def test_the_first_pass_is_settled_per_top_k(model: Path) -> None:
+    """torch picks its top-k kernels by k, so a request with another k gets a settled first pass
+    again (a kernel first launched behind a pass in flight could load its module there)."""
     prompt = list(range(300, 330))
     with _engine(model, True) as eng:
         for k in (20, 50, 20):
             list(eng.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, top_k=k, seed=3, ignore_eos=True)))
         pipeline = eng.scheduler.pipeline
         assert pipeline is not None and _staged(eng) > 0
-        assert sorted(kinds for _, kinds in pipeline._warmed) == [((False, 20, False),), ((False, 50, False),)]
+        assert sorted(kinds for stage, _, kinds in pipeline._settled if stage == "start") == [
+            ((False, 20, False),), ((False, 50, False),)]
