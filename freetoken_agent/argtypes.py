@@ -98,5 +98,5 @@ def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, .
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=False,
                    help="queue the next captured decode pass before this pass's tokens are read (experimental, "
-                        "off by default until its fix is confirmed on a GPU: docs/gpu-tier.md; "
+                        "opt-in until its concurrent GPU test has run: docs/gpu-tier.md; "
                         "FREETOKEN_OVERLAP_DECODE=1 does the same)")

@@ -163,14 +163,20 @@ def test_overlapped_decode_equals_serial_under_a_cap(tmp_path: Path, arch: str, 
     assert peak <= cap, f"peak {peak} > cap {cap}"
 
 
+@pytest.mark.parametrize("overlap", ["serial", "overlap1", "overlap4"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_concurrent_sampled_requests_finish_under_a_cap(tmp_path: Path, arch: str) -> None:
+def test_concurrent_sampled_requests_finish_under_a_cap(tmp_path: Path, arch: str, overlap: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sampled requests decoding together under a cap with the split on (the batch shrinks
-    3 -> 2 -> 1): every request ends with all its tokens, no error. The eleventh GPU session's
-    failure here ("host-issued copies did not land within 5000 ms" at the first two-sequence pass)
-    was a kernel module loaded while the device waited for the copier; the first-run settle in
-    engine/gpu/device_step.py cured it (twelfth session: qwen3_moe passed; overlap_probe hangs
-    without the settle and not with it)."""
+    3 -> 2 -> 1): every request ends with all its tokens, no error; serial, and with the overlapped
+    decode on at width 1 (the serial wider passes hand over to overlapped single-sequence ones) and
+    width 4 (every width overlapped). The eleventh GPU session's failure here ("host-issued copies
+    did not land within 5000 ms" at the first two-sequence pass) was a kernel module loaded while
+    the device waited for the copier; the first-run settle in engine/gpu/device_step.py cured it
+    (twelfth session: overlap_probe hangs without the settle and not with it; thirteenth: the serial
+    cases passed for both families)."""
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "0" if overlap == "serial" else "1")
+    monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", "4" if overlap == "overlap4" else "1")
     model, _, cap, _ = _uncapped(tmp_path, arch, max_running=4)
     prompts = [PROMPT[:40], PROMPT[8:30], PROMPT[20:64]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
