@@ -8,7 +8,7 @@ waiting to be admitted, none with a constraint, forced ids or captured logits. `
 entries)` says whether the serial step may hand its pass over (and loads, once per width while
 nothing is in flight, the staging kernels: a first launch may load a module, which can wait for a
 device that waits for the host; for the same reason the first real pass of each width and sampling
-mix runs settled, `_settled_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
+mix runs settled, `_settle_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
 `start(s, entries, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py
 `queue_draw`: the serial draw, the generator's number taken now) and a kernel that writes the tokens
 into page-locked memory, then an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
@@ -49,8 +49,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -167,7 +165,7 @@ class DecodePipeline:
 
     def _warm(self, n: int) -> None:
         """Compiles and launches, once per width and while nothing is in flight, the kernels a
-        staged pass adds that the real passes' settled first runs (`_settled_once`) do not launch
+        staged pass adds that the real passes' settled first runs (`_settle_once`) do not launch
         before a pass is in flight: the staging kernels (a compile failure here turns the pipeline
         off) and the online fetch ratio's rewrite (CachedExpertExecutor.check, after each completed
         pass); then waits. A kernel's first launch may load its module, and loading can wait for a
@@ -214,23 +212,21 @@ class DecodePipeline:
         """After a pass the serial step built and queued (`may_start` said yes): its draws, queued,
         not read."""
         reqs = [req for req, _ in entries]
-        with self._settled_once("start", reqs):
-            self._queue_draws(s, reqs, hidden)
+        self._settle_once("start", reqs)
+        self._queue_draws(s, reqs, hidden)
 
-    @contextmanager
-    def _settled_once(self, stage: str, reqs: list[Request]) -> Iterator[None]:
-        """The first time a stage runs for a width and sampling mix, its real launches wait for the
-        device first: whatever they load for the first time (the draws' torch kernels, which torch
-        picks by width and sampling kind, top-k's k included; CUDA loads modules lazily) then loads
-        behind nothing that waits for the host. In
-        "next" the replay, which waits for the host, comes after the staging kernel and before the
-        draws, whose kernels "start" has loaded already. Later passes run as they are."""
+    def _settle_once(self, stage: str, reqs: list[Request]) -> None:
+        """Called before a stage's launches: the first time it runs for a width and sampling mix,
+        they wait for the device first, so whatever they load for the first time (the draws' torch
+        kernels, which torch picks by width and sampling kind, top-k's k included; CUDA loads modules
+        lazily) loads behind nothing that waits for the host. In "next" the replay, which waits for
+        the host, comes after the staging kernel and before the draws, whose kernels "start" has
+        loaded already. Later passes run as they are."""
         key = (stage, *_mix(reqs))
         if key not in self._settled:
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
             self._settled.add(key)
-        yield
 
     @torch.inference_mode()
     def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:
@@ -261,9 +257,9 @@ class DecodePipeline:
             req.kv_tail.append(slot)
         staged = self._stage(positions, slots)
         batch = None if self.cuda else _eager_batch(reqs)
-        with self._settled_once("next", reqs):
-            hidden = g.forward_staged(last.next_ids, staged, batch)
-            self._queue_draws(s, reqs, hidden)
+        self._settle_once("next", reqs)
+        hidden = g.forward_staged(last.next_ids, staged, batch)
+        self._queue_draws(s, reqs, hidden)
         self.staged_by_width[n] = self.staged_by_width.get(n, 0) + 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:

@@ -145,7 +145,7 @@ def _decode_s(t: Timing) -> float:
 def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     bench.cold()
     bench.timed_request(bench.random_prompt(args.prompt_tokens, -1), WARMUP_TOKENS, args.temperature, 0)
-    staged_before = _staged(bench)
+    staged_before = bench.engine.scheduler.staged_passes
     timings = []
     for rep in range(args.reps):
         bench.cold()
@@ -154,7 +154,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         bench.note(f"rep {rep + 1}/{args.reps}: {1 / _decode_s(timings[-1]):.2f} tok/s")
     per_token = _per_token(timings, bench)
     # the share of timed passes queued before the previous pass's tokens were read (engine/decode_pipeline.py)
-    overlapped = (_staged(bench) - staged_before) / sum(t.tokens - 1 for t in timings)
+    overlapped = (bench.engine.scheduler.staged_passes - staged_before) / sum(t.tokens - 1 for t in timings)
     real = bench.engine.decoder.executor
     bench.engine.decoder.executor = ZeroExperts()
     dense = []
@@ -188,10 +188,6 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         "measured_over_bound": ms / bound_ms if bound_ms else None, "bound_note": note,
         "overlapped_share": overlapped,
     }
-
-
-def _staged(bench: ModelBench) -> int:
-    return bench.engine.scheduler.staged_passes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -46,8 +46,7 @@ def _engine(model: Path, overlap: bool) -> Engine:
 
 
 def _staged(eng: Engine) -> int:
-    pipeline = eng.scheduler.pipeline
-    return 0 if pipeline is None else pipeline.staged
+    return eng.scheduler.staged_passes
 
 
 @pytest.fixture(autouse=True)
