@@ -121,8 +121,9 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         eng = state.service.engine
-        out: dict[str, Any] = {"status": "ok", "model": state.model_name, "running": len(eng.scheduler.running),
-                               "waiting": len(eng.scheduler.waiting)}
+        load = eng.stats()
+        out: dict[str, Any] = {"status": "ok", "model": state.model_name, "running": load["running"],
+                               "waiting": load["waiting"]}
         stalled = eng.stalled_step_s()
         if stalled is not None:  # a step past FREETOKEN_STEP_WATCH_S: the log holds where it stands
             out["status"] = "stalled"
@@ -158,7 +159,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        state.metrics.running.set(len(state.service.engine.scheduler.running))
+        state.metrics.running.set(state.service.engine.stats()["running"])
         state.metrics.observe_engine(state.service.engine)
         return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")

@@ -89,6 +89,8 @@ class Engine:
         self._next_id = 0
         self._inbox: deque[Request] = deque()
         self._step_lock = threading.Lock()  # held while a step runs: lets inspection see a settled state
+        self._stats: dict[str, int] = {}
+        self._publish_stats()
         self._watch = StepWatch.from_env()  # a step that never returns is reported (engine/watchdog.py)
         if self.gpu_budget is not None and opts.follow_free_memory:
             threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,), name="freetoken-memory",
@@ -160,6 +162,7 @@ class Engine:
             if self._inbox or self.scheduler.has_work:
                 raise EngineError("cannot reset the prefix cache while requests are queued or running")
             self.scheduler.reset_cache()
+            self._publish_stats()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[int]:
         handle = self.submit(prompt_ids, params)
@@ -220,10 +223,25 @@ class Engine:
                 try:
                     sched.step()
                     self._refresh_cache_stats()
+                    self._publish_stats()
                 except Exception as e:  # never let the engine thread die with requests waiting on it
                     sched.fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                 finally:
                     self._watch.end()
+
+    def stats(self) -> dict[str, int]:
+        """What other threads may read without waiting for a step: {"running", "waiting",
+        "kv_tokens", "kv_tokens_used"} as of the end of the last step (KV tokens in use count the
+        prefix cache's slots too). Safe from any thread; never blocks."""
+        out = dict(self._stats)
+        out["waiting"] += len(self._inbox)
+        return out
+
+    def _publish_stats(self) -> None:
+        """Engine thread (or a caller holding the step lock): the figures `stats()` returns."""
+        s = self.scheduler
+        self._stats = {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv.capacity,
+                       "kv_tokens_used": s.kv.capacity - s.kv.num_free}
 
     def _refresh_cache_stats(self) -> None:
         """Copies the expert cache's device counters to the host at most once a second, here on the
@@ -321,6 +339,7 @@ class Engine:
                 raise ConfigError(f"the new pools could not be allocated on {opts.device} ({e}); the previous "
                                   f"sizes were restored") from None
             self.opts = opts
+            self._publish_stats()
             if self.gpu_budget is not None and not experts_first:
                 self.gpu_budget = rebuild_expert_cache(self.decoder, opts, self.dtype, self.gpu_budget.total)
         return self.memory_report()
