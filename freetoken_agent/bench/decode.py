@@ -56,9 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 from freetoken_agent.argtypes import non_negative_float, positive_int
@@ -70,6 +68,9 @@ from freetoken_agent.bench.model_bench import (
     median,
     print_table,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # enough decode steps that every layer's CUDA graph is captured (eager, capture, replay) and the
 # kernels are compiled before the timed reps; the first H200 run's first rep (4 warm-up tokens) ran
@@ -86,6 +87,8 @@ class ZeroExperts:
         return "zero (routed experts skipped)"
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
+        import torch
+
         return torch.zeros_like(x)
 
 

@@ -38,8 +38,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from engine.errors import ConfigError
 from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
 from freetoken_agent.bench.shapes import MODEL_SHAPES, SHAPES
@@ -107,6 +105,8 @@ def median(values: list[float]) -> float:
 
 class ModelBench:
     def __init__(self, args: argparse.Namespace, kv_tokens: int, prefill_chunk: int) -> None:
+        import torch
+
         from engine.engine import Engine
         from engine.model.load import parse_dtype
         from engine.options import EngineOptions
@@ -188,6 +188,8 @@ class ModelBench:
             table.reset()
 
     def random_prompt(self, n: int, index: int) -> list[int]:
+        import torch
+
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
         return torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
 
@@ -262,6 +264,8 @@ class ModelBench:
         return cal.b_pcie_contended + cal.b_cpu_contended, "B_P' + B_C' (contended)"
 
     def facts(self) -> dict[str, Any]:
+        import torch
+
         from engine.gpu.budget import dense_bytes
         from engine.moe.executor import describe_executor
 
@@ -304,6 +308,8 @@ def _cpu_model() -> str:
 
 def _cpu_threads(requested: int) -> int:
     """The CPU expert executor's pool size (the native one when built), else torch's threads."""
+    import torch
+
     try:
         from engine.moe.native import load_native
 
