@@ -45,18 +45,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
     from freetoken_agent.argtypes import resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
-    from freetoken_agent.models import resolve_model
+    from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
     from freetoken_agent.serve import resolve_device
     from freetoken_agent.service.chat import FAMILIES
-    from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
+    from freetoken_agent.tokenizer import StreamDecoder
 
     if not args.prompt:
         raise RequestError("prompt is empty")
-    device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
+    device = resolve_device(args.device)
     with load_progress("reading the tokenizer"):
-        tok = ChatTokenizer.from_dir(model_dir)
+        tok = load_tokenizer(model_dir)
     thinking = not args.no_think
     if args.raw:
         ids = tok.encode(args.prompt)

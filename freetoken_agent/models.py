@@ -9,8 +9,9 @@ file or what to run:
 - otherwise an id `OWNER/NAME` is looked up in the Hugging Face cache (`$HF_HUB_CACHE`, `$HF_HOME`,
   default `~/.cache/huggingface/hub`) without any network access, at its `main` revision; a
   missing id says `freetoken-agent pull OWNER/NAME`.
-`check_model_dir(path)` is the file check alone. Importing this module imports neither torch nor
-huggingface_hub.
+`check_model_dir(path)` is the file check alone. `load_tokenizer(path)` reads the directory's chat
+tokenizer, a file it cannot read being one `UsageError` line naming it. Importing this module
+imports neither torch nor huggingface_hub.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freetoken_agent.demo import ARCHES, demo_model_dir
+
+if TYPE_CHECKING:
+    from freetoken_agent.tokenizer import ChatTokenizer
 
 # what the model directory must hold for the engine and the chat tokenizer, besides the weights
 REQUIRED_FILES = ("config.json", "tokenizer.json")
@@ -49,6 +54,19 @@ def check_model_dir(path: Path) -> Path:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UsageError(f"{file}: not valid JSON ({e})") from None
     return path
+
+
+def load_tokenizer(model_dir: Path) -> ChatTokenizer:
+    """The chat tokenizer of `model_dir`; a file that cannot be read is one line naming it."""
+    from freetoken_agent.tokenizer import ChatTokenizer
+
+    try:
+        return ChatTokenizer.from_dir(model_dir)
+    except OSError as e:
+        raise UsageError(f"{e.filename or model_dir}: cannot be read ({e.strerror or e})") from None
+    except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"{model_dir / 'tokenizer.json'}: cannot be read by the tokenizers library ({reason})") from None
 
 
 def hf_cache_dir() -> Path:

@@ -1,8 +1,10 @@
 """`freetoken-agent pull ID [--revision R] [--include GLOB ...]`: download a checkpoint from the
 Hugging Face Hub into the Hugging Face cache, where `--model ID` finds it.
 
-Contract: the download is `huggingface_hub.snapshot_download` (its progress bars; an interrupted
-pull resumes where it stopped; `HF_ENDPOINT`, `HF_TOKEN`, `HF_HOME` / `HF_HUB_CACHE` apply).
+Contract: the download is `huggingface_hub.snapshot_download` (its progress bars; `HF_ENDPOINT`,
+`HF_TOKEN`, `HF_HOME` / `HF_HUB_CACHE` apply). It resumes: a broken transfer is retried from the
+byte it stopped at, and after a failed pull the files already downloaded stay in the cache, so
+running it again fetches only what is missing.
 `--include` keeps only the files matching the glob(s), e.g. one quantisation of a GGUF repository;
 config, tokenizer and chat-template files are always included then, so a directory checkpoint stays
 servable. On success it prints the snapshot directory and the command that serves it, exit 0. An

@@ -87,17 +87,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.options import EngineOptions
     from freetoken_agent.argtypes import resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
-    from freetoken_agent.models import resolve_model
+    from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
     from freetoken_agent.service import ChatService
     from freetoken_agent.sessions import AnchorPolicy, SessionManager
-    from freetoken_agent.tokenizer import ChatTokenizer
 
-    device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
+    device = resolve_device(args.device)
     name = args.served_model_name or default_model_name(args.model, model_dir)
     with load_progress("reading the tokenizer"):
-        tokenizer = ChatTokenizer.from_dir(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
                          gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
                          follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
