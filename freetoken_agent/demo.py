@@ -3,7 +3,8 @@
 Contract: `write_demo_model(out_dir, arch)` writes `config.json`, `model.safetensors` (per-expert
 tensor names, as `save_pretrained` writes them) and the tokenizer files for `arch` in
 {"qwen3_5_moe", "qwen3_moe"}; weights come from a fixed seed, so every machine gets the same
-model. Sized to decode at 20+ tokens/s on two CPU cores. `demo_model_dir(arch)` returns the copy
+model. Sized to decode at 20+ tokens/s on two CPU cores; it holds 131072 positions, so it can be
+served with the context window Claude Code needs (`serve --kv-tokens 131072`). `demo_model_dir(arch)` returns the copy
 in the user's cache directory, creating it on first use (atomically, so a crash never leaves half
 a model behind) with a progress display on a terminal. Both take an optional `progress(done, total,
 label)` callback, called once per step. Importing this module imports neither torch nor safetensors.
@@ -23,14 +24,14 @@ if TYPE_CHECKING:
     import torch
 
 ARCHES = ("qwen3_5_moe", "qwen3_moe")
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 SEED = 1234
 
 
 def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
     common: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "num_experts": 16,
         "num_experts_per_tok": 4, "moe_intermediate_size": 128, "eos_token_id": eos, "pad_token_id": pad,
         "bos_token_id": None, "dtype": "float32",
