@@ -1,5 +1,5 @@
 """`freetoken-agent bench decode`: batch-1 greedy decode speed of the engine on dummy (random)
-weights of a real shape, with the expert cache's hit rate and the bound of ../shared/BENCHMARKS.md.
+weights of a real shape, with the expert cache's hit rate and the bound of docs/benchmarks.md.
 
 Method:
 - model: engine/weights/dummy.py (fixed seed; random routers route almost uniformly, the worst
