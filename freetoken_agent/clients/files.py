@@ -71,8 +71,9 @@ def _kind(value: Any) -> str:
 def _add(into: dict[str, Any], key: str, value: Any) -> None:
     """`into[key] = value` for a new key; in a TOML table, before the comments and blank lines that end
     it, which belong to the next table (a comment above `[profiles.fast]` stays above it)."""
-    body = getattr(getattr(into, "value", None), "body", None)
-    if type(into).__name__ != "Table" or not isinstance(body, list) or not hasattr(into.value, "_insert_at"):
+    table: Any = into
+    body = getattr(getattr(table, "value", None), "body", None)
+    if type(table).__name__ != "Table" or not isinstance(body, list) or not hasattr(table.value, "_insert_at"):
         into[key] = value
         return
     import tomlkit
@@ -84,7 +85,7 @@ def _add(into: dict[str, Any], key: str, value: Any) -> None:
     if at == len(body):
         into[key] = value
     else:
-        into.value._insert_at(at, key, tomlkit.item(value))
+        table.value._insert_at(at, key, tomlkit.item(value))
 
 
 def merge(into: dict[str, Any], ours: dict[str, Any], file: Path, keys: tuple[str, ...] = ()) -> None:
