@@ -105,7 +105,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     spec = CalibrationSpec(fmt=args.format, hidden=shape.hidden, inter=shape.inter, top_k=shape.top_k,
                            threads=args.threads, bank_bytes=int(args.bank_gb * 1e9), seconds=args.seconds,
                            rounds=args.rounds)
-    cal = calibrate(spec)
+    from freetoken_agent.progress import load_progress
+
+    with load_progress(f"measuring B_C and B_P ({args.rounds} rounds of {args.seconds:g} s per case)"):
+        cal = calibrate(spec)
     save(path, cal)
     if args.json:
         print(json.dumps({**cal.to_json(), **_ratios(cal), "path": str(path)}))

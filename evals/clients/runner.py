@@ -102,6 +102,10 @@ def _judge(c: Client, exchanges: list[Exchange], server_text: str, rc: int | Non
 MODEL_SUFFIXES = ("/messages", "/chat/completions", "/responses", "/count_tokens")
 
 
+def _scrub(text: str, tmp: Path, clients_dir: Path) -> str:
+    return text.replace(str(tmp), "$TMP").replace(str(clients_dir), "$CLIENTS")
+
+
 def _carries(exchanges: list[Exchange], text: str) -> bool:
     """Some model request of the turn holds `text` (the first turn's task) in its body."""
     return any(text in e.req_body.decode("utf-8", "replace") for e in exchanges
@@ -169,7 +173,7 @@ def run_client(c: Client, base: str, proxy: RecordingProxy, server_log: Path | N
                                     and e.path.split("?")[0].endswith(MODEL_SUFFIXES)),
             "endpoints": endpoints, "server_access_log": [f"{m} {p} {s}" for m, p, s in ACCESS.findall(server_text)],
             "requests": [summarize_exchange(e) for e in exchanges], "problems": problems,
-            "stderr_head": stderr[:500].replace(str(tmp), "$TMP"), "stdout_head": stdout[:500].replace(str(tmp), "$TMP"),
+            "stderr_head": _scrub(stderr[:500], tmp, clients_dir), "stdout_head": _scrub(stdout[:500], tmp, clients_dir),
         })
         all_exchanges += exchanges
         if keep:  # the raw traffic, for debugging

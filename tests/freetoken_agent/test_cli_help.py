@@ -119,3 +119,20 @@ def test_help_answers_in_under_a_second() -> None:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu / 3 < 1.0, f"{cpu / 3:.2f} s of CPU per --help"
+
+
+def test_device_defaults_to_auto_and_auto_picks_what_is_there() -> None:
+    import torch
+
+    from freetoken_agent.models import UsageError
+    from freetoken_agent.serve import resolve_device
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).device == "auto"
+    assert parser.parse_args(["generate", "--prompt", "x"]).device == "auto"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == expected
+    assert resolve_device("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA device"):
+            resolve_device("cuda")
