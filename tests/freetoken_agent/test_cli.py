@@ -182,7 +182,10 @@ def test_generate_renders_like_the_server(cache: Path, monkeypatch: pytest.Monke
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     assert "\n".join(text) == content
-    assert f"thinking: {reasoning}\n" in proc.stderr
+    if reasoning:  # (the demo often closes its think block at once: then nothing goes to stderr)
+        assert f"thinking: {reasoning}\n" in proc.stderr
+    else:
+        assert "thinking:" not in proc.stderr
     for control in ("<|im_end|>", "</think>", "<think>", "<|endoftext|>"):
         assert control not in proc.stdout and control not in proc.stderr
     assert "device: cpu" in proc.stderr
