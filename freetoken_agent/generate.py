@@ -13,7 +13,6 @@ import sys
 
 from engine.engine import Engine
 from engine.errors import RequestError
-from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from freetoken_agent.argtypes import resolve_gpu_memory
@@ -45,7 +44,7 @@ def run_generate(args: argparse.Namespace) -> int:
                              overlap_decode=args.overlap_decode,
                              calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
-    print(f"expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)
+    print(f"expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)
     out_ids: list[int] = []
     decoder = StreamDecoder(tok)
     try:

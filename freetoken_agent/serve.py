@@ -13,7 +13,6 @@ import argparse
 import sys
 
 from engine.engine import Engine
-from engine.moe.executor import describe_executor
 from engine.options import EngineOptions
 from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
 from freetoken_agent.calibrate import calibration_path
@@ -82,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(state)
     print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {device}) on http://{args.host}:{args.port}"
           f" (context {service.context_window} tokens, anchor policy {sessions.policy.value}, experts: "
-          f"{describe_executor(engine.decoder.executor)})", file=sys.stderr,
+          f"{engine.decoder.executor.describe()})", file=sys.stderr,
           flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
-from freetoken_agent.bench.shapes import SHAPES
 
 FORMATS = ("bf16", "fp8", "mxfp4", "f32")
 

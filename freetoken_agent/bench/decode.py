@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
+from engine.moe.base import ExpertExecutor
 from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.bench.model_bench import (
     ModelBench,
@@ -77,10 +78,11 @@ from freetoken_agent.bench.model_bench import (
 WARMUP_TOKENS = 16
 
 
-class ZeroExperts:
+class ZeroExperts(ExpertExecutor):
     """An expert executor that skips the routed experts: their sum is zero."""
 
-    capture_safe = True  # no host reads: decode passes keep running through CUDA graphs
+    def capturable(self, tokens: int) -> bool:
+        return True  # no host reads: decode passes keep running through CUDA graphs
 
     def describe(self) -> str:
         return "zero (routed experts skipped)"
