@@ -1,23 +1,24 @@
 """Overlapped decode: the next pass is queued before this pass's tokens are read.
 
-Contract: `DecodePipeline(device)`, owned by a `Scheduler` and handed it on each call (no reference
-back: a cycle would keep a closed engine's GPU memory until a garbage collection), serves
-`Scheduler.step()` in steady decode: every running request decoding one token per pass through a
-captured decode graph (engine/model/decode_graph.py), at most `overlap_width()` of them, none
-waiting to be admitted, none with a constraint, forced ids or captured logits. `may_start(s,
-entries)` says whether the serial step may hand its pass over (and loads, once per width while
-nothing is in flight, the staging kernels: a first launch may load a module, which can wait for a
-device that waits for the host; for the same reason the first real pass of each width and sampling
-mix runs settled, `_settle_once`, and Triton loads wait for the device: engine/gpu/load_guard.py).
-`start(s, entries, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py
-`queue_draw`: the serial draw, the generator's number taken now) and a kernel that writes the tokens
-into page-locked memory, then an event; nothing waits. `advance(s)` queues the next pass when it may (`_next_graph`): its token
-ids are the previous draws, still on the device; its positions and new KV slots are read from
-page-locked memory by a kernel that also gives the KV table one slot per row in place
-(engine/model/decode_staging.py). Then it waits for the oldest pass's event only and hands its
-tokens to the scheduler. So the host's work between passes (building the step, the launches,
-reading, emitting, the stop checks) runs while the GPU computes the next pass, instead of in a
-gap between two passes.
+Contract: `DecodePipeline(decoder, kv, states, device)`, owned by a `Scheduler` (and holding no
+reference back to it), serves `Scheduler.step()` in steady decode: every running request decoding
+one token per pass through a captured decode graph (engine/model/decode_graph.py), at most
+`overlap_width()` of them, none waiting to be admitted, none with a constraint, forced ids or
+captured logits. `may_start(running, entries)` says whether the serial step may hand its pass over
+(and loads, once per width while nothing is in flight, the staging kernels: a first launch may
+load a module, which can wait for a device that waits for the host; for the same reason the first
+real pass of each width and sampling mix runs settled, `_settle_once`, and Triton loads wait for
+the device: engine/gpu/load_guard.py).
+`start(reqs, hidden)` queues the LM head and every row's draw on the device (engine/sampling.py
+`queue_draw`: the serial draw, the generator's number taken now) and a kernel that writes the
+tokens into page-locked memory, then an event; nothing waits. `advance(running, admitting)` queues
+the next pass when it may (`_next_graph`): its token ids are the previous draws, still on the
+device; its positions and new KV slots are read from page-locked memory by a kernel that also
+gives the KV table one slot per row in place (engine/model/decode_staging.py). Then it waits for
+the oldest pass's event only and returns its draws (`Completed`), which the scheduler turns into
+tokens. So the host's work between passes (building the step, the launches, reading, emitting,
+the stop checks) runs while the GPU computes the next pass, instead of in a gap between two
+passes. `complete_oldest()` waits for and returns the oldest pass without queueing more.
 
 What may happen while a pass is in flight is restricted (`Scheduler` and this module keep to it):
 no read of device memory into pageable memory and no pageable copy to the device (either would
@@ -29,7 +30,8 @@ while the next pass, which feeds it, is in flight: the request finishes (or chec
 pass is done, with that token's KV and state computed (the scheduler's extra step for a decode
 anchor), and nothing more is queued until then. A failed draw (NaN logits) ends its request with
 the sampler's error and without caching its state (the next pass fed a token that is not in its
-output). `drain()` completes everything in flight.
+output). A failure the executor reports after a pass (`check`) comes back as the `Completed`
+pass's `error`, with nothing left in flight.
 
 Off CUDA the same logic runs synchronously (no page-locked memory, no events; the pass builds the
 batch the eager attention core walks): how the CPU tests compare it with the serial scheduler.
@@ -51,21 +53,19 @@ import os
 from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cache.pools import KVPool, StatePool
 from engine.errors import ConfigError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
+from engine.model.decode_graph import DecodeGraphs
+from engine.model.decoder import Decoder
 from engine.model.ops import env_switch
 from engine.request import Phase, Request
-from engine.sampling import queue_draw, read_draw, sampling_failed
+from engine.sampling import queue_draw
 
 log = logging.getLogger("freetoken.engine")
-
-if TYPE_CHECKING:
-    from engine.model.decode_graph import DecodeGraphs
-    from engine.scheduler import Scheduler
 
 
 def overlap_enabled(option: bool) -> bool:
@@ -107,8 +107,21 @@ class _Pass:
     done: torch.cuda.Event | None
 
 
+@dataclass
+class Completed:
+    """A pass whose draws have been read: its requests in row order and each row's [index, valid]
+    (engine/sampling.py `read_draw`), or the executor's error that ended the pass. `drained`:
+    nothing is in flight behind it (a finish may happen now; otherwise it waits for the next pass)."""
+
+    reqs: list[Request]
+    draws: list[list[float]]
+    drained: bool
+    error: EngineError | None = None
+
+
 class DecodePipeline:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, decoder: Decoder, kv: KVPool, states: StatePool, device: torch.device) -> None:
+        self.decoder, self.kv, self.states = decoder, kv, states
         self.device = device
         self.width = overlap_width()
         self.cuda = self.device.type == "cuda"
@@ -137,19 +150,19 @@ class DecodePipeline:
         return sum(self.staged_by_width.values())
 
     # ------------------------------------------------------------------ eligibility
-    @staticmethod
-    def graph_for(s: Scheduler, n: int) -> DecodeGraphs | None:
+    def graph_for(self, n: int) -> DecodeGraphs | None:
         """The decode graph that would run an n-sequence pass, when it is ready to replay staged
         inputs (captured on CUDA; run once off CUDA)."""
-        g = s.decoder._graphs.get(n)
-        return g if g is not None and g.replayable(s.kv, s.states) else None
+        g = self.decoder.graphs.get(n)
+        return g if g is not None and g.replayable(self.kv, self.states) else None
 
-    def may_start(self, s: Scheduler, entries: list[tuple[Request, list[int]]]) -> bool:
-        """The serial step about to run may hand its draws to the pipeline instead of reading them
-        (then its page-locked buffers exist: made here, while nothing is in flight)."""
+    def may_start(self, running: list[Request], entries: list[tuple[Request, list[int]]]) -> bool:
+        """The serial step about to run (`entries` of the `running` requests) may hand its draws to
+        the pipeline instead of reading them (then its page-locked buffers exist: made here, while
+        nothing is in flight)."""
         n = len(entries)
-        if (self.inflight or self.drain_requested or n != len(s.running) or n > self.width
-                or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(s, n) is None):
+        if (self.inflight or self.drain_requested or n != len(running) or n > self.width
+                or not all(len(toks) == 1 and servable(req) for req, toks in entries) or self.graph_for(n) is None):
             return False
         if n not in self._buffers:  # now, before the pass is queued
             pin = self.cuda
@@ -185,16 +198,16 @@ class DecodePipeline:
             torch.cuda.current_stream(self.device).synchronize()
         self._warmed.add(n)
 
-    def _next_graph(self, s: Scheduler) -> DecodeGraphs | None:
+    def _next_graph(self, running: list[Request], admitting: bool) -> DecodeGraphs | None:
         """The graph of the pass after the newest one in flight, when that pass may be queued."""
         last = self.inflight[-1]
-        if len(self.inflight) > 1 or self.drain_requested or s.running != last.reqs:
+        if len(self.inflight) > 1 or self.drain_requested or running != last.reqs:
             return None
-        if s.waiting and len(s.running) < s.opts.max_running:
+        if admitting:
             return None  # admit first
         n = len(last.reqs)
-        g = self.graph_for(s, n)
-        if g is None or s.kv.num_free < n:
+        g = self.graph_for(n)
+        if g is None or self.kv.num_free < n:
             return None  # a longer rotary table, another pool or eviction: the serial step does those
         for req in last.reqs:
             if not servable(req):
@@ -208,12 +221,11 @@ class DecodePipeline:
         return g
 
     # ------------------------------------------------------------------ queueing
-    def start(self, s: Scheduler, entries: list[tuple[Request, list[int]]], hidden: torch.Tensor) -> None:
-        """After a pass the serial step built and queued (`may_start` said yes): its draws, queued,
-        not read."""
-        reqs = [req for req, _ in entries]
+    def start(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        """After a pass the serial step built and queued (`may_start` said yes) for `reqs`, in row
+        order: its draws, queued, not read."""
         self._settle_once("start", reqs)
-        self._queue_draws(s, reqs, hidden)
+        self._queue_draws(reqs, hidden)
 
     def _settle_once(self, stage: str, reqs: list[Request]) -> None:
         """Called before a stage's launches: the first time it runs for a width and sampling mix,
@@ -229,8 +241,8 @@ class DecodePipeline:
             self._settled.add(key)
 
     @torch.inference_mode()
-    def _queue_draws(self, s: Scheduler, reqs: list[Request], hidden: torch.Tensor) -> None:
-        draws = _draws(s.decoder.logits(hidden), reqs, [r.generator for r in reqs])
+    def _queue_draws(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        draws = _draws(self.decoder.logits(hidden), reqs, [r.generator for r in reqs])
         self._flip ^= 1
         host = self._buffers[len(reqs)][1][self._flip]
         done = None
@@ -245,12 +257,12 @@ class DecodePipeline:
         self.inflight.append(_Pass(reqs, next_ids, host, done))
 
     @torch.inference_mode()
-    def _queue_next(self, s: Scheduler, g: DecodeGraphs) -> None:
+    def _queue_next(self, g: DecodeGraphs) -> None:
         """The pass after the newest one in flight (`g`, from `_next_graph`), for the same
         sequences, fed its draws."""
         last = self.inflight[-1]
         reqs, n = last.reqs, len(last.reqs)
-        slots = s.kv.take(n)
+        slots = self.kv.take(n)
         assert slots is not None  # _next_graph saw room
         positions = [_next_position(req) for req in reqs]
         for req, slot in zip(reqs, slots, strict=True):
@@ -259,7 +271,7 @@ class DecodePipeline:
         batch = None if self.cuda else _eager_batch(reqs)
         self._settle_once("next", reqs)
         hidden = g.forward_staged(last.next_ids, staged, batch)
-        self._queue_draws(s, reqs, hidden)
+        self._queue_draws(reqs, hidden)
         self.staged_by_width[n] = self.staged_by_width.get(n, 0) + 1
 
     def _stage(self, positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -270,17 +282,13 @@ class DecodePipeline:
         return buf  # on CUDA read by the pass's staging kernel through its device mapping
 
     # ------------------------------------------------------------------ completing
-    def advance(self, s: Scheduler) -> None:
-        """One scheduler step while a pass is in flight: queue the next one when allowed, then
-        complete the oldest."""
-        g = self._next_graph(s)
+    def advance(self, running: list[Request], admitting: bool) -> Completed:
+        """One scheduler step while a pass is in flight: queue the next one when allowed (the same
+        `running` requests, none `admitting`), then complete the oldest."""
+        g = self._next_graph(running, admitting)
         if g is not None:
-            self._queue_next(s, g)
-        self._complete_oldest(s)
-
-    def drain(self, s: Scheduler) -> None:
-        while self.inflight:
-            self._complete_oldest(s)
+            self._queue_next(g)
+        return self.complete_oldest()
 
     def abandon(self) -> None:
         """After an unexpected failure: waits for the device, forgets what was in flight (its tokens
@@ -292,7 +300,8 @@ class DecodePipeline:
         for req in reqs.values():
             _flush(req)
 
-    def _complete_oldest(self, s: Scheduler) -> None:
+    def complete_oldest(self) -> Completed:
+        """Waits for the oldest pass in flight and returns its draws."""
         p = self.inflight.popleft()
         if p.done is not None:
             p.done.synchronize()
@@ -301,28 +310,12 @@ class DecodePipeline:
             self.drain_requested = False
             for req in p.reqs:
                 _flush(req)
-        check = getattr(s.decoder.executor, "check", None)
         try:
-            if check is not None:
-                check(len(p.reqs), wait=False)
+            self.decoder.executor.check(len(p.reqs), wait=False)
         except EngineError as err:
             self.abandon()
-            for req in p.reqs:
-                s._finish(req, "error", err, keep_cache=False)
-            return
-        draws = p.host.tolist()
-        for req, (index, valid) in zip(p.reqs, draws, strict=True):
-            req.computed += 1
-            if not drained:
-                assert req.pending_anchor is None and req.finish_pending is None, "queued past an ending"
-            if s.decoded(req):
-                continue
-            try:
-                token = read_draw([index, valid])
-            except ValueError as e:
-                s.end(req, "error", sampling_failed(e), defer=not drained, keep_cache=False)
-                continue
-            s.accept(req, token, defer=not drained)
+            return Completed(p.reqs, [], True, err)
+        return Completed(p.reqs, p.host.tolist(), drained)
 
 
 def _mix(reqs: list[Request]) -> tuple[int, tuple[tuple[bool, int, bool], ...]]:

@@ -231,8 +231,10 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """What other threads may read without waiting for a step: {"running", "waiting",
-        "kv_tokens", "kv_tokens_used"} as of the end of the last step (KV tokens in use count the
-        prefix cache's slots too). Safe from any thread; never blocks."""
+        "kv_tokens", "kv_tokens_used", "staged_passes"} as of the end of the last step (KV tokens
+        in use count the prefix cache's slots too; staged passes: decode passes queued before the
+        previous pass's tokens were read, engine/decode_pipeline.py, since the pools were made).
+        Safe from any thread; never blocks."""
         out = dict(self._stats)
         out["waiting"] += len(self._inbox)
         return out
@@ -241,20 +243,21 @@ class Engine:
         """Engine thread (or a caller holding the step lock): the figures `stats()` returns."""
         s = self.scheduler
         self._stats = {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv.capacity,
-                       "kv_tokens_used": s.kv.capacity - s.kv.num_free}
+                       "kv_tokens_used": s.kv.capacity - s.kv.num_free, "staged_passes": s.staged_passes}
 
     def _refresh_cache_stats(self) -> None:
         """Copies the expert cache's device counters to the host at most once a second, here on the
         engine thread (a read from another thread could meet a CUDA graph capture in progress)."""
-        # the time first: `stats` is a property that synchronises the device and reads it, and
-        # getattr would evaluate it every step (~60 us per token on the H200)
-        if time.monotonic() - self._cache_stats_at < 1.0 or not hasattr(type(self.decoder.executor), "stats"):
+        # `stats` synchronises the device and reads it (~60 us per token on the H200 if read every step)
+        if time.monotonic() - self._cache_stats_at < 1.0 or not self.decoder.executor.has_stats:
             return
         if self.scheduler.in_flight:  # the read would wait for the queued pass: after the next step
             self.scheduler.request_drain()
             return
         self._cache_stats_at = time.monotonic()
-        s = self.decoder.executor.stats  # type: ignore[attr-defined]
+        s = self.decoder.executor.stats
+        if s is None:
+            return
         self._cache_stats = {"hits": s.hits, "misses": s.misses, "fetched": s.fetched, "hit_rate": s.hit_rate}
 
     def gpu_report(self) -> dict[str, object] | None:
@@ -325,8 +328,9 @@ class Engine:
                 if experts_first:
                     self.gpu_budget = rebuild_expert_cache(self.decoder, opts, self.dtype, self.gpu_budget.total)
             # the old pools go first (a shrink is usually asked for because memory is short); the
-            # engine thread is parked on the condition we hold, others see an idle stand-in meanwhile
-            old_opts, self.scheduler = self.opts, _Idle()  # type: ignore[assignment]
+            # engine thread is parked on the condition we hold, and other threads read `stats()`
+            old_opts = self.opts
+            del self.scheduler
             self.decoder.drop_graphs()  # captured passes hold the old pools' tensors
             release_device_memory()
             try:
@@ -398,16 +402,6 @@ def _check_host_room(cfg: ModelConfig, old: EngineOptions, new: EngineOptions, d
     need = host_new - host_old + (dev_new - dev_old if on_host else 0)
     if need > free:
         raise ConfigError(f"the new pools need {need / 2**30:.2f} GiB more host memory, {free / 2**30:.2f} GiB are free")
-
-
-class _Idle:
-    """What other threads see as the scheduler while set_pools() swaps it: nothing queued or running."""
-
-    has_work = False
-
-    def __init__(self) -> None:
-        self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
 
 
 def _apply_threads(opts: EngineOptions) -> None:

@@ -27,13 +27,13 @@ from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta
 from engine.cache.checkpoints import CheckpointStore
 from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
-from engine.decode_pipeline import DecodePipeline, overlap_enabled
+from engine.decode_pipeline import Completed, DecodePipeline, overlap_enabled
 from engine.errors import CapacityError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
 from engine.model.decoder import Decoder
 from engine.options import EngineOptions
 from engine.request import Phase, Request
-from engine.sampling import sample, sampling_failed
+from engine.sampling import read_draw, sample, sampling_failed
 
 
 class Scheduler:
@@ -51,7 +51,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # steady decode through captured graphs: the next pass queued before this one's tokens are read
-        self.pipeline = DecodePipeline(self.device) if overlap_enabled(opts.overlap_decode) else None
+        self.pipeline = (DecodePipeline(decoder, self.kv, self.states, self.device)
+                         if overlap_enabled(opts.overlap_decode) else None)
 
     @property
     def in_flight(self) -> bool:
@@ -66,8 +67,9 @@ class Scheduler:
 
     def drain(self) -> None:
         """Completes every pass in flight (before anything replaces what they use)."""
-        if self.pipeline is not None:
-            self.pipeline.drain(self)
+        pipeline = self.pipeline
+        while pipeline is not None and pipeline.inflight:
+            self._complete(pipeline.complete_oldest())
 
     def request_drain(self) -> None:
         """The next step completes what is in flight without queueing more."""
@@ -131,7 +133,7 @@ class Scheduler:
     def step(self) -> None:
         pipeline = self.pipeline
         if pipeline is not None and pipeline.inflight:
-            pipeline.advance(self)
+            self._complete(pipeline.advance(self.running, self._admitting))
             return
         for req in [r for r in self.running if r.handle.aborted]:
             self._finish(req, "abort")
@@ -176,13 +178,13 @@ class Scheduler:
             return
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
-        overlap = pipeline is not None and pipeline.may_start(self, entries)
+        overlap = pipeline is not None and pipeline.may_start(self.running, entries)
         try:
             hidden = self.decoder.forward(batch, self.kv, self.states)
             if overlap:
                 assert pipeline is not None
-                pipeline.start(self, entries, hidden)
-                pipeline.advance(self)
+                pipeline.start([req for req, _ in entries], hidden)
+                self._complete(pipeline.advance(self.running, self._admitting))
                 return
             # a decode batch (one token per sequence) needs no gather of the last tokens
             last = hidden if len(ids) == len(batch.seqs) else hidden[batch.last_token_index()]
@@ -190,9 +192,8 @@ class Scheduler:
             # every greedy pick of the step in one kernel, queued before the wait and read in one
             # transfer after it (a pick per row was a launch and a host read each)
             picks = logits.argmax(dim=-1) if any(_greedy(req) for req, _ in entries) else None
-            check = getattr(self.decoder.executor, "check", None)
-            if check is not None:  # failures where nothing could raise (the CPU branch's host tasks)
-                check(len(ids))
+            # failures where nothing could raise (the CPU branch's host tasks)
+            self.decoder.executor.check(len(ids))
             greedy_ids = picks.tolist() if picks is not None else None
         except Exception as e:  # a failed step must not take the engine down
             if pipeline is not None:
@@ -213,6 +214,31 @@ class Scheduler:
                 continue
             req.phase = Phase.DECODE
             self._sample(req, logits[row], greedy_ids[row] if greedy_ids is not None else None)
+
+    @property
+    def _admitting(self) -> bool:
+        """A waiting request would be admitted at the next serial step."""
+        return bool(self.waiting) and len(self.running) < self.opts.max_running
+
+    def _complete(self, done: Completed) -> None:
+        """A pass the pipeline completed: each request's draw becomes its token (a finish it calls
+        for waits for the pass still in flight behind it, `defer`), or the pass's error ends them."""
+        if done.error is not None:
+            for req in done.reqs:
+                self._finish(req, "error", done.error, keep_cache=False)
+            return
+        for req, (index, valid) in zip(done.reqs, done.draws, strict=True):
+            req.computed += 1
+            if not done.drained:
+                assert req.pending_anchor is None and req.finish_pending is None, "queued past an ending"
+            if self.decoded(req):
+                continue
+            try:
+                token = read_draw([index, valid])
+            except ValueError as e:
+                self.end(req, "error", sampling_failed(e), defer=not done.drained, keep_cache=False)
+                continue
+            self.accept(req, token, defer=not done.drained)
 
     def decoded(self, req: Request) -> bool:
         """After a pass fed a decoding request its last token: the checkpoint a decode anchor asked

@@ -29,7 +29,7 @@ def calibration_path() -> Path:
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    from freetoken_agent.bench.shapes import SHAPES
+    from engine.weights.shapes import SHAPES
 
     p = sub.add_parser("calibrate", help="measure and store B_P (PCIe expert copies) and B_C (CPU experts)")
     p.add_argument("--threads", type=int, default=0, help="CPU executor threads (default: one per physical core)")
@@ -97,7 +97,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
 
     from engine.gpu.calibrate import CalibrationSpec, calibrate
-    from freetoken_agent.bench.shapes import SHAPES
+    from engine.weights.shapes import SHAPES
 
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")

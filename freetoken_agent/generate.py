@@ -40,7 +40,6 @@ class _Reasoning:
 def run_generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.errors import RequestError
-    from engine.moe.executor import describe_executor
     from engine.options import EngineOptions
     from engine.sampling import SamplingParams
     from freetoken_agent.argtypes import resolve_gpu_memory
@@ -72,7 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
                          calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
-    print(f"device: {device}; expert executor: {describe_executor(engine.decoder.executor)}", file=sys.stderr)
+    print(f"device: {device}; expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)
     parser = None
     if not args.raw:
         from adapters.parsers import ContentDelta, ReasoningDelta, create_parser

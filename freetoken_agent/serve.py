@@ -83,7 +83,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from adapters.server import create_app
     from adapters.state import AppState
     from engine.engine import Engine
-    from engine.moe.executor import describe_executor
     from engine.options import EngineOptions
     from freetoken_agent.argtypes import resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
@@ -114,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
     chosen = f"{device}, chosen by --device auto" if args.device == "auto" else device
     print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {chosen}) on http://{args.host}:{args.port}"
           f" (context {service.context_window} tokens, anchor policy {sessions.policy.value}, experts: "
-          f"{describe_executor(engine.decoder.executor)})", file=sys.stderr,
+          f"{engine.decoder.executor.describe()})", file=sys.stderr,
           flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

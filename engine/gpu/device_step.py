@@ -1,8 +1,9 @@
 """The decode-sized MoE layer of the GPU expert cache, queued without one host synchronisation and
 captured in a CUDA graph per (layer, batch size).
 
-Contract: `DeviceStep(executor, tokens, k, dtype, graphs, pool, cpu_branch, plan, fetch)` serves `executor` (a
-CachedExpertExecutor whose CPU side is the native executor) for batches of exactly `tokens` tokens
+Contract: `DeviceStep(parts, tokens, k, dtype, graphs, pool, cpu_branch, plan, fetch)` serves the expert
+cache whose `StepParts` it is given (engine/gpu/executor.py's CachedExpertExecutor, whose CPU side
+is the native executor) for batches of exactly `tokens` tokens
 routed to `k` experts each; `step(x, ids, weights, layer)` returns the layer's routed-expert output
 in a buffer the next call of this step overwrites (consume it before that, in stream order: the
 decoder's residual add does). Per call, on the current stream:
@@ -44,28 +45,28 @@ step) reads its inputs in place instead. A capture that fails is logged once and
 stays eager (correct, slower). The page-locked staging buffers are shared by the layers of one
 batch size, which is safe because each layer's step has read the CPU's answer (and the CPU has
 read its inputs) before the next layer's hand-off can start. The fused plan reads the ratio from
-the executor's device scalar (`ratio_device`), so a new ratio applies to captured steps too; the
-torch plan bakes it in.
+the parts' device scalar (`StepParts.ratio`), so a new ratio applies to captured steps too; so does
+the torch plan.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.errors import ConfigError
 from engine.gpu import load_guard
+from engine.gpu.cache_table import CacheTable
 from engine.gpu.host_fn import clear, device_address, launch_host_task, ring, wait_done
 from engine.gpu.plan import plan_layer
+from engine.gpu.slots import ExpertSlots
 from engine.graphs import GraphCache
 from engine.model.ops import env_switch
-
-if TYPE_CHECKING:
-    from engine.gpu.executor import CachedExpertExecutor
-
+from engine.weights.layout import ExpertBanks
 
 CPU_BRANCHES = ("doorbell", "hostfunc")
 FETCHES = ("kernel", "dma")
@@ -111,8 +112,23 @@ def resolve_dma_word(name: str | None = None) -> str:
     return word
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What the decode steps share with their expert cache (which owns every part)."""
+
+    banks: ExpertBanks
+    slots: ExpertSlots
+    table: CacheTable
+    cpu_experts: Any  # the native executor's weights (native/formats.py ExpertWeights): the host tasks run them
+    counts: torch.Tensor  # [4] int64 on the device: hits, misses, fetched, split
+    ratio: torch.Tensor  # [1] float64 on the device: the fetch ratio the plans read (rewritten between steps)
+    split: tuple[int, int] | None  # the split expert's (units, rows per unit), or None
+    adapt: bool  # the ratio adapts online: the doorbell gets the GPU's "my branch is done" word
+    dma_word: str  # how the host-issued fetch releases the GPU's wait: "host" / "stream"
+
+
 class DeviceStep:
-    def __init__(self, executor: CachedExpertExecutor, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
+    def __init__(self, parts: StepParts, tokens: int, k: int, dtype: torch.dtype, graphs: bool = True,
                  pool: tuple[int, int] | None = None, cpu_branch: str | None = None, plan: str | None = None,
                  fetch: str | None = None) -> None:
         from engine.gpu import kernels  # Triton: imported only where a GPU runs the step
@@ -124,10 +140,10 @@ class DeviceStep:
 
         self._kernels = kernels
 
-        self.ex = executor
+        self.ex = parts
         self.tokens = tokens
-        dev = executor.table.device
-        banks = executor.banks
+        dev = parts.table.device
+        banks = parts.banks
         hidden = banks.w2.shape[1]
         self.k = k
         self.x = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
@@ -148,14 +164,13 @@ class DeviceStep:
         if self.plan == "fused":
             from engine.gpu import plan_kernel
 
-            self._fused = plan_kernel if plan_kernel.fusable(executor.table, self.ids) else None
+            self._fused = plan_kernel if plan_kernel.fusable(parts.table, self.ids) else None
         else:
             self._fused = None
-        self._split = executor.split_steps
-        # the executor's device ratio as a 0-d view, made once: the torch plan reads it like the fused
-        # plan, so a captured step follows the online ratio (check() rewrites it in place)
-        assert executor.ratio_device is not None  # a CUDA executor's (device steps run on CUDA only)
-        self._ratio = executor.ratio_device[0]
+        self._split = parts.split
+        # the device ratio as a 0-d view, made once: the torch plan reads it like the fused plan, so
+        # a captured step follows the online ratio (the executor's check() rewrites it in place)
+        self._ratio = parts.ratio[0]
         self.fetch = resolve_fetch(fetch, self.cpu_branch)
         self.copy_stream: torch.cuda.Stream | None = None
         self._fetched: dict[int, tuple[torch.Tensor, int]] = {}
@@ -181,7 +196,7 @@ class DeviceStep:
         self._graphs = GraphCache(f"MoE step ({tokens} tokens), layer", enabled=graphs, pool=pool)
         # the split expert (with the host-issued fetch only): the plan's steps and the scratch slot
         # (-2 without: never a slot id, nor the -1 that marks a CPU entry)
-        self._scratch = executor.slots.scratch if self._split is not None else -2
+        self._scratch = parts.slots.scratch if self._split is not None else -2
         assert self._split is None or (self.fetch == "dma" and self._scratch >= 0)
 
     def _task(self, layer: int) -> object:
@@ -189,8 +204,7 @@ class DeviceStep:
         if task is None:
             from native.ftnative import HostTask
 
-            experts = self.ex.cpu_executor.experts  # type: ignore[attr-defined]
-            task = HostTask(self.x_h, self.ids_h, self.w_h, experts, self.out_h,
+            task = HostTask(self.x_h, self.ids_h, self.w_h, self.ex.cpu_experts, self.out_h,
                             id_offset=layer * self.ex.banks.num_experts)
             if self.fetch == "dma":
                 assert self.copy_stream is not None
@@ -229,14 +243,13 @@ class DeviceStep:
                 main.synchronize()
 
         if self._fused is not None:
-            # the executor's device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies
-            # to captured steps too
-            assert ex.ratio_device is not None  # a CUDA executor's (device steps run on CUDA only)
-            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio_device, ex._counts, self._split,
+            # the device scalar: its online correction (FREETOKEN_ADAPT_RATIO) applies to captured
+            # steps too
+            plan = self._fused.plan_layer_fused(ex.table, layer, ids, ex.ratio, ex.counts, self._split,
                                                 self._scratch)
         else:
             plan = plan_layer(ex.table, layer, ids, self._ratio, self._split, self._scratch)
-            ex._counts += plan.counts()
+            ex.counts.add_(plan.counts())
         task = self._task(layer)
         kernels = self._kernels
         # the CPU's inputs leave before the fetch starts (PCIe reads would delay them), written into

@@ -29,7 +29,10 @@ more syncs); the graph-captured version (device-side copy kernel, the CPU branch
 one grouped kernel) is the next step. `overlap` (default: on unless the slots live on the CPU)
 runs the CPU branch in that worker; `close()` stops it.
 
-Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py) instead: `plan`,
+Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py) instead, each
+layer's step in a CUDA graph of its own, or enqueued as it is inside a captured whole pass
+(engine/model/decode_graph.py: `graph_step` / `with_side_work`; `capturable` up to `step_tokens`
+tokens). `plan`,
 `cpu_branch` and `fetch` pick its parts (FREETOKEN_PLAN / _CPU_BRANCH / _FETCH), `adapt`
 (FREETOKEN_ADAPT_RATIO=1) corrects the ratio online (engine/gpu/adapt.py; the plan kernel reads
 it from `ratio_device`). `check()`, which the scheduler calls after every forward, raises what the
@@ -47,7 +50,6 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,7 @@ from engine.gpu.adapt import RatioController
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.device_step import (
     DeviceStep,
+    StepParts,
     resolve_cpu_branch,
     resolve_dma_word,
     resolve_fetch,
@@ -67,7 +70,9 @@ from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
 from engine.gpu.slots import ExpertSlots
 from engine.model.ops import env_switch
-from engine.moe.executor import ExpertExecutor, TorchExpertExecutor, describe_executor
+from engine.moe.base import CacheStats, ExpertExecutor
+from engine.moe.executor import TorchExpertExecutor
+from engine.moe.native import NativeExpertExecutor, native_unsupported
 from engine.weights.layout import ExpertBanks
 
 log = logging.getLogger("freetoken.engine")
@@ -103,7 +108,7 @@ def resolve_split(split: bool | None, banks: ExpertBanks, fetch: str, plan: str,
 
 def serves_steps(cpu_executor: ExpertExecutor) -> bool:
     """Whether the CPU executor can run a device step's CPU branch (the native one: its host tasks)."""
-    return hasattr(cpu_executor, "experts")
+    return isinstance(cpu_executor, NativeExpertExecutor)
 
 
 def split_units(banks: ExpertBanks) -> int:
@@ -117,28 +122,12 @@ def split_units(banks: ExpertBanks) -> int:
 def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
     """The native CPU executor when it can serve the banks, else the torch reference, with a warning
     that says why (it is several times slower: a missing native build cost a GPU run its figures)."""
-    from engine.moe.native import NativeExpertExecutor, native_unsupported
-
     why = native_unsupported(banks, "cpu")
     if why is None:
         return NativeExpertExecutor(banks, threads)
     log.warning("the expert cache's CPU misses run on the torch reference, several times slower than the native "
                 "executor, which cannot serve them: %s", why)
     return TorchExpertExecutor(banks)
-
-
-@dataclass
-class CacheStats:
-    calls: int = 0
-    hits: int = 0
-    misses: int = 0
-    fetched: int = 0
-    split: int = 0  # misses split between a partial fetch and the CPU (counted in misses, not in fetched)
-
-    @property
-    def hit_rate(self) -> float:
-        seen = self.hits + self.misses
-        return self.hits / seen if seen else 0.0
 
 
 def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
@@ -189,7 +178,9 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
     return tokens, cids.contiguous(), cw.contiguous()
 
 
-class CachedExpertExecutor:
+class CachedExpertExecutor(ExpertExecutor):
+    has_stats = True
+
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
                  cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None,
@@ -267,7 +258,7 @@ class CachedExpertExecutor:
         fetch = (("" if self.fetch == "kernel" else f" ({self.fetch})") + (" adaptive" if self.adapt else "")
                  + (" split" if self.split else ""))
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}{fetch}; "
-                f"misses on {describe_executor(self.cpu_executor)}; decode steps <= {self.step_tokens} tokens: {steps})")
+                f"misses on {self.cpu_executor.describe()}; decode steps <= {self.step_tokens} tokens: {steps})")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
         streamer = self.streamer
@@ -332,19 +323,32 @@ class CachedExpertExecutor:
         if step is None:
             if self.graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = DeviceStep(self, tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch, self.plan,
-                              self.fetch)
+            step = DeviceStep(self._step_parts(), tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch,
+                              self.plan, self.fetch)
             self._steps[tokens] = step
         return step
 
-    def begin_forward(self, entries: int) -> None:
-        """Called by the decoder before a forward pass of `entries` routed entries (tokens x k): a
-        chunk the streamer will take has its first MoE layer's experts start streaming now, so
-        those copies overlap the embedding and the first attention instead of delaying layer 0."""
-        if self.streamer is not None and entries >= self.prefill_entries:
-            self.streamer.start(0)
+    def _step_parts(self) -> StepParts:
+        # device steps run on CUDA only, with the native CPU side (`step_tokens`)
+        assert self.ratio_device is not None and isinstance(self.cpu_executor, NativeExpertExecutor)
+        return StepParts(self.banks, self.slots, self.table, self.cpu_executor.experts, self._counts,
+                         self.ratio_device, self.split_steps, self.adapt, self.dma_word)
 
-    def supports_graph_step(self, tokens: int) -> bool:
+    def begin_forward(self, entries: int) -> None:
+        """A chunk the streamer will take (`entries` routed entries per layer, tokens x k) has its
+        first MoE layer's experts start streaming now, so those copies overlap the embedding and
+        the first attention instead of delaying layer 0; any other pass first gives back the layer
+        buffers of a forward that stopped streaming midway."""
+        streamer = self.streamer
+        if streamer is None:
+            return
+        if entries >= self.prefill_entries:
+            streamer.start(0)
+        elif streamer.active:
+            streamer.finish()
+
+    def capturable(self, tokens: int) -> bool:
+        """Decode steps of up to `step_tokens` tokens enqueue inside a capture (`graph_step`)."""
         return 0 < tokens <= self.step_tokens
 
     def graph_step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
@@ -353,8 +357,8 @@ class CachedExpertExecutor:
         step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)
         return step.enqueue(x, ids, weights, moe_index)
 
-    def graph_step_with_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int,
-                             side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_side_work(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int,
+                       side: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`graph_step` with `side()` (GPU work on other inputs: the shared expert) queued where the
         step's stream would otherwise wait for the fetch or the CPU branch; returns (out, side())."""
         step = self._device_step(ids.shape[0], ids.shape[1], x.dtype)

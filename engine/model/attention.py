@@ -1,11 +1,12 @@
 """Full (softmax) attention over the paged KV cache: GQA, q/k norm, partial rotary, output gate.
 
-Contract: `full_attention(x, w, cfg, rotary, batch, k_cache, v_cache)` writes the new tokens' keys
-and values into the cache slots named by the batch, attends each sequence's new queries over all
-its cached and new keys (causal, optional sliding window), and returns the o_proj output [N, H].
-It is three parts, so a decode step can capture the per-token ones in a CUDA graph and run only
-the mix eagerly (engine/model/decode_graph.py): `attention_inputs` (projections, norms, rotary),
-`attention_core` (cache write and attention per sequence), `attention_output` (gate, o_proj).
+Contract: `full_attention(x, w, cfg, rotary, meta, k_cache, v_cache)` writes the new tokens' keys
+and values into their cache slots, attends each sequence's new queries over all its cached and new
+keys (causal, optional sliding window), and returns the o_proj output [N, H]. It is three parts:
+`attention_inputs` (projections, norms, rotary), the mix across tokens, `attention_output` (gate,
+o_proj). The mix is the split-K decode kernel when the pass meta carries its device-side lengths
+(`meta.decode`: decode-sized passes on CUDA, captured or not, so a step computes the same either
+way), else `attention_core`, which walks `meta.batch`'s sequences.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.batch import ForwardBatch
+from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.ops import Rotary, rms_norm
 from engine.weights.layout import AttentionWeights
 
-DECODE_ATTENTION_TOKENS = 8  # batches up to this size attend with engine/model/decode_attention.py on CUDA
+DECODE_ATTENTION_TOKENS = 8  # passes up to this size attend with engine/model/decode_attention.py on CUDA
 
 
 def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary, positions: torch.Tensor,
@@ -40,16 +41,9 @@ def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rot
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, batch: ForwardBatch,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """The mix across tokens: writes the new keys/values into the cache and attends each sequence's
-    queries over its cached and new keys; returns [n, heads * hd]. Decode-sized batches on CUDA use
-    the split-K kernel that decode graphs capture, so a step computes the same with graphs or without."""
+    """The mix across tokens, per sequence: writes the new keys/values into the cache and attends
+    each sequence's queries over its cached and new keys; returns [n, heads * hd]."""
     n, hd = q.shape[0], cfg.head_dim
-    if q.is_cuda and n <= DECODE_ATTENTION_TOKENS:
-        from engine.model.decode_attention import DecodeMeta, decode_attention  # triton: CUDA only
-
-        if batch.decode_meta is None:
-            batch.decode_meta = DecodeMeta.build(batch, q.device)
-        return decode_attention(q, k, v, k_cache, v_cache, batch.decode_meta, cfg.sliding_window, hd**-0.5)
     out = torch.empty(n, cfg.num_heads, hd, dtype=q.dtype, device=q.device)
     groups = cfg.num_heads // cfg.num_kv_heads
     for s in batch.seqs:
@@ -93,9 +87,16 @@ def full_attention(
     w: AttentionWeights,
     cfg: ModelConfig,
     rotary: Rotary,
-    batch: ForwardBatch,
+    meta: PassMeta,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
-    q, k, v, gate = attention_inputs(x, w, cfg, rotary, batch.positions, batch.position_limit)
-    return attention_output(attention_core(q, k, v, cfg, batch, k_cache, v_cache), gate, w)
+    q, k, v, gate = attention_inputs(x, w, cfg, rotary, meta.positions, meta.limit)
+    if meta.decode is not None:
+        from engine.model.decode_attention import decode_attention  # triton: CUDA only
+
+        o = decode_attention(q, k, v, k_cache, v_cache, meta.decode, cfg.sliding_window, cfg.head_dim**-0.5)
+    else:
+        assert meta.batch is not None
+        o = attention_core(q, k, v, cfg, meta.batch, k_cache, v_cache)
+    return attention_output(o, gate, w)

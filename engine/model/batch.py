@@ -2,8 +2,12 @@
 
 Contract: `ForwardBatch` lists, per sequence, where its new tokens sit in the flat batch, how many
 of its tokens are already cached, the KV slot of every token (cached and new) and its recurrent
-state slot. Layers that mix across tokens (attention, Gated DeltaNet) walk `seqs`; everything else
-runs on the flat batch. Filled by the scheduler; read by the decoder.
+state slot. Filled by the scheduler; read by the decoder. `PassMeta` is what the layers of one
+forward pass read besides the hidden states (positions, rotary limit, and per kind of layer the
+form its mix across tokens takes): made from a `ForwardBatch` for a pass that runs eagerly, or
+over the fixed buffers of a captured pass (engine/model/decode_graph.py). Layers that mix across
+tokens walk `batch.seqs` when the meta names no device-side form; everything else runs on the flat
+batch.
 """
 
 from __future__ import annotations
@@ -32,9 +36,6 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     seqs: list[SeqEntry]
-    # decode-sized batches on CUDA: the device-side lengths of engine/model/decode_attention.py,
-    # built by the first attention layer of the pass and shared by the others
-    decode_meta: Any = None
     _state_slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -55,3 +56,15 @@ class ForwardBatch:
 
     def last_token_index(self) -> torch.Tensor:
         return torch.tensor([s.end - 1 for s in self.seqs], dtype=torch.long, device=self.input_ids.device)
+
+
+@dataclass
+class PassMeta:
+    positions: torch.Tensor  # [N] long, each token's position
+    limit: int  # > every position, known on the host: the rotary tables cover it
+    batch: ForwardBatch | None = None  # the sequences the eager attention core and chunked DeltaNet walk
+    # full attention through the split-K decode kernel: engine/model/decode_attention.py's DecodeMeta
+    # (device-side KV table and lengths), or None for the per-sequence core over `batch`
+    decode: Any = None
+    state_slots: torch.Tensor | None = None  # [N] one new token per sequence: each one's recurrent state slot
+    captured: bool = False  # captured whole: the routed experts run as the executor's graph steps

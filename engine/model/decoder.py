@@ -3,29 +3,37 @@
 Contract: `Decoder(cfg, weights, executor)`; `forward(batch, kv, states)` runs the embedding, every
 layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returning hidden states
 [N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
-the LM head in float32. No family-specific code paths beyond the traits in the config. With
-`cuda_graphs` set (by the engine) and an executor that supports it, batches of up to GRAPH_TOKENS
-tokens (for hybrid models, one new token per sequence) run through `decode_graph.DecodeGraphs`:
-the same computation, each step replayed from one CUDA graph.
+the LM head in float32. No family-specific code paths beyond the traits in the config.
+
+The layers run in one place, `run(input_ids, meta, kv, states)`, which reads everything about the
+pass besides the hidden states from its `PassMeta` (engine/model/batch.py). An eager pass builds
+the meta from the batch (`pass_meta`). With `cuda_graphs` set (by the engine) and an executor whose
+graph steps can be captured (`capturable`), passes of up to GRAPH_TOKENS tokens (for hybrid models,
+one new token per sequence) go through a `DecodeGraphs` per size (engine/model/decode_graph.py),
+which captures this same `run` over fixed buffers once and replays it; `graphs` maps each size to
+its captured pass. `drop_graphs()` forgets them (the executor's setter does: they hold its kernels).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 
 from engine.cache.pools import KVPool, StatePool
 from engine.config import FULL_ATTENTION, ModelConfig
-from engine.model import decode_graph
 from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import ForwardBatch, PassMeta
+from engine.model.decode_graph import DecodeGraphs
 from engine.model.linear_attention import gated_deltanet
 from engine.model.moe import feed_forward
 from engine.model.ops import Rotary, check_switches, embed_tokens, rms_norm
-from engine.moe.executor import ExpertExecutor
+from engine.moe.base import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
-GRAPH_TOKENS = DECODE_ATTENTION_TOKENS  # batches of up to this many tokens may run through decode graphs
+GRAPH_TOKENS = DECODE_ATTENTION_TOKENS  # passes of up to this many tokens may run through decode graphs
 
 
 class Decoder:
@@ -33,12 +41,13 @@ class Decoder:
         check_switches()  # a bad FREETOKEN_FUSED_* value fails here, not in a forward pass
         self.cfg = cfg
         self.weights = weights
-        self._graphs: dict[int, decode_graph.DecodeGraphs] = {}
+        self._graphs: dict[int, DecodeGraphs] = {}
         self._executor = executor
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
         self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
         self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}
+        self._recurrent = bool(cfg.linear_attention_layer_ids)
         # decode-sized passes through CUDA graphs (engine/model/decode_graph.py), when the engine
         # turns it on and the executor can be captured
         self.cuda_graphs = False
@@ -52,37 +61,70 @@ class Decoder:
         self._executor = executor
         self.drop_graphs()  # captured passes hold the old executor's kernels
 
+    @property
+    def graphs(self) -> Mapping[int, DecodeGraphs]:
+        """The captured passes so far, by token count."""
+        return MappingProxyType(self._graphs)
+
     def drop_graphs(self) -> None:
         """Forgets every captured decode pass (they hold the executor's and the pools' tensors): the
         next decode steps capture anew."""
         self._graphs.clear()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the pass computes (the embedding may live in host memory: engine/gpu/setup.py)."""
+        return self.weights.final_norm.device
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
+        graph = self._graph_for(batch)
+        if graph is not None:
+            self.executor.begin_forward(0)
+            return graph.forward(batch, kv, states)
+        self.executor.begin_forward(batch.num_tokens * self.cfg.top_k)
+        return self.run(batch.input_ids, self.pass_meta(batch), kv, states)
+
+    def _graph_for(self, batch: ForwardBatch) -> DecodeGraphs | None:
         n = batch.num_tokens
-        if self.cuda_graphs and 0 < n <= GRAPH_TOKENS:
-            graphs = self._graphs.get(n)
-            if graphs is None and decode_graph.usable(self, n):
-                graphs = self._graphs[n] = decode_graph.DecodeGraphs(self, n)
-            if graphs is not None and graphs.accepts(batch):
-                return graphs.forward(batch, kv, states)
+        if not self.cuda_graphs or not 0 < n <= GRAPH_TOKENS:
+            return None
+        graph = self._graphs.get(n)
+        if graph is None and self.executor.capturable(n):
+            graph = self._graphs[n] = DecodeGraphs(self.run, self.rotary, self._recurrent, n, self.weights.embed.dtype,
+                                                   self.device, self.cfg.hidden_size)
+        return graph if graph is not None and graph.accepts(batch) else None
+
+    def pass_meta(self, batch: ForwardBatch) -> PassMeta:
+        """The meta of an eager pass over `batch`: the split-K decode attention's device-side lengths
+        for a decode-sized pass on CUDA, the state slots when every sequence has one new token."""
+        dev = self.device
+        decode = None
+        if dev.type == "cuda" and batch.num_tokens <= DECODE_ATTENTION_TOKENS and self._kv_index:
+            from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
+
+            decode = DecodeMeta.build(batch, dev)
+        slots = None
+        if self._recurrent and all(s.length == 1 for s in batch.seqs):
+            slots = batch.state_slots(dev)
+        return PassMeta(batch.positions, batch.position_limit, batch, decode, slots)
+
+    def run(self, input_ids: torch.Tensor, meta: PassMeta, kv: KVPool, states: StatePool) -> torch.Tensor:
+        """The forward pass itself: [N] token ids -> final hidden states [N, H]."""
         cfg, w = self.cfg, self.weights
-        begin = getattr(self.executor, "begin_forward", None)
-        if begin is not None:  # e.g. start streaming the first MoE layer's experts during the embedding
-            begin(n * cfg.top_k)
-        h = embed_tokens(batch.input_ids, w.embed)
+        h = embed_tokens(input_ids, w.embed)
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)
             if cfg.layer_types[li] == FULL_ATTENTION:
                 assert lw.attention is not None
                 ki = self._kv_index[li]
-                x = full_attention(x, lw.attention, cfg, self.rotary, batch, kv.k[ki], kv.v[ki])
+                x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki])
             else:
                 assert lw.linear_attention is not None
                 si = self._state_index[li]
-                x = gated_deltanet(x, lw.linear_attention, cfg, batch, states.conv[si], states.ssm[si])
-            h = feed_forward(h, x, lw, cfg, self.executor)
+                x = gated_deltanet(x, lw.linear_attention, cfg, meta, states.conv[si], states.ssm[si])
+            h = feed_forward(h, x, lw, cfg, self.executor, meta.captured)
         return rms_norm(h, w.final_norm, eps, zc)
 
     @torch.inference_mode()

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.ops import FUSED_NORM_MAX_DIM as MAX_NORM_DIM
-from engine.model.ops import FUSED_ROUTER_MAX_EXPERTS, fused_router_serves
+from engine.model.kernel_limits import FUSED_NORM_MAX_DIM as MAX_NORM_DIM
+from engine.model.kernel_limits import FUSED_ROUTER_MAX_EXPERTS, fused_router_serves
 
 
 @triton.jit
@@ -173,8 +173,8 @@ def _topk_kernel(logits_ptr, ids_ptr, w_ptr, experts, row_stride,
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`engine.model.moe.route` after its router matmul, in one launch: logits [T, E] (the sizes
-    `ops.fused_router_serves` accepts: E <= 4096, top_k a power of two <= E) -> (ids int64 [T, top_k], weights [T, top_k] in logits' dtype): the
-    float32 softmax's top_k in descending order (the lowest index first among equal ones; torch.topk
+    `kernel_limits.fused_router_serves` accepts: E <= 4096, top_k a power of two <= E) -> (ids
+    int64 [T, top_k], weights [T, top_k] in logits' dtype): the float32 softmax's top_k in descending order (the lowest index first among equal ones; torch.topk
     leaves that order open), renormalised to sum to one if asked. Only the softmax's and the
     renormalisation's float32 sums run in another order than torch's."""
     tokens, experts = logits.shape
@@ -212,7 +212,7 @@ def _gated_add_kernel(out_ptr, x_ptr, gate_ptr, shared_ptr, y_ptr, dim, BLOCK: t
 def shared_gated_add(out: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """out + sigmoid(F.linear(x, gate)) * shared in one launch (a MoE block's shared-expert tail: a
     cuBLAS dot and its reduction, a sigmoid, a product and a sum before): out, x, shared [T, H]
-    (H <= ops.FUSED_NORM_MAX_DIM), gate [1, H]; the same rounding points as the torch ops, only the
+    (H <= kernel_limits.FUSED_NORM_MAX_DIM), gate [1, H]; the same rounding points as the torch ops, only the
     dot product's float32 sum runs in another order."""
     tokens, dim = x.shape
     out, x, shared = out.contiguous(), x.contiguous(), shared.contiguous()

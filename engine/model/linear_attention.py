@@ -1,16 +1,16 @@
 """Gated DeltaNet layer (Qwen3.5 / Qwen3-Next linear attention) over per-sequence recurrent state.
 
-Contract: `gated_deltanet(x, w, cfg, batch, conv_state, ssm_state)` runs each sequence's new
+Contract: `gated_deltanet(x, w, cfg, meta, conv_state, ssm_state)` runs each sequence's new
 tokens from its state slot (conv window [slots, C, K-1], SSM state [slots, Hv, dk, dv] float32),
-updates that slot in place, and returns out_proj output [N, H]. Batches where every sequence has
-exactly one new token (decode) take `gated_deltanet_decode`: all sequences at once, state slots
-named by a device tensor, torch ops only and no host read, so decode graphs
-(engine/model/decode_graph.py) capture it; the recurrence and the conv's dot are float32. On CUDA
-the same step runs as three Triton kernels (engine/model/fused_gdn.py; FREETOKEN_FUSED_GDN=0 keeps
-the torch ops). Longer
-chunks: for bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's
-chunked Triton kernel as one varlen call; float32 models (whose promise is the reference's logits
-to 1e-4) and other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
+updates that slot in place, and returns out_proj output [N, H]. Passes where every sequence has
+exactly one new token (decode: the pass meta names each token's state slot, `meta.state_slots`)
+take `gated_deltanet_decode`: all sequences at once, state slots named by a device tensor, no
+host read, so a captured pass (engine/model/decode_graph.py) holds it; the recurrence and the
+conv's dot are float32. On CUDA the same step runs as three Triton kernels
+(engine/model/fused_gdn.py; FREETOKEN_FUSED_GDN=0 keeps the torch ops). Longer chunks: for
+bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's chunked Triton
+kernel as one varlen call; float32 models (whose promise is the reference's logits to 1e-4) and
+other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
 forces either path for those chunks.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.model import gdn_ops
-from engine.model.batch import ForwardBatch
+from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.ops import fused_gdn_enabled, gated_rms_norm
 from engine.weights.layout import LinearAttentionWeights
 
@@ -52,12 +52,14 @@ def gated_deltanet(
     x: torch.Tensor,
     w: LinearAttentionWeights,
     cfg: ModelConfig,
-    batch: ForwardBatch,
+    meta: PassMeta,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
 ) -> torch.Tensor:
-    if all(s.length == 1 for s in batch.seqs):
-        return gated_deltanet_decode(x, w, cfg, batch.state_slots(x.device), conv_state, ssm_state)
+    if meta.state_slots is not None:
+        return gated_deltanet_decode(x, w, cfg, meta.state_slots, conv_state, ssm_state)
+    batch = meta.batch
+    assert batch is not None
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

@@ -1,15 +1,15 @@
 """Sparse MoE block: softmax top-k router, routed experts through an executor, optional shared expert.
 
-Contract: `moe_block(x, w, cfg, executor, moe_index)` -> [N, H], numerically the reference's
+Contract: `moe_block(x, w, cfg, executor, moe_index, captured)` -> [N, H], numerically the reference's
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
 CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
 FREETOKEN_FUSED_ROUTER=0 keeps the torch ops). The shared expert's gate, product and sum run as
-one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in: no gain measured). An executor with
-`with_side_work(x, ids, weights, moe_index, side) -> (out, side())` (the whole-pass decode graph's)
-queues the shared expert inside the routed step, where the GPU would otherwise wait for the CPU
-branch or the fetch: the same kernels on the same inputs, so the same numbers.
-`feed_forward(h, mixed, lw, cfg, executor)`: the rest of a decoder layer once its token mixer gave
-`mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
+one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in: no gain measured). In a captured pass (`captured`)
+the routed experts run as the executor's graph step, and the shared expert is handed to its
+`with_side_work`, which may queue it inside the routed step where the GPU would otherwise wait for
+the CPU branch or the fetch: the same kernels on the same inputs, so the same numbers.
+`feed_forward(h, mixed, lw, cfg, executor, captured)`: the rest of a decoder layer once its token
+mixer gave `mixed`: residual, post-norm, the MoE block (or the dense MLP of a non-MoE layer), residual.
 """
 
 from __future__ import annotations
@@ -18,15 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.ops import (
-    FUSED_NORM_MAX_DIM,
-    fused_router_enabled,
-    fused_router_serves,
-    fused_shared_enabled,
-    rms_norm,
-    swiglu_mlp,
-)
-from engine.moe.executor import ExpertExecutor
+from engine.model.kernel_limits import FUSED_NORM_MAX_DIM, fused_router_serves
+from engine.model.ops import fused_router_enabled, fused_shared_enabled, rms_norm, swiglu_mlp
+from engine.moe.base import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
 
 
@@ -43,10 +37,11 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
     return top_i, top_w.to(logits.dtype)
 
 
-def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: ExpertExecutor, moe_index: int) -> torch.Tensor:
+def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: ExpertExecutor, moe_index: int,
+              captured: bool = False) -> torch.Tensor:
     ids, weights = route(x, w.router, cfg.top_k, cfg.norm_topk_prob)
     if w.shared is None:
-        return executor(x, ids, weights, moe_index)
+        return executor.graph_step(x, ids, weights, moe_index) if captured else executor(x, ids, weights, moe_index)
     sw, gate = w.shared, w.shared_gate
     assert gate is not None
     fused = x.is_cuda and fused_shared_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM
@@ -56,9 +51,8 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
         # unfused, the gated product needs only x as well: the same ops the sum below would run
         return shared if fused else torch.sigmoid(F.linear(x, gate)) * shared
 
-    with_side = getattr(executor, "with_side_work", None)
-    if with_side is not None:
-        out, shared = with_side(x, ids, weights, moe_index, shared_expert)
+    if captured:
+        out, shared = executor.with_side_work(x, ids, weights, moe_index, shared_expert)
     else:
         out = executor(x, ids, weights, moe_index)
         shared = shared_expert()
@@ -70,11 +64,11 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
 
 
 def feed_forward(h: torch.Tensor, mixed: torch.Tensor, lw: LayerWeights, cfg: ModelConfig,
-                 executor: ExpertExecutor) -> torch.Tensor:
+                 executor: ExpertExecutor, captured: bool = False) -> torch.Tensor:
     h = h + mixed
     x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
     if lw.moe is not None:
-        x = moe_block(x, lw.moe, cfg, executor, lw.moe_index)
+        x = moe_block(x, lw.moe, cfg, executor, lw.moe_index, captured)
     else:
         assert lw.mlp is not None
         x = swiglu_mlp(x, lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)

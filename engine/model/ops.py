@@ -18,17 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-
-# the fused kernels' limits (engine/model/fused_ops.py takes them from here: this module imports no triton)
-FUSED_NORM_MAX_DIM = 8192  # a norm row is held by one program
-FUSED_ROUTER_MAX_EXPERTS = 4096  # a router row is held by one program
-
-
-def fused_router_serves(experts: int, top_k: int) -> bool:
-    """Whether `fused_ops.route_topk` takes these sizes (top_k a power of two: the kernel's
-    selected-entry vector)."""
-    return experts <= FUSED_ROUTER_MAX_EXPERTS and 0 < top_k <= experts and not top_k & (top_k - 1)
-
+from engine.model.kernel_limits import FUSED_NORM_MAX_DIM
 
 _SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False,
                   "no": False}

@@ -1,35 +1,29 @@
-"""Routed-expert execution from the host expert banks.
+"""Routed-expert execution from the host expert banks: the reference executor and the registry.
 
-Contract: an `ExpertExecutor` computes, for tokens x [N, H] routed to experts `ids` [N, k] with
-weights `weights` [N, k] in MoE layer `moe_index`, the sum over k of
-weight * down(silu(gate(x)) * up(x)) -> [N, H] in x's dtype and device. `TorchExpertExecutor` is
-the reference: one gathered GEMM pair per distinct expert, weights read from the banks (moved to
-x's device per call when the banks live elsewhere). Faster backends (the native CPU executor, the
-GPU expert cache) implement the same call and are chosen through `create_executor(name, banks,
-device, threads)`: "torch", "native" (a `ConfigError` saying why when it cannot serve), or "auto":
-native when it can serve the configuration, otherwise torch, with the reason logged once.
+Contract: `TorchExpertExecutor` (engine/moe/base.py's `ExpertExecutor`) is the reference: one
+gathered GEMM pair per distinct expert, weights read from the banks (moved to x's device per call
+when the banks live elsewhere). Faster backends (the native CPU executor, the GPU expert cache)
+implement the same interface and are chosen through `create_executor(name, banks, device,
+threads)`: "torch", "native" (a `ConfigError` saying why when it cannot serve), or "auto": native
+when it can serve the configuration, otherwise torch, with the reason logged once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
+from engine.moe.base import ExpertExecutor
 from engine.weights.layout import ExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
 
-class ExpertExecutor(Protocol):
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor: ...
-
-
-class TorchExpertExecutor:
+class TorchExpertExecutor(ExpertExecutor):
     def __init__(self, banks: ExpertBanks) -> None:
         self.banks = banks
         self.inter = banks.w2.shape[-1]
@@ -82,12 +76,6 @@ _EXECUTORS: dict[str, Callable[[ExpertBanks, torch.device, int], ExpertExecutor]
     "torch": lambda banks, device, threads: TorchExpertExecutor(banks),
 }
 EXECUTORS = tuple(_EXECUTORS)
-
-
-def describe_executor(executor: ExpertExecutor) -> str:
-    """One line for logs and banners: which executor runs the experts, and how."""
-    describe = getattr(executor, "describe", None)
-    return describe() if callable(describe) else type(executor).__name__
 
 
 def create_executor(name: str, banks: ExpertBanks, device: torch.device | str = "cpu", threads: int = 0) -> ExpertExecutor:

@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from engine.errors import ConfigError
+from engine.moe.base import ExpertExecutor
 from engine.weights.layout import ExpertBanks
 
 FORMAT_OF_DTYPE = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -49,7 +50,7 @@ def native_unsupported(banks: ExpertBanks, device: torch.device | str) -> str | 
     return None
 
 
-class NativeExpertExecutor:
+class NativeExpertExecutor(ExpertExecutor):
     def __init__(self, banks: ExpertBanks, threads: int = 0) -> None:
         ft = load_native()
         from native.formats import ExpertWeights

@@ -2,7 +2,7 @@
 
 Contract:
 - `shape_config_dict(shape, layers=None)`: the Hugging Face `config.json` dict a checkpoint of
-  `shape` (a `freetoken_agent.bench.shapes.MoeShape`) would carry, of its family (qwen3_moe, or
+  `shape` (an engine/weights/shapes.py `MoeShape`) would carry, of its family (qwen3_moe, or
   qwen3_5_moe_text for the Gated DeltaNet hybrid); `layers` overrides the layer count. bf16, no
   EOS token (a generation always runs to its max_tokens).
 - `dummy_config(shape, layers=None) -> ModelConfig`: that dict through `ModelConfig.from_dict`;
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -57,11 +57,8 @@ from engine.weights.layout import (
     MlpWeights,
     MoeWeights,
 )
+from engine.weights.shapes import ENGINE_FAMILIES, SHAPES, MoeShape
 
-if TYPE_CHECKING:
-    from freetoken_agent.bench.shapes import MoeShape
-
-ENGINE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 CHUNK = 1 << 24  # values per fill task (32 MB of bf16)
 STD = 0.02
 EMBED_STD = 1.0
@@ -95,8 +92,6 @@ def shape_config_dict(shape: MoeShape, layers: int | None = None) -> dict[str, A
 
 def dummy_config(shape: MoeShape | str, layers: int | None = None) -> ModelConfig:
     if isinstance(shape, str):
-        from freetoken_agent.bench.shapes import SHAPES
-
         if shape not in SHAPES:
             raise ConfigError(f"unknown shape {shape!r} (known: {', '.join(sorted(SHAPES))})")
         shape = SHAPES[shape]

@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         marks.wrap(dec, "forward", "forward")
         marks.wrap(dec, "logits", "logits")
         marks.wrap(torch.cuda.CUDAGraph, "replay", "replay")
-        ex = dec.executor
-        if getattr(ex, "check", None) is not None:
-            marks.wrap(ex, "check", "check")
+        marks.wrap(dec.executor, "check", "check")
         import engine.scheduler as sched_mod
 
         marks.wrap(sched_mod, "sample", "sample")

@@ -81,9 +81,9 @@ def run(model: Path, cap: int, env: dict[str, str]) -> str:
                 errors.append(f"{type(e).__name__}: {str(e)[:160]}")
         got = [len(h.output_ids) for h in handles]
         staged = eng.scheduler.staged_passes
-        widths = sorted(eng.decoder._graphs)
+        widths = sorted(eng.decoder.graphs)
         ex = eng.decoder.executor
-        desc = ex.describe() if hasattr(ex, "describe") else type(ex).__name__
+        desc = ex.describe()
     took = time.perf_counter() - t0
     outcome = "OK" if not errors else "ERROR " + errors[0]
     return f"{outcome} | tokens {got} | staged {staged} | graph widths {widths} | {took:.1f} s | {desc[:120]}"

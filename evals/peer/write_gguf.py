@@ -276,7 +276,7 @@ def copy_tokenizer(gguf: ModuleType, writer: Any, vocab_path: Path) -> int:
 
 
 # Per-architecture defaults of the options that default to None. qwen3moe: Qwen3-30B-A3B with 24 of
-# its 48 layers; qwen35moe: Qwen3.6-35B-A3B (freetoken_agent/bench/shapes.py) with 20 of its 40 layers.
+# its 48 layers; qwen35moe: Qwen3.6-35B-A3B (engine/weights/shapes.py) with 20 of its 40 layers.
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(layers=24, experts=128, top_k=8, hidden=2048, inter=768, heads=32, kv_heads=4,
                      head_dim=128, ff=6144, ctx=40960, rope_base=1e6),

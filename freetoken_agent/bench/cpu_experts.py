@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
-from freetoken_agent.bench.shapes import SHAPES
 
 FORMATS = ("bf16", "fp8", "mxfp4", "f32")
 

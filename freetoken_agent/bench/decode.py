@@ -59,6 +59,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
+from engine.moe.base import ExpertExecutor
 from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.bench.model_bench import (
     ModelBench,
@@ -78,10 +79,11 @@ if TYPE_CHECKING:
 WARMUP_TOKENS = 16
 
 
-class ZeroExperts:
+class ZeroExperts(ExpertExecutor):
     """An expert executor that skips the routed experts: their sum is zero."""
 
-    capture_safe = True  # no host reads: decode passes keep running through CUDA graphs
+    def capturable(self, tokens: int) -> bool:
+        return True  # no host reads: decode passes keep running through CUDA graphs
 
     def describe(self) -> str:
         return "zero (routed experts skipped)"

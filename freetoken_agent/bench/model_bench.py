@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.moe.base import CacheStats, ExpertExecutor
+from engine.weights.shapes import MODEL_SHAPES, SHAPES
 from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
-from freetoken_agent.bench.shapes import MODEL_SHAPES, SHAPES
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,18 +175,19 @@ class ModelBench:
             print(text, file=sys.stderr, flush=True)
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> ExpertExecutor:
         return self.engine.decoder.executor
 
-    def stats(self) -> Any:
-        return getattr(self.executor, "stats", None)
+    def stats(self) -> CacheStats | None:
+        return self.executor.stats
 
     def cold(self, experts: bool = True) -> None:
         """Empties the prefix cache and, with `experts`, the expert cache."""
         self.engine.reset_cache()  # returns once the engine is idle: nothing runs while the table resets
-        table = getattr(self.executor, "table", None)
-        if experts and table is not None:
-            table.reset()
+        from engine.gpu.executor import CachedExpertExecutor
+
+        if experts and isinstance(self.executor, CachedExpertExecutor):
+            self.executor.table.reset()
 
     def random_prompt(self, n: int, index: int) -> list[int]:
         import torch
@@ -267,7 +269,6 @@ class ModelBench:
         import torch
 
         from engine.gpu.budget import dense_bytes
-        from engine.moe.executor import describe_executor
 
         cuda = self.device.type == "cuda"
         cal, _ = self.calibration()
@@ -281,7 +282,7 @@ class ModelBench:
             "expert_inter": self.cfg.moe_intermediate_size, "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device), "gpu": torch.cuda.get_device_name(self.device) if cuda else None,
             "cpu": _cpu_model(), "cpu_threads": _cpu_threads(self.opts.threads),
-            "torch_threads": torch.get_num_threads(), "executor": describe_executor(self.executor),
+            "torch_threads": torch.get_num_threads(), "executor": self.executor.describe(),
             "gpu_memory": self.opts.gpu_memory or None,
             "gpu_budget": dataclasses.asdict(self.engine.gpu_budget) if self.engine.gpu_budget else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,

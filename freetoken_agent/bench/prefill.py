@@ -71,7 +71,10 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     bank_bytes = bank.expert_bytes * bank.w13.shape[0]
     runs = []
     index = 0
-    streamer = getattr(bench.executor, "streamer", None)
+    from engine.gpu.executor import CachedExpertExecutor
+
+    ex = bench.executor
+    streamer = ex.streamer if isinstance(ex, CachedExpertExecutor) else None
     for n in lengths:
         ttfts, deltas = [], []
         streamed = unused = 0

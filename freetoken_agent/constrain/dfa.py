@@ -4,7 +4,8 @@ Contract:
 * `LazyDfa(grammar)` numbers grammar states as they are first reached and memoises transitions
   per (state, byte) in 256-entry rows, so testing a token costs a list lookup per byte once the
   states it crosses have been seen. It is shared by every request with the same grammar
-  (transitions are deterministic); `grammar.dfa()` replaces it when it passes `MAX_DFA_STATES`.
+  (transitions are deterministic): `shared_dfa(grammar)` returns it, a fresh one once it has
+  passed `MAX_DFA_STATES`.
 * `token_table(tokenizer)` is the per-tokenizer (module-level, weakly keyed) cache of token
   bytes, filled lazily one id at a time; ids at or beyond the tokenizer's vocabulary (the padded
   rows of a model head) are never allowed.
@@ -28,6 +29,17 @@ MAX_DFA_STATES = 20_000  # about 2 KB a state
 _UNKNOWN = -2
 _REJECT = -1
 _SLOW = 256  # index of an always-unknown slot: a row has 256 byte entries plus this one
+
+
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_dfa(grammar: ToolCallGrammar) -> LazyDfa:
+    """The lazily built DFA every request with `grammar` shares (kept on the grammar)."""
+    with _SHARED_LOCK:
+        if grammar.dfa is None or len(grammar.dfa.states) > MAX_DFA_STATES:
+            grammar.dfa = LazyDfa(grammar)
+        return grammar.dfa
 
 
 class LazyDfa:
@@ -107,7 +119,7 @@ class ToolCallConstraint:
     def __init__(self, grammar: ToolCallGrammar, table: TokenTable, eos_token_ids: Iterable[int]) -> None:
         self.grammar = grammar
         self.forced_prefix = grammar.forced_prefix
-        self._dfa = dfa = grammar.dfa()
+        self._dfa = dfa = shared_dfa(grammar)
         self._trans = dfa.trans
         self._final = dfa.final
         self._textual = dfa.textual

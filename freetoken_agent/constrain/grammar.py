@@ -155,9 +155,8 @@ class ToolCallGrammar:
         self.max_ws = max_ws
         self._choices: list[_ChoiceSet] = []
         self._choice_ids: dict[Any, int] = {}
-        self._lock = threading.Lock()
         self._choice_lock = threading.Lock()
-        self._dfa: Any = None
+        self.dfa: Any = None  # the DFA the requests with this grammar share (constrain/dfa.py `shared_dfa`)
         self._handlers = {
             _VALUE: self._value, _OBJ: self._obj, _ARR: self._arr, _STR: self._str, _NUM: self._num,
             _CHOICE: self._choice, _Q3_CALL: self._q3_call, _X_CALL: self._x_call, _X_PARAMS: self._x_params,
@@ -204,15 +203,6 @@ class ToolCallGrammar:
         if state is None:
             return "invalid"
         return "complete" if self.is_final(state) else "partial"
-
-    def dfa(self) -> Any:
-        """The shared lazily-built DFA of this grammar (a fresh one once it has grown too large)."""
-        from freetoken_agent.constrain.dfa import MAX_DFA_STATES, LazyDfa
-
-        with self._lock:
-            if self._dfa is None or len(self._dfa.states) > MAX_DFA_STATES:
-                self._dfa = LazyDfa(self)
-            return self._dfa
 
     # ------------------------------------------------------------------ choice sets
     def _choice_set(self, key: Any, build: Any) -> int | None:

@@ -13,19 +13,21 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.moe.base import ExpertExecutor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from freetoken_agent.demo import write_demo_model
 
 
-class CaptureSafe:
+class CaptureSafe(ExpertExecutor):
     """Marks an executor's call as safe to run inside a segment (on the CPU nothing is captured)."""
-
-    capture_safe = True
 
     def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
         self.inner = inner
         self.calls = 0
+
+    def capturable(self, tokens: int) -> bool:
+        return True
 
     def __call__(self, x, ids, weights, moe_index):  # type: ignore[no-untyped-def]
         self.calls += 1
@@ -46,10 +48,10 @@ def test_segmented_decode_equals_plain(tmp_path: Path, arch: str) -> None:
             h = eng.submit(prompt, SamplingParams(max_tokens=len(forced), ignore_eos=True), capture_logits=True,
                            forced_output=forced)
             h.result(timeout=300)
-            graphs = eng.decoder._graphs.get(1)
+            graphs = eng.decoder.graphs.get(1)
             if segmented:  # every decode step went through the graph pass
                 assert graphs is not None and graphs.steps == len(forced) - 1
-            return torch.stack([t.float() for t in h.logits]), len(eng.decoder._graphs)
+            return torch.stack([t.float() for t in h.logits]), len(eng.decoder.graphs)
 
     plain, used_plain = logits(False)
     seg, used_seg = logits(True)
@@ -93,7 +95,7 @@ def test_segmented_decode_of_two_sequences_equals_plain(tmp_path: Path, arch: st
             seqs = [SeqEntry(i, 1, lengths[i], slots[i][:lengths[i] + 1], state_slot=i) for i in range(2)]
             out.append(dec.logits(dec.forward(ForwardBatch(ids, torch.tensor(lengths), seqs), kv, states)))
             lengths = [n + 1 for n in lengths]
-        graphs = dec._graphs.get(2)
+        graphs = dec.graphs.get(2)
         return torch.stack(out), graphs.steps if graphs is not None else 0
 
     plain, steps_plain = run(False)

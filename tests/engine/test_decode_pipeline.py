@@ -19,6 +19,7 @@ from engine.anchors import DecodeAnchor
 from engine.decode_pipeline import overlap_enabled, overlap_width
 from engine.engine import Engine
 from engine.errors import ConfigError
+from engine.moe.base import ExpertExecutor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from freetoken_agent.demo import write_demo_model
@@ -26,13 +27,14 @@ from freetoken_agent.demo import write_demo_model
 OPTS = dict(dtype="float32", kv_tokens=1024, max_running=4, prefill_chunk=64)
 
 
-class CaptureSafe:
+class CaptureSafe(ExpertExecutor):
     """The executor's call marked safe inside a decode pass (on the CPU nothing is captured)."""
-
-    capture_safe = True
 
     def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
         self.inner = inner
+
+    def capturable(self, tokens: int) -> bool:
+        return True
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
         return self.inner(x, ids, weights, moe_index)
@@ -93,7 +95,7 @@ def test_by_default_only_single_sequence_passes_overlap(model: Path, monkeypatch
         outs = [h.result(timeout=300) for h in handles]
         pipeline = eng.scheduler.pipeline
         assert pipeline is not None and pipeline.width == 1
-        passes = {n: g.steps for n, g in eng.decoder._graphs.items()}
+        passes = {n: g.steps for n, g in eng.decoder.graphs.items()}
         by_width = dict(pipeline.staged_by_width)
     assert [len(o) for o in outs] == [6, 30]
     # two-sequence passes all ran through the serial forward; of the ~24 one-sequence passes all

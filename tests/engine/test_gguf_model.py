@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from engine.engine import Engine
 from engine.errors import ConfigError, WeightError
 from engine.model.load import load_decoder
+from engine.moe.base import ExpertExecutor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.weights.gguf_reader import GgufReader
@@ -242,11 +243,12 @@ def _routing_spread(path: Path, tokens: int) -> list[tuple[int, float]]:
                                     prefill_chunk=tokens)) as eng:
         inner = eng.decoder.executor
 
-        def record(x, ids, weights, moe_index):  # type: ignore[no-untyped-def]
-            seen.setdefault(moe_index, []).append(ids.clone())
-            return inner(x, ids, weights, moe_index)
+        class Record(ExpertExecutor):
+            def __call__(self, x, ids, weights, moe_index):  # type: ignore[no-untyped-def]
+                seen.setdefault(moe_index, []).append(ids.clone())
+                return inner(x, ids, weights, moe_index)
 
-        eng.decoder.executor = record
+        eng.decoder.executor = Record()
         prompt = torch.randint(0, 1999, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
         eng.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True)).result(timeout=300)
     out = []

@@ -1,8 +1,9 @@
-"""The shared expert queued inside the routed step (engine/model/moe.py `moe_block` with an executor
-that offers `with_side_work`, as the whole-pass decode graph's does): the side work runs inside the
-executor's call, exactly once, and the block's output is bit for bit the one of the plain call
-(the shared expert's gate, product and sum are the same ops on the same inputs), in float32 and
-bfloat16; a block without a shared expert never asks for side work."""
+"""The shared expert queued inside the routed step (engine/model/moe.py `moe_block` in a captured
+pass, with an executor whose `with_side_work` queues it inside its step, as the GPU expert cache's
+does): the side work runs inside the executor's call, exactly once, and the block's output is bit
+for bit the one of the plain call (the shared expert's gate, product and sum are the same ops on
+the same inputs), in float32 and bfloat16; a block without a shared expert never asks for side
+work, and an executor without side work of its own runs the plain call then the side work."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model.moe import moe_block
+from engine.moe.base import ExpertExecutor
 from engine.moe.executor import TorchExpertExecutor
 from engine.weights.layout import ExpertBanks, MlpWeights, MoeWeights
 
@@ -20,7 +22,7 @@ def _cfg() -> ModelConfig:
     return dummy_config("qwen3.6-35b-a3b", layers=1)
 
 
-class SideAware:
+class SideAware(ExpertExecutor):
     """The torch reference executor, plus `with_side_work` that runs the side work between its two
     halves (where a GPU step would wait), recording the order."""
 
@@ -55,10 +57,12 @@ def test_shared_expert_as_side_work_is_bit_identical() -> None:
         x = torch.randn(3, hidden, generator=g).to(dtype)
         plain = moe_block(x, w, cfg, TorchExpertExecutor(banks), 0)
         aware = SideAware(banks)
-        got = moe_block(x, w, cfg, aware, 0)
+        got = moe_block(x, w, cfg, aware, 0, captured=True)
         assert aware.events == ["routed", "side"]
         assert torch.equal(got, plain), dtype
+        # the base class's side work: the plain call, then the side work; the same numbers
+        assert torch.equal(moe_block(x, w, cfg, TorchExpertExecutor(banks), 0, captured=True), plain), dtype
         # without a shared expert: the plain call
         bare = SideAware(banks)
-        moe_block(x, MoeWeights(router=w.router), cfg, bare, 0)
+        moe_block(x, MoeWeights(router=w.router), cfg, bare, 0, captured=True)
         assert bare.events == ["plain"]

@@ -30,7 +30,7 @@ from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.weights import dummy
 from engine.weights.dummy import dummy_config, dummy_decoder, dummy_weights
-from freetoken_agent.bench.shapes import SHAPES
+from engine.weights.shapes import SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ("tiny-qwen3", "tiny-hybrid")

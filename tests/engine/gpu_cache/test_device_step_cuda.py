@@ -166,7 +166,7 @@ def test_host_issued_fetch_equals_fetch_kernel(slots: int, ratio: float, graphs:
 
 @pytest.mark.parametrize("fetch", ["kernel", "dma"])
 def test_side_work_inside_the_step_changes_nothing(fetch: str) -> None:
-    """graph_step_with_side (the shared expert queued inside the routed step, where the stream would
+    """with_side_work (the shared expert queued inside the routed step, where the stream would
     wait): the routed output equals graph_step's bit for bit, the side work's result is returned,
     and both hold when the steps are captured into one graph and replayed."""
     dtype = torch.bfloat16
@@ -186,7 +186,7 @@ def test_side_work_inside_the_step_changes_nothing(fetch: str) -> None:
                     got.append(ex.graph_step(x, ids, w, layer).clone())
                     got.append(x @ side_w)
                 else:
-                    out, side = ex.graph_step_with_side(x, ids, w, layer, lambda x=x: x @ side_w)
+                    out, side = ex.with_side_work(x, ids, w, layer, lambda x=x: x @ side_w)
                     got += [out.clone(), side]
         ex.check()
     assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["side"], strict=True))
@@ -194,11 +194,11 @@ def test_side_work_inside_the_step_changes_nothing(fetch: str) -> None:
     ex = create_cached_executor(banks, 10 * banks.expert_bytes, "cuda", 0.5, graphs=False, fetch=fetch)
     x, ids, w = (t.cuda() for t in _routing(0, 1))
     x, w = x.to(dtype), w.to(dtype)
-    ex.graph_step_with_side(x, ids, w, 0, lambda: x @ side_w)  # eager first (compiles, registers)
+    ex.with_side_work(x, ids, w, 0, lambda: x @ side_w)  # eager first (compiles, registers)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out, side = ex.graph_step_with_side(x, ids, w, 0, lambda: x @ side_w)
+        out, side = ex.with_side_work(x, ids, w, 0, lambda: x @ side_w)
     for s in range(1, 4):
         nx, nids, nw = _routing(s, 1)
         x.copy_(nx.to(dtype)), ids.copy_(nids), w.copy_(nw.to(dtype))
@@ -356,7 +356,7 @@ def test_engine_logits_equal_all_resident(tmp_path: Path, arch: str) -> None:
             ex = eng.decoder.executor
             assert isinstance(ex, CachedExpertExecutor)
             ex.check()
-            graphs = eng.decoder._graphs.get(1)
+            graphs = eng.decoder.graphs.get(1)
             if kw.get("cuda_graphs"):  # whole decode passes went through captured segments
                 assert graphs is not None and graphs.captured == 1
             else:

@@ -19,7 +19,8 @@ from checkpoints import FULL, LIN, TinySpec, qwen3_5_moe_text, qwen3_moe_text
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.executor import CachedExpertExecutor, cpu_entries, create_cached_executor
 from engine.gpu.slots import ExpertSlots
-from engine.moe.executor import ExpertExecutor, TorchExpertExecutor
+from engine.moe.base import ExpertExecutor
+from engine.moe.executor import TorchExpertExecutor
 from engine.moe.native import native_unsupported
 from engine.sampling import SamplingParams
 from engine.weights.layout import ExpertBanks

@@ -102,7 +102,7 @@ def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path,
         ex = eng.decoder.executor
         assert isinstance(ex, CachedExpertExecutor) and ex.split == (split == "1")
         got = [list(eng.generate(p, PARAMS)) for p in prompts]
-        graphs = eng.decoder._graphs.get(n)
+        graphs = eng.decoder.graphs.get(n)
         assert graphs is not None and graphs.captured == 1, "the short prompts' pass ran eagerly"
     assert got == want
 
@@ -123,7 +123,7 @@ def test_concurrent_decode_batches_are_captured_under_a_cap(tmp_path: Path) -> N
                                   forced_output=f) for p, n, f in zip(prompts, lengths, forced, strict=True)]
             for h in handles:
                 h.result(timeout=600)
-            captured = {n: g.captured for n, g in eng.decoder._graphs.items()}
+            captured = {n: g.captured for n, g in eng.decoder.graphs.items()}
             return [torch.stack([t.float().cpu() for t in h.logits]) for h in handles], captured, eng.decoder.executor
 
     want, _, _ = run()
