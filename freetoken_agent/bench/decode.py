@@ -56,10 +56,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import ConfigError
-from engine.moe.base import ExpertExecutor
 from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.bench.model_bench import (
     ModelBench,
@@ -70,28 +69,20 @@ from freetoken_agent.bench.model_bench import (
     print_table,
 )
 
-if TYPE_CHECKING:
-    import torch
-
 # enough decode steps that every layer's CUDA graph is captured (eager, capture, replay) and the
 # kernels are compiled before the timed reps; the first H200 run's first rep (4 warm-up tokens) ran
 # at a third of the others' speed
 WARMUP_TOKENS = 16
 
 
-class ZeroExperts(ExpertExecutor):
-    """An expert executor that skips the routed experts: their sum is zero."""
+def __getattr__(name: str) -> Any:
+    """`ZeroExperts` lives in `zero_experts.py`: it subclasses the engine's executor (torch), which
+    defining the command's parser must not import."""
+    if name == "ZeroExperts":
+        from freetoken_agent.bench.zero_experts import ZeroExperts
 
-    def capturable(self, tokens: int) -> bool:
-        return True  # no host reads: decode passes keep running through CUDA graphs
-
-    def describe(self) -> str:
-        return "zero (routed experts skipped)"
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
-        import torch
-
-        return torch.zeros_like(x)
+        return ZeroExperts
+    raise AttributeError(name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -161,6 +152,8 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     # the share of timed passes queued before the previous pass's tokens were read (engine/decode_pipeline.py)
     overlapped = (bench.engine.scheduler.staged_passes - staged_before) / sum(t.tokens - 1 for t in timings)
     real = bench.engine.decoder.executor
+    from freetoken_agent.bench.zero_experts import ZeroExperts
+
     bench.engine.decoder.executor = ZeroExperts()
     dense = []
     try:  # as many repetitions as the real runs: one dense run read up to 1 ms apart between runs (H200)

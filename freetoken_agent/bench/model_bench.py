@@ -36,12 +36,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
-from engine.moe.base import CacheStats, ExpertExecutor
 from engine.weights.shapes import MODEL_SHAPES, SHAPES
 from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
+
+if TYPE_CHECKING:  # the engine (torch) is imported when a bench runs, not to define its parser
+    from engine.moe.base import CacheStats, ExpertExecutor
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
