@@ -9,8 +9,6 @@ the answer is not a model list. Standard library only; no other I/O.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 
@@ -26,6 +24,9 @@ class ServedModel:
 
 
 def served_model(base_url: str, api_key: str | None = None, timeout: float = 2.0) -> ServedModel:
+    import urllib.error
+    import urllib.request  # here, not at the top: the command line's --help imports this module
+
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
