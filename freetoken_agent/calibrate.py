@@ -37,7 +37,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="bf16", choices=["bf16", "f32", "fp8", "mxfp4"], help="expert weight format")
     p.add_argument("--bank-gb", type=float, default=2.0, help="host bank of random experts, GB (default 2)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per measurement per round")
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds per measurement; the best is kept")
     p.add_argument("--show", action="store_true", help="print the stored records, measure nothing")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -105,7 +105,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     spec = CalibrationSpec(fmt=args.format, hidden=shape.hidden, inter=shape.inter, top_k=shape.top_k,
                            threads=args.threads, bank_bytes=int(args.bank_gb * 1e9), seconds=args.seconds,
                            rounds=args.rounds)
-    cal = calibrate(spec)
+    from freetoken_agent.progress import load_progress
+
+    with load_progress(f"measuring B_C and B_P ({args.rounds} rounds of {args.seconds:g} s per case)"):
+        cal = calibrate(spec)
     save(path, cal)
     if args.json:
         print(json.dumps({**cal.to_json(), **_ratios(cal), "path": str(path)}))

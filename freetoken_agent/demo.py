@@ -3,9 +3,11 @@
 Contract: `write_demo_model(out_dir, arch)` writes `config.json`, `model.safetensors` (per-expert
 tensor names, as `save_pretrained` writes them) and the tokenizer files for `arch` in
 {"qwen3_5_moe", "qwen3_moe"}; weights come from a fixed seed, so every machine gets the same
-model. Sized to decode at 20+ tokens/s on two CPU cores. `demo_model_dir(arch)` returns the copy
+model. Sized to decode at 20+ tokens/s on two CPU cores; it holds 131072 positions, so it can be
+served with the context window Claude Code needs (`serve --kv-tokens 131072`). `demo_model_dir(arch)` returns the copy
 in the user's cache directory, creating it on first use (atomically, so a crash never leaves half
-a model behind).
+a model behind) with a progress display on a terminal. Both take an optional `progress(done, total,
+label)` callback, called once per step. Importing this module imports neither torch nor safetensors.
 """
 
 from __future__ import annotations
@@ -14,23 +16,22 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
-
-from freetoken_agent.tokenizer import write_tokenizer
+if TYPE_CHECKING:
+    import torch
 
 ARCHES = ("qwen3_5_moe", "qwen3_moe")
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 SEED = 1234
 
 
 def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
     common: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "num_experts": 16,
         "num_experts_per_tok": 4, "moe_intermediate_size": 128, "eos_token_id": eos, "pad_token_id": pad,
         "bos_token_id": None, "dtype": "float32",
@@ -54,6 +55,8 @@ STOP_GAIN = 16.0
 
 
 def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(SEED)
     h, std = cfg["hidden_size"], 0.05
     out: dict[str, torch.Tensor] = {}
@@ -110,15 +113,32 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe") -> Path:
+Progress = Callable[..., None]  # (done, total, label)
+STEPS = ("tokenizer from the Qwen vocabulary", "random weights", "model.safetensors")
+
+
+def _no_progress(done: int, total: int, label: str | None = None) -> None:
+    return None
+
+
+def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe", progress: Progress = _no_progress) -> Path:
     if arch not in ARCHES:
         raise ValueError(f"unknown demo arch {arch!r} (choose from {', '.join(ARCHES)})")
+    from safetensors.torch import save_file
+
+    from freetoken_agent.tokenizer import write_tokenizer
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    progress(0, len(STEPS), STEPS[0])
     info = write_tokenizer(out, "qwen3_5" if arch == "qwen3_5_moe" else "qwen3")
     cfg = _config(arch, info.vocab_size, info.eos_token_id, info.pad_token_id)
     stop_ids = (info.special_ids["</think>"], info.eos_token_id)
-    save_file(_weights(cfg, stop_ids), str(out / "model.safetensors"), metadata={"format": "pt"})
+    progress(1, len(STEPS), STEPS[1])
+    weights = _weights(cfg, stop_ids)
+    progress(2, len(STEPS), STEPS[2])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    progress(3, len(STEPS), None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [info.eos_token_id, info.pad_token_id], "do_sample": False}, indent=2) + "\n")
@@ -131,14 +151,20 @@ def cache_root() -> Path:
     return Path(base)
 
 
-def demo_model_dir(arch: str = "qwen3_5_moe") -> Path:
+def demo_model_dir(arch: str = "qwen3_5_moe", progress: Progress | None = None) -> Path:
     target = cache_root() / f"demo-{arch}-v{DEMO_VERSION}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_demo_model(tmp, arch)
+        if progress is None:
+            from freetoken_agent.progress import load_progress
+
+            with load_progress(f"writing the demo model to {target} (once)") as bar:
+                write_demo_model(tmp, arch, bar)
+        else:
+            write_demo_model(tmp, arch, progress)
         try:
             tmp.rename(target)
         except OSError:  # another process made it first

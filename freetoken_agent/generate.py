@@ -1,8 +1,11 @@
-"""`freetoken-agent generate`: one prompt through the engine, text streamed to stdout.
+"""`freetoken-agent generate`: one prompt through the engine, the reply streamed to stdout.
 
-Contract: greedy unless a temperature is given; with `--output-ids` the generated ids are printed
-as one JSON list on the last line. The prompt goes through the model's chat template as a user
-message unless `--raw`.
+Contract: greedy unless a temperature is given. The prompt goes through the model's chat template
+as a user message, and the reply is rendered as the server renders it: control tokens (`<|im_end|>`
+and the like) are not printed, the reasoning (the think block) goes to stderr, the answer to stdout
+(the same output parser as the HTTP server, `adapters.parsers`). With `--raw` the prompt is fed as
+is and every generated token is printed as text. With `--output-ids` the generated ids are printed
+as one JSON list on the last line of stdout. `--device auto` picks CUDA when present.
 """
 
 from __future__ import annotations
@@ -10,51 +13,97 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TextIO
 
-from engine.engine import Engine
-from engine.errors import RequestError
-from engine.options import EngineOptions
-from engine.sampling import SamplingParams
-from freetoken_agent.argtypes import resolve_gpu_memory
-from freetoken_agent.calibrate import calibration_path
-from freetoken_agent.models import resolve_model
-from freetoken_agent.progress import load_progress
-from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
+
+class _Reasoning:
+    """Writes reasoning pieces to stderr inside a `thinking:` block (dim on a terminal)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.open = out, False
+        self.dim = out.isatty()
+
+    def write(self, text: str) -> None:
+        if not self.open:
+            self.out.write("\x1b[2mthinking: " if self.dim else "thinking: ")
+            self.open = True
+        self.out.write(text)
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.open:
+            self.out.write("\x1b[0m\n" if self.dim else "\n")
+            self.out.flush()
+            self.open = False
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+    from engine.errors import RequestError
+    from engine.options import EngineOptions
+    from engine.sampling import SamplingParams
+    from freetoken_agent.argtypes import resolve_gpu_memory
+    from freetoken_agent.calibrate import calibration_path
+    from freetoken_agent.models import load_tokenizer, resolve_model
+    from freetoken_agent.progress import load_progress
+    from freetoken_agent.serve import resolve_device
+    from freetoken_agent.service.chat import FAMILIES
+    from freetoken_agent.tokenizer import StreamDecoder
+
     if not args.prompt:
         raise RequestError("prompt is empty")
-    with load_progress("preparing model") as progress:
-        progress(0, 1)
-        model_dir = resolve_model(args.model)
-        progress(1, 1)
-    tok = ChatTokenizer.from_dir(model_dir)
+    model_dir = resolve_model(args.model)
+    device = resolve_device(args.device)
+    with load_progress("reading the tokenizer"):
+        tok = load_tokenizer(model_dir)
+    thinking = not args.no_think
     if args.raw:
         ids = tok.encode(args.prompt)
     else:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      enable_thinking=not args.no_think, tokenize=True)
+                                      enable_thinking=thinking, tokenize=True)
     temperature = args.temperature or 0.0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
+                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device), fetch_ratio=args.fetch_ratio,
+                         cuda_graphs=args.cuda_graphs, overlap_decode=args.overlap_decode,
+                         calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
-        opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                             gpu_memory=resolve_gpu_memory(args.gpu_memory, args.device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
-                             overlap_decode=args.overlap_decode,
-                             calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
-    print(f"expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)
+    print(f"device: {device}; expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)
+    parser = None
+    if not args.raw:
+        from adapters.parsers import ContentDelta, ReasoningDelta, create_parser
+
+        family = FAMILIES[engine.cfg.family]
+        parser = create_parser(family, None, starts_in_reasoning=thinking and family == "qwen3_5")
+    reasoning = _Reasoning(sys.stderr)
+
+    def show(text: str, final: bool = False) -> None:
+        if parser is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        for event in parser.feed(text) + (parser.finish() if final else []):
+            if isinstance(event, ReasoningDelta):
+                reasoning.write(event.text)
+            elif isinstance(event, ContentDelta):
+                reasoning.close()
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+
     out_ids: list[int] = []
-    decoder = StreamDecoder(tok)
+    decoder = StreamDecoder(tok, skip_special_tokens=not args.raw)
     try:
         for token in engine.generate(ids, params):
             out_ids.append(token)
             text = decoder.push(token)
             if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-        sys.stdout.write(decoder.flush() + "\n")
+                show(text)
+        show(decoder.flush(), final=True)
+        reasoning.close()
+        sys.stdout.write("\n")
     finally:
         engine.close()
     if args.output_ids:

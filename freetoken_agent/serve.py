@@ -1,41 +1,59 @@
 """`freetoken-agent serve`: load the model once and serve every protocol over HTTP.
 
-Contract: binds 127.0.0.1:8000 by default; `--api-key` turns on authentication; the served model
-name defaults to `freetoken-demo` for the demo model and to the directory name otherwise;
-`--anchor-policy` picks where prefill checkpoints go (freetoken_agent/sessions/anchors.py). The HTTP
-layer lives in `adapters/` (the top layer); this command is the composition root that wires it to
-the engine and the chat service, so it imports it lazily.
+Contract: binds 127.0.0.1:8000 by default; `--model` is a directory, a Hugging Face id in the local
+cache or `demo` (freetoken_agent/models.py); `--device auto` (the default) is CUDA when a CUDA
+device is present (the expert cache then under `--gpu-memory auto`), else the CPU, and the banner
+names the device it chose; `--api-key` turns on authentication; the served model name defaults to
+`freetoken-demo` for the demo model, to the id for a Hugging Face id and to the directory name
+otherwise; `--anchor-policy` picks where prefill checkpoints go (freetoken_agent/sessions/anchors.py).
+The HTTP layer lives in `adapters/` (the top layer); this command is the composition root that
+wires it to the engine and the chat service. Defining the parser imports neither torch nor the
+engine: `run_serve` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from engine.engine import Engine
-from engine.options import EngineOptions
-from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
-from freetoken_agent.calibrate import calibration_path
-from freetoken_agent.models import resolve_model
-from freetoken_agent.progress import load_progress
-from freetoken_agent.service import ChatService
-from freetoken_agent.sessions import AnchorPolicy, SessionManager
-from freetoken_agent.tokenizer import ChatTokenizer
+from freetoken_agent.argtypes import add_engine_arguments, positive_int
 
 # --gpu-memory auto: how often the server looks at the device's free memory, the expert cache following it
 FOLLOW_S = 5.0
+# the values of freetoken_agent.sessions.AnchorPolicy (spelt here so that --help imports no engine)
+ANCHOR_POLICIES = ("semantic", "positional", "user-only")
+
+
+def resolve_device(choice: str) -> str:
+    """--device: `auto` is cuda when torch sees a CUDA device, else cpu; `cuda` without one is an error."""
+    import torch
+
+    from freetoken_agent.models import UsageError
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here (use --device cpu or auto)")
+    return choice
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI, Anthropic and Responses protocols)")
-    p.add_argument("--model", default="demo", help="model directory, or 'demo' (default)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--model", default="demo", metavar="PATH|HF_ID|demo",
+                   help="a model directory, a Hugging Face id in the local cache (see `pull`), or demo "
+                        "(a small random model, written on first use)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: reachable from this machine only)")
+    p.add_argument("--port", type=positive_int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: freetoken-demo for the demo, else the id or "
+                        "the directory name)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="compute device (auto: cuda when a CUDA device is present, else cpu)")
     p.add_argument("--context-window", type=positive_int, default=None, help="tokens per request (default: the model's)")
-    p.add_argument("--max-output-tokens", type=positive_int, default=32768)
+    p.add_argument("--max-output-tokens", type=positive_int, default=32768,
+                   help="output limit of a request that names none")
     p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
     p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
     p.add_argument("--checkpoint-slots", type=int, default=32,
@@ -44,11 +62,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="checkpoints spilled to host memory before they are dropped (hybrid models)")
     add_engine_arguments(p)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
-    p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
+    p.add_argument("--anchor-policy", default="semantic", choices=ANCHOR_POLICIES,
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
                         "(every 8192 tokens + request end) or user-only (user-turn starts + request end); "
                         "the last two are benchmark baselines")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="server log level (info: one line per request)")
+
+
+def default_model_name(spec: str, model_dir: Path) -> str:
+    """The served name when --served-model-name is not given."""
+    if spec == "demo" or spec.startswith("demo:"):
+        return "freetoken-demo"
+    return spec if not Path(spec).expanduser().exists() else model_dir.name
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -56,15 +82,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from adapters.server import create_app
     from adapters.state import AppState
+    from engine.engine import Engine
+    from engine.options import EngineOptions
+    from freetoken_agent.argtypes import resolve_gpu_memory
+    from freetoken_agent.calibrate import calibration_path
+    from freetoken_agent.models import load_tokenizer, resolve_model
+    from freetoken_agent.progress import load_progress
+    from freetoken_agent.service import ChatService
+    from freetoken_agent.sessions import AnchorPolicy, SessionManager
 
-    device = args.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = resolve_model(args.model)
-    name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
-    tokenizer = ChatTokenizer.from_dir(model_dir)
+    device = resolve_device(args.device)
+    name = args.served_model_name or default_model_name(args.model, model_dir)
+    with load_progress("reading the tokenizer"):
+        tokenizer = load_tokenizer(model_dir)
     opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
                          gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
                          follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
@@ -79,7 +110,8 @@ def run_serve(args: argparse.Namespace) -> int:
     state = AppState(service=service, model_name=name, api_key=args.api_key, aliases=(str(model_dir),),
                      ping_interval=args.ping_interval)
     app = create_app(state)
-    print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {device}) on http://{args.host}:{args.port}"
+    chosen = f"{device}, chosen by --device auto" if args.device == "auto" else device
+    print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {chosen}) on http://{args.host}:{args.port}"
           f" (context {service.context_window} tokens, anchor policy {sessions.policy.value}, experts: "
           f"{engine.decoder.executor.describe()})", file=sys.stderr,
           flush=True)

@@ -12,7 +12,7 @@ whose MoE layer waits for the host-issued expert copies (engine/gpu/device_step.
 thread whose `cudaMemcpyAsync` then waits behind the load. The twelfth GPU session caught that
 deadlock in the act: the overlapped decode's staging kernel, launched while the previous pass was in
 flight, met a new specialisation and blocked in Triton's `load_binary` for good (stack in
-docs/data/h200-2026-12-01-session12/results.md). Waiting first is always safe here: nothing the
+docs/history/data/h200-2026-12-01-session12/results.md). Waiting first is always safe here: nothing the
 device waits for needs this thread (the CPU branch and the copier are native threads, and every
 staged input is written before its launch). A load happens once per kernel specialisation, so the
 steady state never pays for the wait.

@@ -1,6 +1,6 @@
 """Real MoE shapes for benchmarks with random weights (no checkpoints can be downloaded here).
 
-Contract: `SHAPES[name]` is a frozen `MoeShape`; names are those of ../shared/BENCHMARKS.md, plus
+Contract: `SHAPES[name]` is a frozen `MoeShape`; names are those of docs/benchmarks.md, plus
 two tiny test shapes (`tiny-qwen3`, `tiny-hybrid`) small enough to run on a CPU in tests. A shape
 carries every size a full model config needs (engine/weights/dummy.py turns it into one); defaults
 are Qwen3-30B-A3B's. `MODEL_SHAPES` lists the shapes of families the engine runs (`runnable`).

@@ -128,7 +128,7 @@ class RecordingProxy:
             conn.close()
             return
         chunked = length is None
-        h.send_header("Transfer-Encoding", "chunked") if chunked else h.send_header("Content-Length", length)
+        h.send_header("Transfer-Encoding", "chunked") if chunked else h.send_header("Content-Length", str(length))
         h.end_headers()
         h.wfile.flush()
         recorded = bytearray()

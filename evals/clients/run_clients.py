@@ -2,18 +2,20 @@
 
 Usage (after `evals/clients/install.sh`):
 
-    PYTHONPATH=. /work/venv/bin/python -m evals.clients.run_clients \
+    PYTHONPATH=. python -m evals.clients.run_clients \
         [--clients claude-code,codex,opencode,openclaw] [--timeout 240] [--base-url URL]
 
 What it does, per client, one after the other:
-  * starts `freetoken-agent serve --model demo` on a free port with an access log (unless `--base-url`);
+  * starts `freetoken-agent serve --model demo` on a free port with an access log (unless `--base-url`),
+    with the 131072-token context window Claude Code needs;
   * puts a small recording reverse proxy in front of it, so the exact requests each client sends
     (method, path, headers, body) and the raw responses are captured without touching the server;
-  * runs the CLI in a throw-away HOME and work directory (a README.md in it), with its config from
-    docs/clients.md: loopback only, telemetry, auto-update and non-essential traffic off;
-  * judges the turn: the client exits 0, every model request was answered 200, every SSE response is
-    well formed for its protocol, nothing on the client's stderr looks like a protocol error, and the
-    server logged no traceback while the client ran.
+  * configures a throw-away HOME with `freetoken-agent configure CLIENT --write` (what a user runs)
+    and runs the CLI there, in a work directory with a README.md, with no environment variable of
+    its own: one turn, then the follow-up turn that continues the conversation;
+  * judges both turns: the client exits 0, every model request was answered 200, every SSE response
+    is well formed for its protocol, nothing on the client's output looks like a protocol error, the
+    server logged no traceback while the client ran, and the follow-up sent the first turn back.
 
 Writes `evals/clients/results.json` (or `--out`), `docs/clients.md` (`--markdown`), and with
 `--record` the sanitised first request(s) of each client to `tests/clients/recorded/{client}.json`.
@@ -41,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from evals.clients.agents import CLIENTS, NODE24, Client, client_version, clients_dir_default, installed
-from evals.clients.constants import API_KEY, DEFAULT_CLIENTS_DIR, MODEL, README, REPO, TASK
+from evals.clients.constants import API_KEY, DEFAULT_CLIENTS_DIR, FOLLOW_UP, MODEL, README, REPO, TASK
 from evals.clients.proxy import HOP_BY_HOP, Exchange, RecordingProxy
 from evals.clients.record import KEEP_HEADERS, recorded_requests, write_recording
 from evals.clients.report import EXTRA_NOTES, NOTES, write_markdown, write_results
@@ -53,13 +55,13 @@ from evals.clients.runner import (
     run_client,
     summarize_exchange,
 )
-from evals.clients.server import ACCESS, free_port, serve, server_log_window
+from evals.clients.server import ACCESS, KV_TOKENS, free_port, serve, server_log_window
 from evals.clients.sse import check_sse, parse_sse
 
 __all__ = [
-    "ACCESS", "API_KEY", "CLIENTS", "DEFAULT_CLIENTS_DIR", "EXTRA_NOTES", "HOP_BY_HOP", "KEEP_HEADERS",
-    "MODEL", "NODE24", "NOTES", "README", "REPO", "STDERR_BENIGN", "STDERR_ERRORS", "STDOUT_ERRORS",
-    "TASK", "Client", "Exchange", "RecordingProxy", "check_sse", "client_version", "clients_dir_default",
+    "ACCESS", "API_KEY", "CLIENTS", "DEFAULT_CLIENTS_DIR", "EXTRA_NOTES", "FOLLOW_UP", "HOP_BY_HOP",
+    "KEEP_HEADERS", "MODEL", "NODE24", "NOTES", "README", "REPO", "STDERR_BENIGN", "STDERR_ERRORS",
+    "STDOUT_ERRORS", "TASK", "Client", "Exchange", "RecordingProxy", "check_sse", "client_version", "clients_dir_default",
     "error_lines", "free_port", "installed", "main", "parse_sse", "recorded_requests", "run_client",
     "serve", "server_log_window", "summarize_exchange", "write_markdown", "write_recording",
     "write_results",
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model for the server: demo (default; its lm_head makes it end its turns), "
                          "demo, or a model directory")
     ap.add_argument("--max-output-tokens", type=int, default=512,
-                    help="the server's default output limit (used when a client sends none)")
+                    help="the output limit configure writes for each client, and the server's default")
     ap.add_argument("--out", type=Path, default=REPO / "evals" / "clients" / "results.json")
     ap.add_argument("--markdown", type=Path, default=REPO / "docs" / "clients.md")
     ap.add_argument("--no-markdown", action="store_true")
@@ -106,16 +108,19 @@ def main(argv: list[str] | None = None) -> int:
             assert server_log is not None
             upstream = stack.enter_context(serve(server_log, args.max_output_tokens, model=args.model))
             server_desc = (f"freetoken-agent serve --model {args.model} --served-model-name {MODEL} --log-level info "
-                           f"--max-output-tokens {args.max_output_tokens}")
+                           f"--max-output-tokens {args.max_output_tokens} --kv-tokens {KV_TOKENS}")
         proxy = RecordingProxy(upstream).start()
         stack.callback(proxy.stop)
         for name in names:
             c = CLIENTS[name]
             print(f"[clients] {name}: running ...", file=sys.stderr, flush=True)
-            r = run_client(c, proxy.url, proxy, server_log, clients_dir, args.timeout, keep=args.keep)
+            r = run_client(c, proxy.url, proxy, server_log, clients_dir, args.timeout, keep=args.keep,
+                           max_output_tokens=args.max_output_tokens)
             verdict = "PASS" if r.get("ok") else "FAIL"
-            print(f"[clients] {name}: {verdict} exit={r.get('exit_code')} {r.get('duration_s')}s "
-                  f"requests={r.get('n_requests')} {r.get('endpoints')}", file=sys.stderr, flush=True)
+            print(f"[clients] {name}: {verdict} " + " ".join(f"{t['turn']}={'ok' if t['ok'] else 'FAIL'}"
+                                                               for t in r.get("turns", [])) +
+                  f" {r.get('duration_s')}s requests={r.get('n_requests')} {r.get('endpoints')}",
+                  file=sys.stderr, flush=True)
             for p in r.get("problems", []):
                 print(f"[clients]   {p}", file=sys.stderr)
             if args.record and r.get("n_model_requests"):

@@ -1,19 +1,22 @@
 """Running one real client for one turn through the recording proxy, and judging the turn.
 
-Contract: `run_client(client, base, proxy, server_log, clients_dir, timeout, keep=False)` runs the
-CLI in a throw-away HOME and work dir against `base` (the proxy's URL) and returns a JSON-able result
-dict: `ok` is true when the client exited 0 in time, every model request was answered 200 with a
+Contract: `run_client(client, base, proxy, server_log, clients_dir, timeout, keep=False,
+max_output_tokens=512)` configures a throw-away HOME with `freetoken-agent configure CLIENT --write`
+against `base` (the proxy's URL; `evals.clients.home`), then runs the CLI there, in a work dir,
+with no environment variable of its own: one turn of `TASK`, then the follow-up turn of
+`FOLLOW_UP` that continues the same conversation. It returns a JSON-able result dict whose `turns`
+judge each run: `ok` when the client exited 0 in time, every model request was answered 200 with a
 well-formed SSE stream, it sent at least one request to its own API, neither its stderr nor stdout
-shows a protocol error, and the server logged no error meanwhile; `problems` lists what failed. The
-raw exchanges are under `_exchanges` (not JSON-able; the caller pops it). With `keep` the temp dir
-and the raw traffic are kept, else removed. A client that is not installed gives `ok=False` and a
-`reason`, without running anything.
+shows a protocol error and the server logged no error meanwhile; the follow-up must also send the
+first turn's task back (the conversation was continued, not restarted). The result's `ok` is both
+turns' and `problems` lists what failed. The raw exchanges are under `_exchanges` (not JSON-able;
+the caller pops it). With `keep` the temp dir and the raw traffic are kept, else removed. A client
+that is not installed gives `ok=False` and a `reason`, without running anything.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evals.clients.agents import NODE24, Client, client_version, installed
-from evals.clients.constants import README
+from evals.clients.agents import Client, client_version, installed
+from evals.clients.constants import FOLLOW_UP, README, TASK
+from evals.clients.home import client_env, configure_home
 from evals.clients.proxy import Exchange, RecordingProxy
 from evals.clients.server import ACCESS, server_log_window
 from evals.clients.sse import check_sse
@@ -69,8 +73,47 @@ def summarize_exchange(ex: Exchange) -> dict[str, Any]:
     return d
 
 
+def _judge(c: Client, exchanges: list[Exchange], server_text: str, rc: int | None, timed_out: bool,
+           timeout: float, stdout: str, stderr: str) -> list[str]:
+    """What went wrong in one turn (empty: it passed)."""
+    model_reqs = [e for e in exchanges if e.method == "POST" and e.path.split("?")[0].endswith(MODEL_SUFFIXES)]
+    problems: list[str] = []
+    for e in exchanges:
+        if e.error:
+            problems.append(f"{e.method} {e.path}: proxy: {e.error}")
+        if e in model_reqs and e.status != 200:
+            problems.append(f"{e.method} {e.path} answered {e.status}: {e.resp_body[:300]!r}")
+        if e.status == 200 and "text/event-stream" in e.content_type:
+            problems += [f"{e.method} {e.path}: {p}" for p in check_sse(e.path, e.resp_body)]
+    if re.search(r"Traceback|Exception in callback|ERROR:", server_text):
+        problems.append("server logged an error: " + " | ".join(
+            ln.strip() for ln in server_text.splitlines() if re.search(r"Error|Exception|Traceback", ln))[:600])
+    if timed_out:
+        problems.append(f"client timed out after {timeout:.0f}s")
+    elif rc != 0:
+        problems.append(f"client exited {rc}")
+    if not [e for e in model_reqs if e.path.split("?")[0].endswith(c.api.rsplit("/", 1)[-1])]:
+        problems.append(f"client sent no {c.api} request")
+    problems += [f"stderr: {ln}" for ln in error_lines(stderr, STDERR_ERRORS)]
+    problems += [f"stdout: {ln}" for ln in error_lines(stdout, STDOUT_ERRORS)]
+    return problems
+
+
+MODEL_SUFFIXES = ("/messages", "/chat/completions", "/responses", "/count_tokens")
+
+
+def _scrub(text: str, tmp: Path, clients_dir: Path) -> str:
+    return text.replace(str(tmp), "$TMP").replace(str(clients_dir), "$CLIENTS")
+
+
+def _carries(exchanges: list[Exchange], text: str) -> bool:
+    """Some model request of the turn holds `text` (the first turn's task) in its body."""
+    return any(text in e.req_body.decode("utf-8", "replace") for e in exchanges
+               if e.method == "POST" and e.path.split("?")[0].endswith(MODEL_SUFFIXES))
+
+
 def run_client(c: Client, base: str, proxy: RecordingProxy, server_log: Path | None, clients_dir: Path,
-               timeout: float, keep: bool = False) -> dict[str, Any]:
+               timeout: float, keep: bool = False, max_output_tokens: int = 512) -> dict[str, Any]:
     result: dict[str, Any] = {"client": c.name, "package": f"{c.package}@{c.version}",
                               "version": client_version(c, clients_dir), "api": c.api}
     if not installed(c.name, clients_dir):
@@ -81,82 +124,73 @@ def run_client(c: Client, base: str, proxy: RecordingProxy, server_log: Path | N
     home.mkdir()
     work.mkdir()
     (work / "README.md").write_text(README)
-    path = os.environ.get("PATH", "/usr/bin:/bin")
-    if c.needs_node24:
-        path = str(clients_dir / NODE24) + os.pathsep + path
-    env = {"PATH": path, "HOME": str(home), "USER": os.environ.get("USER", "user"), "LANG": "C.UTF-8",
-           "TERM": "dumb", "NO_COLOR": "1", "CI": "1", "TMPDIR": str(tmp),
-           "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
-           "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"),
-           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
-           }
-    cmd = [str(c.bin_path(clients_dir)), *c.prepare(c, home, work, base, env)]
-    result["command"] = " ".join(json.dumps(a) if " " in a else a for a in
-                                 [f"$CLIENTS/{c.name}/{c.binary}", *cmd[1:]]).replace(str(tmp), "$TMP")
-    result["env"] = {k: v.replace(str(tmp), "$TMP") for k, v in env.items()
-                     if k not in ("PATH", "HOME", "USER", "LANG", "TERM", "TMPDIR") and not k.startswith("XDG_")}
-    result["config_files"] = {str(f.relative_to(tmp)): f.read_text().replace(str(tmp), "$TMP").replace(base, "$BASE")
-                              for f in sorted(home.rglob("*")) if f.is_file()}
-    mark = proxy.mark()
-    log_start = server_log.stat().st_size if server_log and server_log.exists() else 0
-    t0 = time.monotonic()
-    timed_out = False
+    configure = (f"freetoken-agent configure {c.name} --write --base-url $BASE "
+                 f"--max-output-tokens {max_output_tokens}")
     try:
-        proc = subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=timeout)
-        rc: int | None = proc.returncode
-        out, err = proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        timed_out, rc = True, None
-        out, err = e.stdout or b"", e.stderr or b""
-    duration = time.monotonic() - t0
-    time.sleep(0.5)  # let the proxy finish recording the last response
-    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    exchanges = proxy.since(mark)
-    model_reqs = [e for e in exchanges if e.method == "POST" and e.path.split("?")[0].endswith(
-        ("/messages", "/chat/completions", "/responses", "/count_tokens"))]
-    problems: list[str] = []
-    for e in exchanges:
-        if e.error:
-            problems.append(f"{e.method} {e.path}: proxy: {e.error}")
-        if e in model_reqs and e.status != 200:
-            problems.append(f"{e.method} {e.path} answered {e.status}: {e.resp_body[:300]!r}")
-        if e.status == 200 and "text/event-stream" in e.content_type:
-            problems += [f"{e.method} {e.path}: {p}" for p in check_sse(e.path, e.resp_body)]
-    server_text = ""
-    if server_log:
-        server_text, _ = server_log_window(server_log, log_start)
-        if re.search(r"Traceback|Exception in callback|ERROR:", server_text):
-            problems.append("server logged an error: " + " | ".join(
-                ln.strip() for ln in server_text.splitlines()
-                if re.search(r"Error|Exception|Traceback", ln))[:600])
-    stderr_errors = error_lines(stderr, STDERR_ERRORS)
-    stdout_errors = error_lines(stdout, STDOUT_ERRORS)
-    if timed_out:
-        problems.append(f"client timed out after {timeout:.0f}s")
-    elif rc != 0:
-        problems.append(f"client exited {rc}")
-    if not [e for e in model_reqs if e.path.split("?")[0].endswith(c.api.rsplit("/", 1)[-1])]:
-        problems.append(f"client sent no {c.api} request")
-    problems += [f"stderr: {ln}" for ln in stderr_errors] + [f"stdout: {ln}" for ln in stdout_errors]
-    endpoints: dict[str, int] = {}
-    for e in exchanges:
-        key = f"{e.method} {e.path.split('?')[0]} {e.status}"
-        endpoints[key] = endpoints.get(key, 0) + 1
-    access = [f"{m} {p} {s}" for m, p, s in ACCESS.findall(server_text)]
+        written = configure_home(c.name, home, base, max_output_tokens)
+    except RuntimeError as failed:
+        result.update(ok=False, configure=configure, problems=[str(failed)])
+        shutil.rmtree(tmp, ignore_errors=True)
+        return result
+    env = client_env(c, home, tmp, clients_dir)
+    result["configure"] = configure
+    result["env"] = sorted(k for k in env)
+    result["config_files"] = {name: text.replace(str(tmp), "$TMP").replace(base, "$BASE")
+                              for name, text in written.items()}
+    turns: list[dict[str, Any]] = []
+    all_exchanges: list[Exchange] = []
+    for label, args in (("turn", c.turn(TASK)), ("follow-up", c.follow_up(FOLLOW_UP))):
+        cmd = [str(c.bin_path(clients_dir)), *args]
+        shown = " ".join(json.dumps(a) if " " in a else a for a in [c.binary.rsplit("/", 1)[-1], *args])
+        mark = proxy.mark()
+        log_start = server_log.stat().st_size if server_log and server_log.exists() else 0
+        t0 = time.monotonic()
+        timed_out = False
+        try:
+            proc = subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=timeout)
+            rc: int | None = proc.returncode
+            out, err = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as late:
+            timed_out, rc = True, None
+            out, err = late.stdout or b"", late.stderr or b""
+        duration = time.monotonic() - t0
+        time.sleep(0.5)  # let the proxy finish recording the last response
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        exchanges = proxy.since(mark)
+        server_text = server_log_window(server_log, log_start)[0] if server_log else ""
+        problems = _judge(c, exchanges, server_text, rc, timed_out, timeout, stdout, stderr)
+        if label == "follow-up" and not _carries(exchanges, TASK):
+            problems.append("the follow-up's requests do not carry the first turn (no continued conversation)")
+        endpoints: dict[str, int] = {}
+        for e in exchanges:
+            key = f"{e.method} {e.path.split('?')[0]} {e.status}"
+            endpoints[key] = endpoints.get(key, 0) + 1
+        turns.append({
+            "turn": label, "command": shown, "ok": not problems, "exit_code": rc, "timed_out": timed_out,
+            "duration_s": round(duration, 1), "n_requests": len(exchanges),
+            "n_model_requests": sum(1 for e in exchanges if e.method == "POST"
+                                    and e.path.split("?")[0].endswith(MODEL_SUFFIXES)),
+            "endpoints": endpoints, "server_access_log": [f"{m} {p} {s}" for m, p, s in ACCESS.findall(server_text)],
+            "requests": [summarize_exchange(e) for e in exchanges], "problems": problems,
+            "stderr_head": _scrub(stderr[:500], tmp, clients_dir), "stdout_head": _scrub(stdout[:500], tmp, clients_dir),
+        })
+        all_exchanges += exchanges
+        if keep:  # the raw traffic, for debugging
+            (tmp / f"{label}-stdout.txt").write_bytes(out)
+            (tmp / f"{label}-stderr.txt").write_bytes(err)
     result.update(
-        ok=not problems, exit_code=rc, timed_out=timed_out, duration_s=round(duration, 1),
-        n_requests=len(exchanges), n_model_requests=len(model_reqs), endpoints=endpoints,
-        server_access_log=access, requests=[summarize_exchange(e) for e in exchanges],
-        problems=problems, stderr_head=stderr[:500], stdout_head=stdout[:500], workdir=str(tmp),
+        ok=all(t["ok"] for t in turns), turns=turns, problems=[f"{t['turn']}: {p}" for t in turns for p in t["problems"]],
+        exit_code=turns[-1]["exit_code"], duration_s=round(sum(t["duration_s"] for t in turns), 1),
+        n_requests=sum(t["n_requests"] for t in turns), n_model_requests=sum(t["n_model_requests"] for t in turns),
+        endpoints={k: sum(t["endpoints"].get(k, 0) for t in turns) for t in turns for k in t["endpoints"]},
+        workdir=str(tmp),
     )
-    result["_exchanges"] = exchanges
-    if keep:  # the raw traffic, for debugging
+    result["_exchanges"] = all_exchanges
+    if keep:
         dump = tmp / "exchanges"
         dump.mkdir()
-        (tmp / "stdout.txt").write_bytes(out)
-        (tmp / "stderr.txt").write_bytes(err)
-        for i, e in enumerate(exchanges):
+        for i, e in enumerate(all_exchanges):
             (dump / f"{i:03d}-request.json").write_bytes(e.req_body)
             (dump / f"{i:03d}-response.txt").write_bytes(
                 f"{e.status} {e.method} {e.path}\n{json.dumps(e.resp_headers)}\n\n".encode() + e.resp_body)

@@ -24,6 +24,9 @@ from pathlib import Path
 
 from evals.clients.constants import MODEL, REPO
 
+# the demo holds 131072 positions; a KV pool that size serves the context window Claude Code needs
+KV_TOKENS = 131072
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,10 +40,11 @@ def serve(log_path: Path, max_output_tokens: int = 64, port: int | None = None, 
     """Start `freetoken-agent serve` with an access log; yield its base URL.
 
     `model` is a model directory or `demo` (whose lm_head makes it end its turns, see
-    `freetoken_agent.demo.STOP_GAIN`).
+    `freetoken_agent.demo.STOP_GAIN`); the KV pool holds `KV_TOKENS`, the context window served.
     """
     with serve_with(["--model", model, "--served-model-name", MODEL, "--log-level", "info",
-                     "--max-output-tokens", str(max_output_tokens)], log_path, port, startup_timeout) as url:
+                     "--max-output-tokens", str(max_output_tokens), "--kv-tokens", str(KV_TOKENS)],
+                    log_path, port, startup_timeout) as url:
         yield url
 
 

@@ -71,7 +71,7 @@ def check_sse(path: str, raw: bytes) -> list[str]:
         open_blocks: set[int] = set()
         for p in payloads:
             t, i = p.get("type"), p.get("index")
-            if t == "content_block_start":
+            if t == "content_block_start" and isinstance(i, int):
                 open_blocks.add(i)
             elif t == "content_block_delta" and i not in open_blocks:
                 problems.append(f"delta for block {i} that is not open")
@@ -101,7 +101,7 @@ def check_sse(path: str, raw: bytes) -> list[str]:
             problems.append(f"last event is {types[-1:]}, not response.completed/incomplete")
         if "response.failed" in types:
             problems.append("response.failed")
-        seqs = [p.get("sequence_number") for p in payloads if "sequence_number" in p]
+        seqs = [int(p["sequence_number"]) for p in payloads if isinstance(p.get("sequence_number"), int)]
         if seqs and seqs != sorted(seqs):
             problems.append("sequence_number not increasing")
     return problems

@@ -6,7 +6,7 @@ session saw "the host-issued copies did not land within 5000 ms" at a layer task
 in the serial engine (split, sampled: tokens [24, 23, 23], the first pass after the batch shrank
 3 -> 2), not with one request (the capped engine tests). The twelfth session confirmed the cause:
 "split, serial, no first-run settle" (FREETOKEN_SETTLE_FIRST_RUN=0) hangs, every other setting
-finishes (docs/data/h200-2026-12-01-session12/results.md).
+finishes (docs/history/data/h200-2026-12-01-session12/results.md).
 
 Usage: python -m evals.gpu.overlap_probe [--only REGEX] [--timeout-s 60] [--device cpu (a dry run)]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Both systems in one GPU-machine call (../shared/BENCHMARKS.md): llama.cpp (experts in pinned host
+# Both systems in one GPU-machine call (docs/benchmarks.md): llama.cpp (experts in pinned host
 # memory, -ncmoe tuned to each cap) and freetoken-agent (the same shape with random weights, the
 # paired GPU cap, the same 8 threads), decode and prefill.
 # Prerequisites: evals/peer/README.md step 1 (the exported llama-bench in .peer/export); carry

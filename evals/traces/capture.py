@@ -33,6 +33,7 @@ from typing import Any
 
 from evals.clients.agents import CLIENTS, NODE24, Client, client_version, clients_dir_default, installed
 from evals.clients.constants import API_KEY, MODEL, REPO
+from evals.clients.home import configure_home
 from evals.clients.server import serve
 from evals.traces.sanitise import Sanitiser
 from evals.traces.script import BIG_FILES, TASK_FILES, Script, big_file, prompts
@@ -48,37 +49,31 @@ def trace_path(client: str, variant: str | None) -> Path:
 
 
 def configure(c: Client, home: Path, work: Path, base: str, env: dict[str, str], variant: str | None) -> None:
-    """The client's config from `evals.clients.agents`, adjusted for a multi-turn scripted task."""
-    c.prepare(c, home, work, base, env)
-    if c.name == "claude-code":
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "4096"
-    elif c.name == "opencode":
+    """The client's config as `freetoken-agent configure --write` writes it, adjusted for a multi-turn
+    scripted task (a 131072-token window, 4096 output tokens, the variant's pruning)."""
+    configure_home(c.name, home, base, 4096, context_window=131072)
+    if c.name == "opencode":
         path = home / ".config" / "opencode" / "opencode.json"
         cfg = json.loads(path.read_text())
-        model = cfg["provider"]["local"]["models"][MODEL]
-        model["limit"] = {"context": 131072, "output": 4096}
         if variant:  # opt-in pruning of old tool outputs (1.18.33 default: off)
             cfg["compaction"] = {"prune": True, "auto": False}
         path.write_text(json.dumps(cfg, indent=2))
     elif c.name == "openclaw":
         path = home / ".openclaw" / "openclaw.json"
         cfg = json.loads(path.read_text())
-        model = cfg["models"]["providers"]["local"]["models"][0]
-        model["maxTokens"] = 4096
+        cfg["agents"]["defaults"].update(workspace=str(work), skipBootstrap=True)
+        model = cfg["models"]["providers"]["freetoken"]["models"][0]
         if variant:
             # cache-ttl pruning runs only on cache-TTL-eligible routes (isCacheTtlEligibleProvider:
             # Anthropic-family, i.e. api "anthropic-messages" for a custom provider), so this
             # variant talks Anthropic Messages to the same server. 350k characters of logs against
             # a 200k-token window (x4 characters) is 44%: over the 30% at which soft-trim rounds run.
-            provider = cfg["models"]["providers"]["local"]
+            provider = cfg["models"]["providers"]["freetoken"]
             provider["api"] = "anthropic-messages"
             provider["baseUrl"] = base  # the Anthropic SDK appends /v1/messages
             model["contextWindow"] = 200000
             cfg["agents"]["defaults"]["contextPruning"] = {"mode": "cache-ttl", "ttl": "1s"}
         path.write_text(json.dumps(cfg, indent=2))
-    elif c.name == "codex":
-        cfg = home / ".codex" / "config.toml"
-        cfg.write_text(cfg.read_text().replace("model_context_window = 32768", "model_context_window = 131072"))
 
 
 def turn_args(c: Client, turn: int, prompt: str, work: Path, home: Path) -> list[str]:

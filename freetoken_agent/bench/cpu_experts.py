@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
 
@@ -42,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bank-gb", type=float, default=0.0,
                    help="bank size in GB (default: min(4, a quarter of available memory))")
     p.add_argument("--seconds", type=float, default=1.0, help="time per case per round")
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds per case; the best is kept")
     p.add_argument("--no-torch", action="store_true", help="skip the torch case")
     p.add_argument("--json", action="store_true", help="print JSON: one object, or a list for several configurations")
 
@@ -71,6 +69,8 @@ def _timed(fn: Callable[[], None], seconds: float) -> float:
 
 
 def _python_overhead_us(ft: Any) -> float:
+    import torch
+
     from native.formats import ExpertWeights
 
     ew = ExpertWeights("f32", torch.full((1, 64, 32), 0.01), torch.full((1, 32, 32), 0.01))
@@ -85,6 +85,8 @@ def _python_overhead_us(ft: Any) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.moe.native import load_native
 
     ft = load_native()

@@ -1,5 +1,5 @@
 """`freetoken-agent bench decode`: batch-1 greedy decode speed of the engine on dummy (random)
-weights of a real shape, with the expert cache's hit rate and the bound of ../shared/BENCHMARKS.md.
+weights of a real shape, with the expert cache's hit rate and the bound of docs/benchmarks.md.
 
 Method:
 - model: engine/weights/dummy.py (fixed seed; random routers route almost uniformly, the worst
@@ -58,10 +58,7 @@ import argparse
 import json
 from typing import Any
 
-import torch
-
 from engine.errors import ConfigError
-from engine.moe.base import ExpertExecutor
 from freetoken_agent.argtypes import non_negative_float, positive_int
 from freetoken_agent.bench.model_bench import (
     ModelBench,
@@ -78,17 +75,14 @@ from freetoken_agent.bench.model_bench import (
 WARMUP_TOKENS = 16
 
 
-class ZeroExperts(ExpertExecutor):
-    """An expert executor that skips the routed experts: their sum is zero."""
+def __getattr__(name: str) -> Any:
+    """`ZeroExperts` lives in `zero_experts.py`: it subclasses the engine's executor (torch), which
+    defining the command's parser must not import."""
+    if name == "ZeroExperts":
+        from freetoken_agent.bench.zero_experts import ZeroExperts
 
-    def capturable(self, tokens: int) -> bool:
-        return True  # no host reads: decode passes keep running through CUDA graphs
-
-    def describe(self) -> str:
-        return "zero (routed experts skipped)"
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, moe_index: int) -> torch.Tensor:
-        return torch.zeros_like(x)
+        return ZeroExperts
+    raise AttributeError(name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -158,6 +152,8 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
     # the share of timed passes queued before the previous pass's tokens were read (engine/decode_pipeline.py)
     overlapped = (bench.engine.scheduler.staged_passes - staged_before) / sum(t.tokens - 1 for t in timings)
     real = bench.engine.decoder.executor
+    from freetoken_agent.bench.zero_experts import ZeroExperts
+
     bench.engine.decoder.executor = ZeroExperts()
     dense = []
     try:  # as many repetitions as the real runs: one dense run read up to 1 ms apart between runs (H200)

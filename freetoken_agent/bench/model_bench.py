@@ -36,14 +36,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
-from engine.moe.base import CacheStats, ExpertExecutor
 from engine.weights.shapes import MODEL_SHAPES, SHAPES
 from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
+
+if TYPE_CHECKING:  # the engine (torch) is imported when a bench runs, not to define its parser
+    from engine.moe.base import CacheStats, ExpertExecutor
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +108,8 @@ def median(values: list[float]) -> float:
 
 class ModelBench:
     def __init__(self, args: argparse.Namespace, kv_tokens: int, prefill_chunk: int) -> None:
+        import torch
+
         from engine.engine import Engine
         from engine.model.load import parse_dtype
         from engine.options import EngineOptions
@@ -190,6 +192,8 @@ class ModelBench:
             self.executor.table.reset()
 
     def random_prompt(self, n: int, index: int) -> list[int]:
+        import torch
+
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
         return torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
 
@@ -264,6 +268,8 @@ class ModelBench:
         return cal.b_pcie_contended + cal.b_cpu_contended, "B_P' + B_C' (contended)"
 
     def facts(self) -> dict[str, Any]:
+        import torch
+
         from engine.gpu.budget import dense_bytes
 
         cuda = self.device.type == "cuda"
@@ -305,6 +311,8 @@ def _cpu_model() -> str:
 
 def _cpu_threads(requested: int) -> int:
     """The CPU expert executor's pool size (the native one when built), else torch's threads."""
+    import torch
+
     try:
         from engine.moe.native import load_native
 

@@ -1,6 +1,6 @@
 """`freetoken-agent bench prefill`: time to first token and prefill tok/s of the engine on dummy
 (random) weights of a real shape, cold, for several prompt lengths, against the bound of
-../shared/BENCHMARKS.md.
+docs/benchmarks.md.
 
 Method:
 - model: engine/weights/dummy.py (fixed seed, random routers); prompts are fresh random ids;

@@ -1,5 +1,4 @@
-"""Small, dependency-free helpers for writing coding-agent client configuration files.
-
-`json5.loads` reads JSON5/JSONC (OpenClaw's and OpenCode's config syntax); `toml_writer.dumps`
-writes the TOML that `tomllib` reads (Codex's `config.toml`). `freetoken_agent.configure` uses both.
+"""Each coding-agent client's configuration: where it lives (`claude_code`, `opencode`, `openclaw`,
+`codex`), the server it points at (`target`), and reading, merging and rewriting its file (`files`,
+through the `json5` and `tomlkit` libraries). `freetoken_agent.configure` is the public API.
 """

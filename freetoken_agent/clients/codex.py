@@ -2,25 +2,28 @@
 
 Contract: `default_path()` is `$CODEX_HOME/config.toml` or `~/.codex/config.toml`.
 `fragment(target)` is the part of that TOML file this server owns: provider `freetoken` with
-`wire_api = "responses"` at `/v1`, reading its key from `$FREETOKEN_API_KEY`, as the default model
-and provider, with the context window. `exports(target)` is the `export` of that key, which Codex
-reads from the environment. `FORMAT`, `HEADER`, `EXPORT_HEADER` and `NEXT_STEP` are what
-`freetoken_agent.configure` prints around them.
+`wire_api = "responses"` at `/v1` as the default model and provider, with the context window; the
+update check at start and analytics off. It names no environment variable, so Codex runs with
+the file alone: without an API key it sends none (the server has none), with one the key is the
+provider's `experimental_bearer_token` (the file is private, mode 0600, as the other clients'
+files holding a key are). `exports` is empty. `FORMAT`, `HEADER`, `EXPORT_HEADER` and `NEXT_STEP`
+are what `freetoken_agent.configure` prints around them.
 """
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
 from freetoken_agent.clients.files import ConfigFormat, env_dir, home
-from freetoken_agent.clients.target import CODEX_API_KEY_ENV, PROVIDER_ID, PROVIDER_NAME, ClientTarget
+from freetoken_agent.clients.target import PROVIDER_ID, PROVIDER_NAME, ClientTarget
 
 FORMAT: ConfigFormat = "toml"
 HEADER = "# Codex: merge this into {path} (or run again with --write)"
-EXPORT_HEADER: str | None = f"# Codex reads the API key from ${CODEX_API_KEY_ENV}; set it where codex runs:"
-NEXT_STEP = "set the key in the shell that runs codex:"
+EXPORTS_AFTER_WRITE = False  # print the export lines after --write too
+EXPORT_HEADER: str | None = None
+NEXT_STEP = ("start `codex` in your project (model {model}, provider freetoken). One turn: `codex exec \"TASK\"`; "
+             "the follow-up: `codex exec resume --last \"NEXT\"`")
 
 
 def default_path() -> Path:
@@ -28,18 +31,18 @@ def default_path() -> Path:
 
 
 def fragment(t: ClientTarget) -> dict[str, Any]:
+    provider: dict[str, Any] = {"name": PROVIDER_NAME, "base_url": t.openai_base_url, "wire_api": "responses"}
+    if t.api_key is not None:
+        provider["experimental_bearer_token"] = t.api_key
     return {
         "model": t.model,
         "model_provider": PROVIDER_ID,
         "model_context_window": t.context_window,
-        "model_providers": {PROVIDER_ID: {
-            "name": PROVIDER_NAME,
-            "base_url": t.openai_base_url,
-            "env_key": CODEX_API_KEY_ENV,
-            "wire_api": "responses",
-        }},
+        "check_for_update_on_startup": False,
+        "analytics": {"enabled": False},
+        "model_providers": {PROVIDER_ID: provider},
     }
 
 
 def exports(t: ClientTarget) -> list[str]:
-    return [f"export {CODEX_API_KEY_ENV}={shlex.quote(t.key)}"]
+    return []

@@ -3,11 +3,14 @@
 Contract:
 - `ConfigError` (a `ValueError`): a config file cannot be read, parsed or merged; its one-line
   message names the file.
-- `dump(fmt, data)` renders a document (JSON with 2-space indent, or TOML); `parse(fmt, text,
-  file, notes)` reads one (JSON, falling back to JSON5, or TOML), appending to `notes` what a
-  rewrite will lose (comments), and raises `ConfigError` for bad syntax or a non-object top level.
+- `dump(fmt, data)` renders a document (JSON with 2-space indent, or TOML through `tomlkit`);
+  `parse(fmt, text, file, notes)` reads one (JSON, falling back to JSON5 through the `json5`
+  library, or TOML through `tomlkit`, whose document keeps the user's comments and layout when it
+  is written back), appending to `notes` what a rewrite will lose (a JSON5 file's comments), and
+  raises `ConfigError` for bad syntax or a non-object top level.
 - `merge(into, ours, file)` sets `ours` in `into` in place: objects key by key, lists of
-  `{"id": ...}` objects entry by entry, anything else replaced; an existing `models.mode` is kept
+  `{"id": ...}` objects entry by entry, anything else replaced (a value already equal is left as
+  it is, so its formatting and comments stay); an existing `models.mode` is kept
   and OpenClaw's string `agents.defaults.model` is widened to `{"primary": ...}`. A non-object (or
   non-list) where ours must go raises `ConfigError`.
 - `read_text(path, name)` reads an existing file as UTF-8 (BOM allowed) and returns `(bytes, text)`
@@ -22,13 +25,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
-
-from freetoken_agent.clients import json5, toml_writer
 
 ConfigFormat = Literal["json", "json5", "toml"]
 
@@ -48,7 +49,9 @@ def env_dir(name: str) -> Path | None:
 
 def dump(fmt: ConfigFormat, data: dict[str, Any]) -> str:
     if fmt == "toml":
-        return toml_writer.dumps(data)
+        import tomlkit
+
+        return tomlkit.dumps(data)
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -65,14 +68,34 @@ def _kind(value: Any) -> str:
             type(None): "null"}.get(type(value), "a number")
 
 
+def _add(into: dict[str, Any], key: str, value: Any) -> None:
+    """`into[key] = value` for a new key; in a TOML table, before the comments and blank lines that end
+    it, which belong to the next table (a comment above `[profiles.fast]` stays above it)."""
+    table: Any = into
+    body = getattr(getattr(table, "value", None), "body", None)
+    if type(table).__name__ != "Table" or not isinstance(body, list) or not hasattr(table.value, "_insert_at"):
+        into[key] = value
+        return
+    import tomlkit
+    from tomlkit.items import Comment, Whitespace
+
+    at = len(body)
+    while at and body[at - 1][0] is None and isinstance(body[at - 1][1], Comment | Whitespace):
+        at -= 1
+    if at == len(body):
+        into[key] = value
+    else:
+        table.value._insert_at(at, key, tomlkit.item(value))
+
+
 def merge(into: dict[str, Any], ours: dict[str, Any], file: Path, keys: tuple[str, ...] = ()) -> None:
     """Set `ours` in `into` (in place): objects are merged key by key, lists of `{"id": ...}`
     objects entry by entry (matched on `id`), anything else is replaced."""
     for key, value in ours.items():
         at = (*keys, key)
         if key not in into:
-            into[key] = copy.deepcopy(value)
-        elif at in _KEEP_EXISTING:
+            _add(into, key, copy.deepcopy(value))
+        elif at in _KEEP_EXISTING or (not isinstance(value, dict | list) and into[key] == value):
             continue
         elif isinstance(value, dict):
             old = into[key]
@@ -99,22 +122,26 @@ def merge(into: dict[str, Any], ours: dict[str, Any], file: Path, keys: tuple[st
 
 def parse(fmt: ConfigFormat, text: str, file: Path, notes: list[str]) -> dict[str, Any]:
     if fmt == "toml":
+        import tomlkit
+        from tomlkit.exceptions import ParseError
+
         try:
-            data: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
+            data: Any = tomlkit.parse(text)
+        except ParseError as e:
             raise ConfigError(f"{file}: not valid TOML ({e}); the file is unchanged") from None
-        if any(line.lstrip().startswith("#") for line in text.splitlines()):
-            notes.append(f"{file}: its comments were not carried over (the backup keeps them)")
         return data
     if not text.strip():
         return {}
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
+        import json5
+
         try:
             data = json5.loads(text)
-        except json5.Json5Error as e:
-            raise ConfigError(f"{file}: not valid JSON ({e}); the file is unchanged") from None
+        except ValueError as e:  # "<string>:LINE Unexpected ... at column N"
+            reason = re.sub(r"^<string>:(\d+) ", r"line \1: ", str(e))
+            raise ConfigError(f"{file}: not valid JSON ({reason}); the file is unchanged") from None
         notes.append(f"{file}: comments and JSON5 syntax were rewritten as plain JSON "
                      "(the backup keeps the original)")
     if not isinstance(data, dict):

@@ -4,7 +4,10 @@ Contract: `default_path()` is `$XDG_CONFIG_HOME/opencode/opencode.json` (an abso
 `$XDG_CONFIG_HOME` only) or `~/.config/opencode/opencode.json`; an existing `opencode.jsonc` there
 is used instead when there is no `opencode.json`. `fragment(target)` is the part of that file this
 server owns: provider `freetoken` through `@ai-sdk/openai-compatible` (Chat Completions at `/v1`)
-and it as the default and small model. `exports` is empty. `FORMAT`, `HEADER`, `EXPORT_HEADER` and
+and it as the default and small model; auto-update and session sharing off. OpenCode's fetch of
+its model list (models.dev) has no setting in the file, only the environment variable
+`OPENCODE_DISABLE_MODELS_FETCH`: `exports(target)` is that `export` line (optional; without it
+OpenCode logs the failed fetch and carries on). `FORMAT`, `HEADER`, `EXPORT_HEADER` and
 `NEXT_STEP` are what `freetoken_agent.configure` prints around them.
 """
 
@@ -24,8 +27,11 @@ from freetoken_agent.clients.target import (
 
 FORMAT: ConfigFormat = "json"
 HEADER = "# OpenCode: merge this into {path} (or run again with --write)"
-EXPORT_HEADER: str | None = None
-NEXT_STEP = f"start `opencode`; the model is {PROVIDER_ID}/{{model}}"
+EXPORTS_AFTER_WRITE = True  # print the export lines after --write too
+EXPORT_HEADER: str | None = ("# OpenCode also fetches its model list from the network at start; only the environment "
+                              "turns that off:")
+NEXT_STEP = (f"start `opencode` in your project (model {PROVIDER_ID}/{{model}}). One turn: `opencode run \"TASK\"`; "
+             "the follow-up: `opencode run --continue \"NEXT\"`")
 
 
 def default_path() -> Path:
@@ -53,8 +59,10 @@ def fragment(t: ClientTarget) -> dict[str, Any]:
         }},
         "model": f"{PROVIDER_ID}/{t.model}",
         "small_model": f"{PROVIDER_ID}/{t.model}",
+        "autoupdate": False,
+        "share": "disabled",
     }
 
 
 def exports(t: ClientTarget) -> list[str]:
-    return []
+    return ["export OPENCODE_DISABLE_MODELS_FETCH=1"]

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 PROVIDER_ID = "freetoken"
 PROVIDER_NAME = "FreeToken (local)"
 PLACEHOLDER_API_KEY = "freetoken"  # sent when no key is configured; the local server ignores it
-CODEX_API_KEY_ENV = "FREETOKEN_API_KEY"
 REQUEST_TIMEOUT_MS = 3_000_000  # 50 min for a whole request: long prefills of large contexts
 CHUNK_TIMEOUT_MS = 600_000  # 10 min between streamed chunks
 

@@ -134,3 +134,14 @@ def test_check_sse_catches_broken_streams() -> None:
     assert rc.check_sse("/v1/messages", good.replace(b'{"type":"message_delta"}', b"{oops")) != []
     assert rc.check_sse("/v1/chat/completions", b'data: {"object":"chat.completion.chunk","choices":[]}\n\n')
     assert rc.check_sse("/v1/responses", b'event: response.created\ndata: {"type":"response.created"}\n\n')
+
+
+def test_server_banner_names_the_device_auto_chose(server: tuple[str, Path]) -> None:
+    """`serve` without --device picks it (`auto`) and says which in its first line."""
+    import torch
+
+    _, log = server
+    banner = next(line for line in log.read_text(errors="replace").splitlines() if "serving" in line)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"{expected}, chosen by --device auto" in banner, banner
+    assert "context 131072 tokens" in banner, banner

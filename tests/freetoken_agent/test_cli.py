@@ -73,7 +73,7 @@ def test_generate_default_demo_uses_cached_copy(cache: Path) -> None:
     proc = run_cli("generate", "--prompt", "hello", "--max-tokens", "4", "--output-ids", cache=cache)
     assert proc.returncode == 0, proc.stderr
     assert 1 <= len(json.loads(proc.stdout.strip().splitlines()[-1])) <= 4
-    assert (cache / "demo-qwen3_5_moe-v2" / "config.json").exists()
+    assert (cache / "demo-qwen3_5_moe-v3" / "config.json").exists()
 
 
 def test_sampling_is_seeded(demo: Path, cache: Path) -> None:
@@ -160,3 +160,32 @@ def test_missing_config_field(demo: Path, cache: Path, tmp_path: Path) -> None:
 def test_bad_arguments(demo: Path, cache: Path, args: tuple[str, ...], needle: str) -> None:
     model = () if "--model" in args else ("--model", str(demo))
     _assert_one_line_error(run_cli("generate", *model, *args, cache=cache), needle)
+
+
+def test_generate_renders_like_the_server(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the chat template, the reply is split as the server splits it: the think block on
+    stderr after `thinking:`, the answer on stdout, and no control token printed anywhere."""
+    from adapters.parsers import ContentDelta, ReasoningDelta, create_parser, merge_events
+    from freetoken_agent.models import resolve_model
+    from freetoken_agent.tokenizer import ChatTokenizer
+
+    proc = run_cli("generate", "--prompt", "hello there", "--max-tokens", "48", "--output-ids", "--device", "cpu",
+                   cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    *text, last = proc.stdout.rstrip("\n").split("\n")
+    ids = json.loads(last)
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(cache))
+    tok = ChatTokenizer.from_dir(resolve_model("demo"))
+    assert tok.token_to_id("</think>") in ids  # the demo closes its reasoning within 48 tokens
+    parser = create_parser("qwen3_5", None, starts_in_reasoning=True)
+    events = merge_events(parser.feed(tok.decode(ids, skip_special_tokens=True)) + parser.finish())
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert "\n".join(text) == content
+    if reasoning:  # (the demo often closes its think block at once: then nothing goes to stderr)
+        assert f"thinking: {reasoning}\n" in proc.stderr
+    else:
+        assert "thinking:" not in proc.stderr
+    for control in ("<|im_end|>", "</think>", "<think>", "<|endoftext|>"):
+        assert control not in proc.stdout and control not in proc.stderr
+    assert "device: cpu" in proc.stderr

@@ -4,28 +4,31 @@ Checks the exact keys each client needs (parsed back with `json`/`tomllib`), tha
 every unrelated setting of an existing file and backs the old file up byte for byte, that a second
 write changes nothing and duplicates nothing, that an unreadable file is reported in one line and
 left untouched, and the command end to end in a subprocess (HOME pointed at a temporary folder).
-Also the two helpers: the TOML writer round-trips through `tomllib`, the JSON5 reader agrees
-with `json` on JSON and reads comments, trailing commas and unquoted keys.
+Also: a TOML file keeps its comments through a write (tomlkit), JSON5 files are read with the
+`json5` library, Claude Code is refused a context window it would not honour, Codex's file needs no
+environment variable, and the model, context window and output limit come from the running server
+(a stand-in on loopback) when not given.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
 import stat
 import subprocess
 import sys
+import threading
 import tomllib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from freetoken_agent.clients import json5, toml_writer
 from freetoken_agent.configure import (
     CLIENTS,
     ClientTarget,
@@ -80,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(*argv: str) -> int:
-    args = _parser().parse_args(["configure", *argv])
+def _run(*argv: str, offline: bool = True) -> int:
+    args = _parser().parse_args(["configure", *argv, *(["--offline"] if offline else [])])
     assert args.func is run_configure
     return args.func(args)
 
@@ -99,6 +102,7 @@ CLAUDE_ENV = {
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     "DISABLE_TELEMETRY": "1",
     "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_ERROR_REPORTING": "1",
     "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     "API_TIMEOUT_MS": "3000000",
     "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16384",
@@ -116,6 +120,8 @@ OPENCODE = {
     }},
     "model": "freetoken/qwen3-moe",
     "small_model": "freetoken/qwen3-moe",
+    "autoupdate": False,
+    "share": "disabled",
 }
 OPENCLAW = {
     "models": {"mode": "merge", "providers": {"freetoken": {
@@ -124,13 +130,17 @@ OPENCLAW = {
                     "contextWindow": 131072, "maxTokens": 16384}],
     }}},
     "agents": {"defaults": {"model": {"primary": "freetoken/qwen3-moe"}}},
+    "update": {"checkOnStart": False},
+    "telemetry": {"enabled": False},
 }
 CODEX = {
     "model": "qwen3-moe",
     "model_provider": "freetoken",
     "model_context_window": 131072,
+    "check_for_update_on_startup": False,
+    "analytics": {"enabled": False},
     "model_providers": {"freetoken": {"name": "FreeToken (local)", "base_url": "http://10.0.0.5:9000/v1",
-                                      "env_key": "FREETOKEN_API_KEY", "wire_api": "responses"}},
+                                      "wire_api": "responses", "experimental_bearer_token": "sk-local"}},
 }
 
 
@@ -147,7 +157,7 @@ def test_opencode_prints_a_provider_with_limits_and_reasoning(home: Path) -> Non
     path, fmt, text = render_config("opencode", TARGET)
     assert (path, fmt) == (home / ".config" / "opencode" / "opencode.json", "json")
     assert _document(fmt, text) == OPENCODE
-    assert _exports(text) == {}
+    assert _exports(text) == {"OPENCODE_DISABLE_MODELS_FETCH": "1"}  # its file cannot say it
 
 
 def test_openclaw_prints_a_merge_mode_provider_and_the_primary_model(home: Path) -> None:
@@ -156,18 +166,32 @@ def test_openclaw_prints_a_merge_mode_provider_and_the_primary_model(home: Path)
     assert _document(fmt, text) == OPENCLAW
 
 
-def test_codex_prints_a_responses_provider_and_the_key_export(home: Path) -> None:
+def test_codex_prints_a_responses_provider_that_needs_no_environment(home: Path) -> None:
     path, fmt, text = render_config("codex", TARGET)
     assert (path, fmt) == (home / ".codex" / "config.toml", "toml")
     assert _document(fmt, text) == CODEX
-    assert _exports(text) == {"FREETOKEN_API_KEY": "sk-local"}
+    assert _exports(text) == {}
+    keyless = _document(fmt, render_config("codex", ClientTarget(base_url="http://h:1", model="m"))[2])
+    assert keyless["model_providers"]["freetoken"] == {"name": "FreeToken (local)", "base_url": "http://h:1/v1",
+                                                       "wire_api": "responses"}  # no env_key, no key
+
+
+def test_claude_code_is_refused_a_window_it_would_not_honour(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="at least 100000 tokens"):
+        render_config("claude-code", ClientTarget(context_window=32768))
+    assert _run("claude-code", "--context-window", "65536", "--write") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Claude Code needs a context window of at least 100000") and err.count("\n") == 1
+    assert "--kv-tokens" in err and not (home / ".claude").exists()
+    env = _document("json", render_config("claude-code", ClientTarget(context_window=100000))[2])["env"]
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "100000"
 
 
 def test_defaults_placeholder_key_and_url_normalisation(home: Path) -> None:
     target = ClientTarget()
     assert (target.base_url, target.model, target.context_window, target.max_output_tokens) == (
         "http://127.0.0.1:8000", "freetoken-demo", 32768, 8192)
-    env = _document("json", render_config("claude-code", target)[2])["env"]
+    env = _document("json", render_config("claude-code", ClientTarget(context_window=131072))[2])["env"]
     assert env["ANTHROPIC_AUTH_TOKEN"] == "freetoken" and env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8000"
     for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
         assert ClientTarget(base_url=url).base_url == "http://h:1"
@@ -210,10 +234,10 @@ EXISTING: dict[str, str] = {
         "ollama": {"baseUrl": "http://127.0.0.1:11434", "models": [{"id": "llama3"}]},
         "freetoken": {"models": [{"id": "qwen3-moe", "compat": {"supportsPromptCacheKey": True}}]}}},
         "agents": {"defaults": {"workspace": "~/w", "model": {"fallbacks": ["ollama/llama3"]}}}}),
-    "codex": ('# my codex settings\napproval_policy = "never"\nmodel = "gpt-5"\n\n'
+    "codex": ('# my codex settings\napproval_policy = "never"  # ask me never\nmodel = "gpt-5"\n\n'
               '[model_providers.other]\nname = "Other"\nbase_url = "http://o/v1"\n\n'
               '[model_providers.freetoken]\nhttp_headers = { "X-Team" = "a" }\n\n'
-              '[profiles.fast]\nmodel = "gpt-5-mini"\n\n[[hooks]]\ncmd = ["a", "b"]\n'),
+              '# my fast profile\n[profiles.fast]\nmodel = "gpt-5-mini"\n\n[[hooks]]\ncmd = ["a", "b"]\n'),
 }
 
 
@@ -230,6 +254,7 @@ def _expected_after_merge(client: str) -> dict[str, Any]:
         ours = OPENCODE["provider"]["freetoken"]
         return {"$schema": "https://opencode.ai/config.json", "theme": "tokyonight",
                 "model": "freetoken/qwen3-moe", "small_model": "freetoken/qwen3-moe",
+                "autoupdate": False, "share": "disabled",
                 "provider": {"ollama": {"npm": "@ai-sdk/openai-compatible", "models": {"llama3": {}}},
                              "freetoken": {**ours,
                                            "options": {"headers": {"X-Team": "a"}, **ours["options"]},
@@ -242,9 +267,10 @@ def _expected_after_merge(client: str) -> dict[str, Any]:
                     "ollama": {"baseUrl": "http://127.0.0.1:11434", "models": [{"id": "llama3"}]},
                     "freetoken": {**ours, "models": [model]}}},
                 "agents": {"defaults": {"workspace": "~/w", "model": {"fallbacks": ["ollama/llama3"],
-                                                                      "primary": "freetoken/qwen3-moe"}}}}
+                                                                      "primary": "freetoken/qwen3-moe"}}},
+                "update": {"checkOnStart": False}, "telemetry": {"enabled": False}}
     return {"approval_policy": "never", "model": "qwen3-moe", "model_provider": "freetoken",
-            "model_context_window": 131072,
+            "model_context_window": 131072, "check_for_update_on_startup": False, "analytics": {"enabled": False},
             "model_providers": {"other": {"name": "Other", "base_url": "http://o/v1"},
                                 "freetoken": {"http_headers": {"X-Team": "a"},
                                               **CODEX["model_providers"]["freetoken"]}},
@@ -283,7 +309,7 @@ def test_write_twice_is_idempotent_and_a_new_model_is_added_once(home: Path, cli
     assert path.read_bytes() == first
     assert len(list(path.parent.glob(path.name + ".bak-*"))) == 1
 
-    other = ClientTarget(base_url=TARGET.base_url, model="other-moe", api_key="sk-local")
+    other = ClientTarget(base_url=TARGET.base_url, model="other-moe", api_key="sk-local", context_window=200000)
     _, backup = write_config(client, other)
     assert backup is not None and backup.read_bytes() == first
     write_config(client, other)
@@ -300,7 +326,7 @@ def test_write_twice_is_idempotent_and_a_new_model_is_added_once(home: Path, cli
         assert data["agents"]["defaults"]["model"]["primary"] == "freetoken/other-moe"
     else:
         assert list(data["model_providers"]) == ["other", "freetoken"]
-        assert (data["model"], data["model_context_window"]) == ("other-moe", 32768)
+        assert (data["model"], data["model_context_window"]) == ("other-moe", 200000)
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -371,7 +397,7 @@ def test_path_option_and_symlinked_config_are_written_through(home: Path, tmp_pa
     assert link.is_symlink() and tomllib.loads(real.read_text())["model_provider"] == "freetoken"
     assert backup is not None and backup.parent == real.parent
     custom = tmp_path / "elsewhere" / "settings.json"
-    assert _run("claude-code", "--write", "--path", str(custom)) == 0
+    assert _run("claude-code", "--write", "--path", str(custom), "--context-window", "131072") == 0
     assert json.loads(custom.read_text())["env"]["ANTHROPIC_MODEL"] == "freetoken-demo"
 
 
@@ -409,79 +435,118 @@ def _cli(home: Path, *argv: str, wrapper: bool = True) -> subprocess.CompletedPr
 
 
 def test_configure_end_to_end(home: Path) -> None:
-    proc = _cli(home, "configure", "codex", "--model", "qwen3-moe", "--api-key", "sk-1")
+    proc = _cli(home, "configure", "codex", "--model", "qwen3-moe", "--api-key", "sk-1", "--offline")
     assert proc.returncode == 0, proc.stderr
     assert _document("toml", proc.stdout)["model"] == "qwen3-moe"
     assert not (home / ".codex").exists()
 
-    proc = _cli(home, "configure", "codex", "--model", "qwen3-moe", "--api-key", "sk-1", "--write")
+    proc = _cli(home, "configure", "codex", "--model", "qwen3-moe", "--api-key", "sk-1", "--write", "--offline")
     assert proc.returncode == 0, proc.stderr
-    assert "export FREETOKEN_API_KEY=sk-1" in proc.stdout.splitlines()
-    proc = _cli(home, "configure", "claude-code", "--write")
+    assert "export" not in proc.stdout and "codex exec resume --last" in proc.stdout
+    written = tomllib.loads((home / ".codex" / "config.toml").read_text())
+    assert written["model_providers"]["freetoken"]["experimental_bearer_token"] == "sk-1"
+    proc = _cli(home, "configure", "claude-code", "--write", "--offline", "--context-window", "131072")
     assert proc.returncode == 0 and "export" not in proc.stdout  # the file replaces the exports
-    assert tomllib.loads((home / ".codex" / "config.toml").read_text())["model_provider"] == "freetoken"
+    assert "claude -p -c" in proc.stdout
+    proc = _cli(home, "configure", "openclaw", "--write", "--offline")
+    assert proc.returncode == 0, proc.stderr
+    assert "Node >= 24.16" in proc.stdout and "openclaw agent --local --session-id" in proc.stdout
+    proc = _cli(home, "configure", "opencode", "--write", "--offline")
+    assert "export OPENCODE_DISABLE_MODELS_FETCH=1" in proc.stdout.splitlines()
 
     proc = _cli(home, "configure", "vim")
     assert proc.returncode == 2 and "invalid choice: 'vim'" in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_configure_through_the_real_cli_once_it_is_wired(home: Path) -> None:
+def test_configure_through_the_real_cli(home: Path) -> None:
     from freetoken_agent.cli import build_parser
 
-    try:
-        build_parser().parse_args(["configure", "opencode"])
-    except SystemExit:
-        pytest.skip("freetoken_agent/cli.py does not register `configure` yet")
-    proc = _cli(home, "configure", "opencode", "--write", wrapper=False)
+    args = build_parser().parse_args(["configure", "opencode"])  # exits (fails the test) if not registered
+    assert args.func is run_configure
+    proc = _cli(home, "configure", "opencode", "--write", "--offline", wrapper=False)
     assert proc.returncode == 0, proc.stderr
     written = home / ".config" / "opencode" / "opencode.json"
     assert json.loads(written.read_text())["model"] == "freetoken/freetoken-demo"
-    proc = _cli(home, "configure", "opencode", "--base-url", "nope", wrapper=False)
+    proc = _cli(home, "configure", "opencode", "--base-url", "nope", "--offline", wrapper=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 
-# -- the helpers ------------------------------------------------------------------------------------
+# -- the server says what it serves; TOML comments survive; JSON5 is read ---------------------------
 
 
-def test_toml_writer_round_trips_through_tomllib() -> None:
-    src = """
-        top = 1
-        "dotted.key" = "q\\"uo\\\\te\\n\\u0001\\tü"
-        floats = [1.5, -0.0, 1e-05, inf, 2e300]
-        when = 1979-05-27T07:32:00.5-07:00
-        day = 1979-05-27
-        at = 07:32:00
-        mixed = [[1, 2], ["a"], {x = 1}]
-        empty = []
-        [a.b.c]
-        k = true
-        [[fruit]]
-        name = "apple"
-        [fruit.physical]
-        color = "red"
-        [[fruit.variety]]
-        name = "red delicious"
-        [[fruit]]
-        name = "banana"
-        [nothing]
-        [t.""]
-        z = 1
-    """
-    data = tomllib.loads("\n".join(line.strip() for line in src.splitlines()))
-    assert tomllib.loads(toml_writer.dumps(data)) == data
-    assert math.isnan(tomllib.loads(toml_writer.dumps({"x": float("nan")}))["x"])
-    assert toml_writer.dumps({}) == ""
-    with pytest.raises(TypeError):
-        toml_writer.dumps({"x": object()})
+class _Models(BaseHTTPRequestHandler):
+    card: ClassVar[dict[str, Any]] = {}
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+    def do_GET(self) -> None:
+        ok = self.path == "/v1/models"
+        body = json.dumps({"object": "list", "data": [self.card]} if ok else {"error": "no"}).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
-def test_json5_reader_agrees_with_json_and_reads_json5() -> None:
-    for text in ('{"a": [1, 2.5, -3e2, true, null, "\\u00e9\\t\\ud83d\\ude00"], "b": {}}', "0", "-0.0", "[]", '"x"'):
-        assert json5.loads(text) == json.loads(text)
-    assert json5.loads("// c\n{a: 1, 'b': 'it\\'s', c: [0x1F, .5, 5., +1,], /* x */ d: Infinity,}") == {
-        "a": 1, "b": "it's", "c": [31, 0.5, 5.0, 1], "d": float("inf")}
-    assert json5.loads('"line \\\ncontinued"') == "line continued"
-    for bad, where in (("{a: 1", "line 1 column 6"), ('{\n  "a": 01}', "line 2 column 8"), ("[1,,2]", "column 4"),
-                       ("/* open", "column 1"), ("{} x", "column 4")):
-        with pytest.raises(json5.Json5Error, match=where):
-            json5.loads(bad)
+@pytest.fixture
+def server() -> Iterator[str]:
+    _Models.card = {"id": "served-moe", "object": "model", "context_window": 200000, "max_output_tokens": 4096}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_running_servers_model_and_window_are_used(home: Path, server: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("claude-code", "--base-url", server, "--write", offline=False) == 0
+    env = json.loads((home / ".claude" / "settings.json").read_text())["env"]
+    assert (env["ANTHROPIC_MODEL"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"], env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (
+        "served-moe", "200000", "4096")
+    assert "serves served-moe with a context window of 200000 tokens" in capsys.readouterr().err
+    assert _run("codex", "--base-url", server, "--context-window", "150000", "--model", "mine", offline=False) == 0
+    doc = _document("toml", capsys.readouterr().out)
+    assert (doc["model"], doc["model_context_window"]) == ("mine", 150000)  # flags win
+    _Models.card = {**_Models.card, "context_window": 32768}
+    assert _run("claude-code", "--base-url", server, offline=False) == 2
+    assert "error: Claude Code needs a context window of at least 100000" in capsys.readouterr().err
+
+
+def test_no_server_means_the_defaults_and_a_note(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert _run("opencode", "--base-url", url, offline=False) == 0
+    captured = capsys.readouterr()
+    assert "note: no server answered at " + url in captured.err
+    model = _document("json", captured.out)["provider"]["freetoken"]["models"]["freetoken-demo"]
+    assert model["limit"] == {"context": 32768, "output": 8192}
+
+
+def test_a_toml_files_comments_and_layout_survive_the_write(home: Path) -> None:
+    path = _put("codex", EXISTING["codex"])
+    write_config("codex", TARGET)
+    text = path.read_text()
+    for kept in ("# my codex settings\n", 'approval_policy = "never"  # ask me never\n', "# my fast profile\n[profiles.fast]"):
+        assert kept in text, text
+    assert text.index("[model_providers.other]") < text.index("[model_providers.freetoken]") < text.index("[profiles.fast]")
+    first = path.read_bytes()
+    assert write_config("codex", TARGET)[1] is None and path.read_bytes() == first
+
+
+def test_json5_files_are_read_with_the_json5_library(home: Path) -> None:
+    text = "// c\n{models: {providers: {ollama: {baseUrl: 'http://h', models: [{id: 'x',},],},},}, n: 0x1F, f: .5,}\n"
+    path = _put("openclaw", text)
+    write_config("openclaw", TARGET)
+    data = json.loads(path.read_text())
+    assert data["n"] == 31 and data["f"] == 0.5
+    assert data["models"]["providers"]["ollama"] == {"baseUrl": "http://h", "models": [{"id": "x"}]}
+    assert not (REPO / "freetoken_agent" / "clients" / "json5.py").exists()
+    assert not (REPO / "freetoken_agent" / "clients" / "toml_writer.py").exists()
