@@ -13,9 +13,8 @@ import sys
 
 from engine.engine import Engine
 from engine.errors import RequestError
-from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from freetoken_agent.argtypes import resolve_gpu_memory
+from freetoken_agent.argtypes import engine_options, resolve_gpu_memory
 from freetoken_agent.calibrate import calibration_path
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
@@ -39,10 +38,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     with load_progress("loading weights") as progress:
-        opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                             gpu_memory=resolve_gpu_memory(args.gpu_memory, args.device), fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
-                             overlap_decode=args.overlap_decode,
-                             calibration_file=str(calibration_path()))
+        opts = engine_options(args, device=args.device, gpu_memory=resolve_gpu_memory(args.gpu_memory, args.device),
+                              calibration_file=str(calibration_path()))
         engine = Engine(model_dir, opts, progress=progress)
     print(f"expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)
     out_ids: list[int] = []

@@ -13,8 +13,7 @@ import argparse
 import sys
 
 from engine.engine import Engine
-from engine.options import EngineOptions
-from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
+from freetoken_agent.argtypes import add_engine_arguments, engine_options, positive_int, resolve_gpu_memory
 from freetoken_agent.calibrate import calibration_path
 from freetoken_agent.models import resolve_model
 from freetoken_agent.progress import load_progress
@@ -36,13 +35,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     p.add_argument("--context-window", type=positive_int, default=None, help="tokens per request (default: the model's)")
     p.add_argument("--max-output-tokens", type=positive_int, default=32768)
-    p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
-    p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
-    p.add_argument("--checkpoint-slots", type=int, default=32,
-                   help="recurrent-state checkpoints kept on the device (hybrid models)")
-    p.add_argument("--host-checkpoint-slots", type=int, default=128,
-                   help="checkpoints spilled to host memory before they are dropped (hybrid models)")
-    add_engine_arguments(p)
+    add_engine_arguments(p, pools=True)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--anchor-policy", default="semantic", choices=[a.value for a in AnchorPolicy],
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
@@ -65,13 +58,9 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     name = args.served_model_name or ("freetoken-demo" if args.model.startswith("demo") else model_dir.name)
     tokenizer = ChatTokenizer.from_dir(model_dir)
-    opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
-                         follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
-                         overlap_decode=args.overlap_decode,
-                         calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
-                         max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
-                         host_checkpoint_slots=args.host_checkpoint_slots)
+    opts = engine_options(args, device=device, gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
+                          follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0,
+                          calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)

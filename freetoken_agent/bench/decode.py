@@ -123,7 +123,7 @@ def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
             "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": _timeline(timings, steps)}
 
 
-def _timeline(timings: list[Timing], steps: int) -> dict[str, float] | None:
+def _timeline(timings: list[Timing], steps: int) -> dict[str, float | None] | None:
     """Per served doorbell request (one MoE layer of one decode step) over the timed tokens: the
     poller's share, the GPU's part alone between consecutive layers and the host-issued fetches'
     latency (native poll_timeline); None where no step served the doorbell."""

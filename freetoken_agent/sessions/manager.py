@@ -102,7 +102,7 @@ class SessionManager:
     def plan(self, req: ChatRequest, ids: list[int]) -> RequestPlan:
         det = detect(req)
         tools = tool_names(req)
-        sid = det.session_key or prefix_key(req)
+        sid: str | None = det.session_key or prefix_key(req)
         with self._lock:
             sess = self._sessions.get(sid)
         side = det.side

@@ -53,7 +53,7 @@ def test_unreadable_store_is_empty_and_replaced(tmp_path: Path, text: str) -> No
 def test_ratio_forms() -> None:
     # the decode fetch kernel's contended rate and the CPU's beside it come first
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2).ratio() == pytest.approx(43 / 109)
-    # host-issued copies (FREETOKEN_FETCH=dma) move at the bulk copies' contended rate
+    # host-issued copies move at the bulk copies' contended rate
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2).ratio("dma") == pytest.approx(52 / 101)
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0).ratio() == pytest.approx(52 / 101)  # no contended B_F
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0).ratio() == pytest.approx(52 / 101)  # contended
