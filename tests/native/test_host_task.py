@@ -171,15 +171,15 @@ def test_serve_fetch_checks_its_buffers(ft):
                        torch.empty(1, 32))
     word = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="deadline_ms must be positive, got 0"):
-        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0,
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word,
                          deadline_ms=0)
     with pytest.raises(ValueError, match="page-locked int64"):  # not page-locked (and no CUDA here)
-        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word)
     words = torch.zeros(2, dtype=torch.int32)
     words.is_pinned = lambda: True  # type: ignore[method-assign]
     task.serve_doorbell(words)
     with pytest.raises(ValueError, match="before serve_doorbell"):
-        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word, 0)
+        task.serve_fetch(torch.zeros(4, dtype=torch.int64), bank.w13, bank.w2, bank.w13, bank.w2, 0, 0, word)
 
 
 def test_doorbell_with_a_ready_word_counts_which_branch_finished_last(ft):

@@ -80,7 +80,7 @@ def test_cli_reports_a_bad_size_and_no_gpu_in_one_line(demo: Path):
     base = [sys.executable, "-m", "freetoken_agent", "generate", "--model", str(demo), "--prompt", "hi"]
     # no visible GPU even on a GPU machine: the second call must meet a machine without one
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    bad = subprocess.run([*base, "--gpu-memory", "lots"], capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run([*base, "--gpu-memory", "lots"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not a size" in bad.stderr
     cpu = subprocess.run([*base, "--gpu-memory", "8GiB"], capture_output=True, text=True, env=env, timeout=300)
     assert cpu.returncode == 2 and cpu.stderr.strip().splitlines()[-1].startswith("error: --gpu-memory caps GPU")
