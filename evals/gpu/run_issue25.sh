@@ -73,7 +73,9 @@ for tree in ("old", "new"):
     rates = " / ".join("%.1f" % r["tok_s"] for r in rs)
     ms = statistics.median(r["ms_per_token"] for r in rs)
     dense = statistics.median(r["dense_ms"] for r in rs)
-    print(f"| {tree} | {rates} | {ms:.2f} | {rs[-1]['hit_rate']:.3f} | {dense:.2f} | {rs[-1]['executor'][:80]} |")
+    hit = rs[-1]["hit_rate"]
+    hit_text = "-" if hit is None else f"{hit:.3f}"
+    print(f"| {tree} | {rates} | {ms:.2f} | {hit_text} | {dense:.2f} | {rs[-1]['executor'][:80]} |")
 if rows.get("old") and rows.get("new"):
     old = statistics.median(r["tok_s"] for r in rows["old"])
     new = statistics.median(r["tok_s"] for r in rows["new"])
