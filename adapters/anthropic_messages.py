@@ -226,15 +226,15 @@ async def messages(request: Request) -> Any:
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())
         state.check_finish(fin)
-        events = parser.feed(text) + parser.finish()
+        parsed = parser.feed(text) + parser.finish()
         content: list[dict[str, Any]] = []
-        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        reasoning = "".join(e.text for e in parsed if isinstance(e, ReasoningDelta))
         if reasoning:
             content.append({"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)})
-        text_out = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        text_out = "".join(e.text for e in parsed if isinstance(e, ContentDelta))
         if text_out:
             content.append({"type": "text", "text": text_out})
-        calls = [e for e in events if isinstance(e, ToolCallEnd)]
+        calls = [e for e in parsed if isinstance(e, ToolCallEnd)]
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in calls]
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                              "stop_reason": _stop_reason(fin, bool(calls)), "stop_sequence": fin.stop_sequence,
@@ -247,7 +247,8 @@ async def messages(request: Request) -> Any:
                                                         "model": model, "content": [], "stop_reason": None,
                                                         "stop_sequence": None, "usage": start_usage}},
                   "message_start")
-        index, open_kind, thinking_text, has_calls = -1, None, [], False
+        index, open_kind, has_calls = -1, None, False
+        thinking_text: list[str] = []
 
         def close() -> list[str]:
             nonlocal open_kind

@@ -174,10 +174,10 @@ async def chat_completions(request: Request) -> Any:
     if not body.get("stream"):
         text, fin = await until_disconnect(request, stream.collect())
         state.check_finish(fin)
-        events = parser.feed(text) + parser.finish()
-        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
-        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-        calls = [e for e in events if isinstance(e, ToolCallEnd)]
+        parsed = parser.feed(text) + parser.finish()
+        reasoning = "".join(e.text for e in parsed if isinstance(e, ReasoningDelta))
+        content = "".join(e.text for e in parsed if isinstance(e, ContentDelta))
+        calls = [e for e in parsed if isinstance(e, ToolCallEnd)]
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if reasoning:
             message["reasoning_content"] = reasoning

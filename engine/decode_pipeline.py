@@ -1,9 +1,9 @@
 """Overlapped decode: the next pass is queued before this pass's tokens are read.
 
-Contract: `DecodePipeline(decoder, kv, states, device)`, owned by a `Scheduler` (and holding no
-reference back to it), serves `Scheduler.step()` in steady decode: every running request decoding
-one token per pass through a captured decode graph (engine/model/decode_graph.py), at most
-`overlap_width()` of them, none waiting to be admitted, none with a constraint, forced ids or
+Contract: `DecodePipeline(decoder, kv, states, device, width)`, owned by a `Scheduler` (and holding
+no reference back to it), serves `Scheduler.step()` in steady decode: every running request
+decoding one token per pass through a captured decode graph (engine/model/decode_graph.py), at most
+`width` of them, none waiting to be admitted, none with a constraint, forced ids or
 captured logits. `may_start(running, entries)` says whether the serial step may hand its pass over
 (and loads, once per width while nothing is in flight, the staging kernels: a first launch may
 load a module, which can wait for a device that waits for the host; for the same reason the first
@@ -35,21 +35,23 @@ pass's `error`, with nothing left in flight.
 
 Off CUDA the same logic runs synchronously (no page-locked memory, no events; the pass builds the
 batch the eager attention core walks): how the CPU tests compare it with the serial scheduler.
-Off by default (experimental): `EngineOptions.overlap_decode=True`, `--overlap-decode` or
-`FREETOKEN_OVERLAP_DECODE=1` turns it on. The twelfth GPU session found it hanging on both real
+Off by default (experimental): the option overlap_decode (`--overlap-decode`,
+`FREETOKEN_OVERLAP_DECODE=1`) turns it on. The twelfth GPU session found it hanging on both real
 shapes: the staging kernel met a new Triton specialisation while a pass was in flight and its
 module load waited for a device that waited for the host-issued copies. Fixed since (one
 specialisation, engine/gpu/load_guard.py for any other load, a settled first pass per top-k's k);
 the thirteenth session ran it on both real-shape benchmarks (no hang, +12 % tok/s) and through the
 GPU equality tests one request at a time. It stays opt-in until the concurrent GPU test with it on
 (width changes under overlap) has run.
-`FREETOKEN_OVERLAP_WIDTH` (default 1) bounds the sequences of an overlapped pass (`overlap_width`).
+The option overlap_width (default 1) bounds the sequences of an overlapped pass: single-sequence
+decode ran overlapped in the capped engine tests (eleventh GPU session) and three requests at width
+4 in evals/gpu/overlap_probe.py (twelfth, once the first-run settle had cured the 3 -> 2 width
+change); wider passes stay opt-in until the GPU tests have run them. The CPU tests run wider ones.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
@@ -57,37 +59,14 @@ from types import ModuleType
 import torch
 
 from engine.cache.pools import KVPool, StatePool
-from engine.errors import ConfigError, EngineError
+from engine.errors import EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
 from engine.model.decode_graph import DecodeGraphs
 from engine.model.decoder import Decoder
-from engine.model.ops import env_switch
 from engine.request import Phase, Request
 from engine.sampling import queue_draw
 
 log = logging.getLogger("freetoken.engine")
-
-
-def overlap_enabled(option: bool) -> bool:
-    """The option, unless the FREETOKEN_OVERLAP_DECODE switch says otherwise (engine/model/ops.py
-    `env_switch`: a value that is no switch is a ConfigError)."""
-    return env_switch("FREETOKEN_OVERLAP_DECODE", option)
-
-
-def overlap_width() -> int:
-    """The most sequences a pass may have and still be overlapped: FREETOKEN_OVERLAP_WIDTH, default
-    1. Single-sequence decode ran overlapped in the capped engine tests (eleventh GPU session) and
-    three requests at width 4 in evals/gpu/overlap_probe.py (twelfth, once the first-run settle had
-    cured the 3 -> 2 width change); wider passes stay opt-in until the GPU tests have run them. The
-    CPU tests run wider ones."""
-    raw = os.environ.get("FREETOKEN_OVERLAP_WIDTH", "1")
-    try:
-        width = int(raw)
-    except ValueError:
-        width = 0
-    if width < 1:
-        raise ConfigError(f"FREETOKEN_OVERLAP_WIDTH must be a positive integer, got {raw!r}")
-    return width
 
 
 def servable(req: Request) -> bool:
@@ -120,10 +99,10 @@ class Completed:
 
 
 class DecodePipeline:
-    def __init__(self, decoder: Decoder, kv: KVPool, states: StatePool, device: torch.device) -> None:
+    def __init__(self, decoder: Decoder, kv: KVPool, states: StatePool, device: torch.device, width: int = 1) -> None:
         self.decoder, self.kv, self.states = decoder, kv, states
         self.device = device
-        self.width = overlap_width()
+        self.width = width
         self.cuda = self.device.type == "cuda"
         self._kernels: ModuleType | None = None  # engine/model/decode_staging.py, on CUDA (triton)
         if self.cuda:

@@ -33,6 +33,8 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError, EngineError, RequestError
 from engine.model.decoder import Decoder
 from engine.model.load import load_decoder, parse_dtype
+from engine.model.ops import use_kernels
+from engine.moe.native import apply_native_options
 from engine.options import EngineOptions
 from engine.request import Request, RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
@@ -47,9 +49,9 @@ class Engine:
     def __init__(self, model_dir: Path | str, opts: EngineOptions | None = None,
                  progress: Progress | None = None) -> None:
         opts = opts or EngineOptions()
-        _apply_threads(opts)
+        _apply_process_options(opts)
         dtype = parse_dtype(opts.dtype) if opts.dtype else None
-        decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.threads)
+        decoder = load_decoder(model_dir, opts.device, dtype, opts.executor, progress, opts.native_pool_threads)
         self._start(decoder, opts)
 
     @classmethod
@@ -62,7 +64,7 @@ class Engine:
         where, want = decoder.weights.final_norm.device, torch.device(opts.device)
         if where.type != want.type or (want.index is not None and where != want):
             raise ConfigError(f"the decoder's weights are on {where} but the engine options say {want}")
-        _apply_threads(opts)
+        _apply_process_options(opts)
         engine = cls.__new__(cls)
         engine._start(decoder, opts)
         return engine
@@ -91,7 +93,7 @@ class Engine:
         self._step_lock = threading.Lock()  # held while a step runs: lets inspection see a settled state
         self._stats: dict[str, int] = {}
         self._publish_stats()
-        self._watch = StepWatch.from_env()  # a step that never returns is reported (engine/watchdog.py)
+        self._watch = StepWatch(opts.step_watch_s)  # a step that never returns is reported (engine/watchdog.py)
         if self.gpu_budget is not None and opts.follow_free_memory:
             threading.Thread(target=self._follow_loop, args=(opts.follow_free_memory,), name="freetoken-memory",
                              daemon=True).start()
@@ -99,7 +101,7 @@ class Engine:
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
                capture_logits: bool = False, constraint: TokenConstraint | None = None,
-               listener: Callable[[int | None], None] | None = None,
+               listener: Callable[[int | None], object] | None = None,
                checkpoints: list[int] | None = None, anchors: list[Anchor] | None = None,
                decode_anchors: list[DecodeAnchor] | None = None, session: str | None = None,
                forced_output: list[int] | None = None) -> RequestHandle:
@@ -176,7 +178,7 @@ class Engine:
 
     def stalled_step_s(self) -> float | None:
         """How long the running step has taken when it is past the step watch's threshold
-        (FREETOKEN_STEP_WATCH_S), else None. Safe from any thread."""
+        (`opts.step_watch_s`), else None. Safe from any thread."""
         return self._watch.running_for() if self._watch.stalled() else None
 
     def close(self) -> None:
@@ -305,11 +307,9 @@ class Engine:
         checkpoint is dropped. With an expert cache the cap stays and the expert slots take the
         difference. Raises EngineError while busy, ConfigError for a size the cap (or the options'
         rules) cannot take; nothing changes then. Returns the new `memory_report()`."""
-        import dataclasses
-
         changes = {k: v for k, v in (("kv_tokens", kv_tokens), ("checkpoint_slots", checkpoint_slots),
                                      ("host_checkpoint_slots", host_checkpoint_slots)) if v is not None}
-        opts = dataclasses.replace(self.opts, **changes)  # the options' own checks first
+        opts = self.opts.replace(**changes)  # the options' own checks first
         from engine.gpu.elastic import rebuild_expert_cache, release_device_memory
 
         with self._cv, self._step_lock:
@@ -339,6 +339,7 @@ class Engine:
                 release_device_memory()
                 self.scheduler = Scheduler(self.decoder, old_opts, self.dtype)
                 if experts_first:  # the split of the pools that stay
+                    assert self.gpu_budget is not None
                     self.gpu_budget = rebuild_expert_cache(self.decoder, old_opts, self.dtype, self.gpu_budget.total)
                 raise ConfigError(f"the new pools could not be allocated on {opts.device} ({e}); the previous "
                                   f"sizes were restored") from None
@@ -404,6 +405,10 @@ def _check_host_room(cfg: ModelConfig, old: EngineOptions, new: EngineOptions, d
         raise ConfigError(f"the new pools need {need / 2**30:.2f} GiB more host memory, {free / 2**30:.2f} GiB are free")
 
 
-def _apply_threads(opts: EngineOptions) -> None:
+def _apply_process_options(opts: EngineOptions) -> None:
+    """What the options set for the whole process: torch's threads, the fused-kernel switches and
+    the native executor's settings (engine/moe/native.py)."""
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    use_kernels(opts.kernels)
+    apply_native_options(opts.native)

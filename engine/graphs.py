@@ -18,6 +18,7 @@ import logging
 import traceback
 from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def _where(exc: BaseException) -> str:
 
 
 class GraphCache:
-    def __init__(self, name: str, enabled: bool = True, pool: tuple[int, int] | None = None) -> None:
+    def __init__(self, name: str, enabled: bool = True, pool: Any = None) -> None:
         self.name = name
         self.enabled = enabled
         self.pool = (pool or torch.cuda.graph_pool_handle()) if enabled else None

@@ -37,7 +37,7 @@ class Phase(Enum):
 
 
 class RequestHandle:
-    def __init__(self, rid: str, prompt_tokens: int, listener: Callable[[int | None], None] | None = None) -> None:
+    def __init__(self, rid: str, prompt_tokens: int, listener: Callable[[int | None], object] | None = None) -> None:
         self.rid = rid
         self._listener = listener
         self.prompt_tokens = prompt_tokens

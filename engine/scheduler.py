@@ -27,7 +27,7 @@ from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta
 from engine.cache.checkpoints import CheckpointStore
 from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
-from engine.decode_pipeline import Completed, DecodePipeline, overlap_enabled
+from engine.decode_pipeline import Completed, DecodePipeline
 from engine.errors import CapacityError, EngineError
 from engine.model.batch import ForwardBatch, SeqEntry
 from engine.model.decoder import Decoder
@@ -51,8 +51,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # steady decode through captured graphs: the next pass queued before this one's tokens are read
-        self.pipeline = (DecodePipeline(decoder, self.kv, self.states, self.device)
-                         if overlap_enabled(opts.overlap_decode) else None)
+        self.pipeline = (DecodePipeline(decoder, self.kv, self.states, self.device, opts.overlap_width)
+                         if opts.overlap_decode else None)
 
     @property
     def in_flight(self) -> bool:
@@ -158,7 +158,9 @@ class Scheduler:
                 chunk = req.prompt[req.computed:end]
                 budget -= len(chunk)
                 entries.append((req, chunk))
-        batch_entries, ids, pos = [], [], []
+        batch_entries: list[SeqEntry] = []
+        ids: list[int] = []
+        pos: list[int] = []
         for req, toks in list(entries):
             try:
                 new = self._alloc_kv(len(toks), req.session)

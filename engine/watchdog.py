@@ -7,7 +7,7 @@ Contract: `StepWatch(threshold_s)`; the stepping thread calls `begin()` and `end
 first time the running step has passed `threshold_s` it logs a warning with that thread's Python
 stack, and when the step ends, how long it took. `running_for()` is the running step's age in
 seconds (0 between steps); `stalled()` says whether it is past the threshold. `threshold_s <= 0`
-turns the watch off (`from_env`: FREETOKEN_STEP_WATCH_S, default 120).
+turns the watch off (the engine's `opts.step_watch_s`, default 120).
 
 Why: a step that never returns (a device wait nothing answers, a kernel load that waits for the
 device: the twelfth GPU session's hang, engine/gpu/load_guard.py) otherwise freezes the server
@@ -19,13 +19,10 @@ step is still running, not that it failed.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
 import traceback
-
-from engine.errors import ConfigError
 
 log = logging.getLogger("freetoken.engine")
 
@@ -38,14 +35,6 @@ class StepWatch:
         self._reported: float | None = None  # the start of the step last reported as stalled
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-
-    @classmethod
-    def from_env(cls) -> StepWatch:
-        raw = os.environ.get("FREETOKEN_STEP_WATCH_S", "120")
-        try:
-            return cls(float(raw))
-        except ValueError:
-            raise ConfigError(f"FREETOKEN_STEP_WATCH_S must be a number of seconds (0: off), got {raw!r}") from None
 
     @property
     def enabled(self) -> bool:

@@ -1,9 +1,16 @@
 """argparse value types shared by the sub-commands: they reject bad numbers with a message that
-names the expectation, which the CLI prints as its one-line error."""
+names the expectation, which the CLI prints as its one-line error. `add_engine_arguments` makes the
+engine flags from the options' registry (engine/options.py) and `engine_options` turns a command's
+arguments into the engine's options: an explicit flag beats the environment, which beats the default."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.options import EngineOptions
 
 
 def positive_int(text: str) -> int:
@@ -78,25 +85,54 @@ def positive_int_list(text: str) -> list[int]:
     return [positive_int(t) for t in items]
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, ...] = ("--threads",)) -> None:
-    """The engine flags `serve`, `generate` and the model benches share: CPU threads (spelt
-    `threads_flags`), expert executor, compute dtype, GPU memory cap, fetch ratio, CUDA graphs."""
-    p.add_argument(*threads_flags, dest="threads", type=int, default=0,
-                   help="CPU threads for torch and the native expert executor (default: one per physical core)")
-    p.add_argument("--executor", default="auto", choices=["auto", "native", "torch"],
-                   help="routed-expert executor (auto: native on a CPU engine when built, else torch)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--gpu-memory", type=gpu_memory_size, default=None, metavar="SIZE|auto|off",
-                   help="cap on the engine's whole GPU footprint, e.g. 24GiB; the room left after dense weights, "
-                        "KV cache, states and workspace holds a GPU expert cache (CUDA only). Default auto: what "
-                        "is free on the device less a margin (5 %%, at least 1 GiB); off (or 0): no expert cache")
-    p.add_argument("--fetch-ratio", type=float, default=-1.0,
-                   help="share of cache misses fetched over PCIe, the rest run on the CPU (default: from the "
-                        "stored calibration of this machine, measured at first start)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
-    p.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=False,
-                   help="queue the next captured decode pass before this pass's tokens are read (experimental, "
-                        "opt-in until its concurrent GPU test has run: docs/gpu-tier.md; "
-                        "FREETOKEN_OVERLAP_DECODE=1 does the same)")
+# the engine options every engine command takes as flags; `serve` adds the pool sizes
+ENGINE_FLAGS = ("threads", "executor", "dtype", "gpu_memory", "fetch_ratio", "cuda_graphs", "overlap_decode")
+POOL_FLAGS = ("kv_tokens", "max_running", "checkpoint_slots", "host_checkpoint_slots")
+
+
+def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An option's parser (engine/options.py, ValueError) as an argparse type (its one-line error)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, threads_flags: tuple[str, ...] = ("--threads",),
+                         pools: bool = False) -> None:
+    """The engine flags `serve`, `generate` and the model benches share, made from the options'
+    registry (engine/options.py: name, help, default); with `pools` the pool sizes too. Each flag
+    stores None unless given, so `engine_options` tells a given flag (which beats the environment)
+    from an absent one."""
+    from engine.options import options
+
+    wanted = ENGINE_FLAGS + (POOL_FLAGS if pools else ())
+    for o in options():
+        if o.name not in wanted:
+            continue
+        flags = threads_flags if o.name == "threads" else o.cli
+        shown = "auto" if o.name == "gpu_memory" else ("on" if o.default is True else "off" if o.default is False
+                                                        else o.default)
+        help_text = f"{o.help} (default: {shown}" + (f"; env {o.env}" if o.env else "") + ")"
+        kw: dict[str, Any] = {"dest": o.name, "default": None, "help": help_text.replace("%", "%%")}
+        if o.name == "gpu_memory":
+            kw.update(type=gpu_memory_size, metavar="SIZE|auto|off")
+        elif o.type == "bool":
+            kw.update(action=argparse.BooleanOptionalAction)
+        elif o.choices:
+            kw.update(choices=[c for c in o.choices if c])
+        elif o.parse is not None:
+            kw.update(type=_argtype(o.parse))
+        p.add_argument(*flags, **kw)
+
+
+def engine_options(args: argparse.Namespace, **fixed: Any) -> EngineOptions:
+    """The engine's options for a command: what `fixed` says (the command's own decisions), else
+    each flag given explicitly, else the environment, else the default (engine/options.py)."""
+    from engine.options import EngineOptions, options
+
+    given = {o.name: getattr(args, o.name) for o in options() if getattr(args, o.name, None) is not None}
+    return EngineOptions.resolve({**given, **fixed})

@@ -4,8 +4,8 @@ expert copies), alone and under contention, store them per machine and print the
 Contract: `add_calibrate_parser(sub)` registers the sub-command; `run_calibrate(args)` measures
 (engine/gpu/calibrate.py), saves the record in `calibration_path()` (FREETOKEN_CACHE_DIR, else
 the user cache dir, as the demo model uses) and prints it: a few lines of text, or with `--json`
-one JSON object (the record, the fetch ratio of the fetch path the engine takes here with that
-path's name, both paths' ratios, and the file it was stored in). `--show` prints
+one JSON object (the record, the fetch ratio the decode split takes from it, and the file it was
+stored in). `--show` prints
 the stored records without measuring. Without a CUDA device it still measures B_C, says that B_P
 was not measured and stores the record with fetch ratio 0.
 """
@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freetoken_agent.argtypes import positive_int
+
+if TYPE_CHECKING:
+    from engine.gpu.calibration_store import Calibration
 
 FILE_NAME = "calibration.json"
 
@@ -42,19 +45,11 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _fetch() -> str:
-    """The fetch path the engine would take here (FREETOKEN_FETCH / _CPU_BRANCH): its ratio is the one shown."""
-    from engine.gpu.device_step import resolve_fetch
-
-    return resolve_fetch(None)
+def _ratios(cal: Calibration) -> dict[str, Any]:
+    return {"ratio": cal.ratio()}
 
 
-def _ratios(cal) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    fetch = _fetch()
-    return {"ratio": cal.ratio(fetch), "fetch": fetch, "ratios": {f: cal.ratio(f) for f in ("dma", "kernel")}}
-
-
-def _lines(cal) -> list[str]:  # type: ignore[no-untyped-def]
+def _lines(cal: Calibration) -> list[str]:
     def gbps(v: float | None) -> str:
         return "not measured" if v is None else f"{v:.2f} GB/s"
 
@@ -63,21 +58,10 @@ def _lines(cal) -> list[str]:  # type: ignore[no-untyped-def]
            f"  B_P  PCIe expert copies alone: {gbps(cal.b_pcie)}",
            f"  B_C' CPU experts, contended:   {gbps(cal.b_cpu_contended)}",
            f"  B_P' PCIe copies, contended:   {gbps(cal.b_pcie_contended)}",
-           f"  B_F  decode fetch kernel alone: {gbps(cal.b_fetch)}"
-           + (f" ({cal.fetch_batch} experts per launch)" if cal.fetch_batch else ""),
-           f"  B_F' and B_C beside it:        {gbps(cal.b_fetch_contended)} + {gbps(cal.b_cpu_fetch_contended)}",
-           _ratio_line(cal)]
+           f"  fetch ratio q*/m: {cal.ratio():.3f}"]
     if cal.note:
         out.append(f"  note: {cal.note}")
     return out
-
-
-def _ratio_line(cal) -> str:  # type: ignore[no-untyped-def]
-    r = _ratios(cal)
-    names = {"dma": "host-issued copies", "kernel": "the fetch kernel"}
-    other = "kernel" if r["fetch"] == "dma" else "dma"
-    return (f"  fetch ratio q*/m: {r['ratio']:.3f} with {names[r['fetch']]} (the engine's fetch here); "
-            f"{r['ratios'][other]:.3f} with {names[other]}")
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

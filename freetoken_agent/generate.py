@@ -40,9 +40,8 @@ class _Reasoning:
 def run_generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.errors import RequestError
-    from engine.options import EngineOptions
     from engine.sampling import SamplingParams
-    from freetoken_agent.argtypes import resolve_gpu_memory
+    from freetoken_agent.argtypes import engine_options, resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
     from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
@@ -65,10 +64,8 @@ def run_generate(args: argparse.Namespace) -> int:
     temperature = args.temperature or 0.0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device), fetch_ratio=args.fetch_ratio,
-                         cuda_graphs=args.cuda_graphs, overlap_decode=args.overlap_decode,
-                         calibration_file=str(calibration_path()))
+    opts = engine_options(args, device=device, gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
+                          calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
     print(f"device: {device}; expert executor: {engine.decoder.executor.describe()}", file=sys.stderr)

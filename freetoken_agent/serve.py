@@ -54,13 +54,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--context-window", type=positive_int, default=None, help="tokens per request (default: the model's)")
     p.add_argument("--max-output-tokens", type=positive_int, default=32768,
                    help="output limit of a request that names none")
-    p.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache size in tokens (all requests together)")
-    p.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together")
-    p.add_argument("--checkpoint-slots", type=int, default=32,
-                   help="recurrent-state checkpoints kept on the device (hybrid models)")
-    p.add_argument("--host-checkpoint-slots", type=int, default=128,
-                   help="checkpoints spilled to host memory before they are dropped (hybrid models)")
-    add_engine_arguments(p)
+    add_engine_arguments(p, pools=True)
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between keep-alive events")
     p.add_argument("--anchor-policy", default="semantic", choices=ANCHOR_POLICIES,
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
@@ -83,8 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from adapters.server import create_app
     from adapters.state import AppState
     from engine.engine import Engine
-    from engine.options import EngineOptions
-    from freetoken_agent.argtypes import resolve_gpu_memory
+    from freetoken_agent.argtypes import engine_options, resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
     from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
@@ -96,13 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_model_name(args.model, model_dir)
     with load_progress("reading the tokenizer"):
         tokenizer = load_tokenizer(model_dir)
-    opts = EngineOptions(device=device, threads=args.threads, executor=args.executor, dtype=args.dtype,
-                         gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
-                         follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0, fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
-                         overlap_decode=args.overlap_decode,
-                         calibration_file=str(calibration_path()), kv_tokens=args.kv_tokens,
-                         max_running=args.max_running, checkpoint_slots=args.checkpoint_slots,
-                         host_checkpoint_slots=args.host_checkpoint_slots)
+    opts = engine_options(args, device=device, gpu_memory=resolve_gpu_memory(args.gpu_memory, device),
+                          follow_free_memory=FOLLOW_S if args.gpu_memory is None else 0.0,
+                          calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)

@@ -78,6 +78,7 @@ class ExpertWeights:
         # The raw addresses and strides the extension takes, computed once: a bank's tensors must not
         # be reallocated afterwards (the engine never does; slices and views are fine).
         s13, s2 = self.s13, self.s2
+        self.native_args: tuple[int, ...]
         object.__setattr__(self, "native_args", (
             FMT_CODE[self.fmt],
             self.w13.data_ptr(), self.w13.stride(0) * self.w13.element_size(), self.w13.stride(1) * self.w13.element_size(),

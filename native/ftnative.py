@@ -9,9 +9,10 @@ Wrong inputs raise ValueError. The GIL is released during the call; calls from s
 threads are serialized by the pool. `read_ranges` is the plain-read bandwidth reference and
 `call_overhead_us` the fixed cost of one call.
 
-Environment: FREETOKEN_NATIVE_ISA=avx512bf16|avx512|avx2|scalar forces a SIMD path (import fails if
-the CPU lacks it); FREETOKEN_NATIVE_THREADS=n sets the pool size (default: one per physical core).
-Import raises ImportError, saying how to build, when the extension is missing.
+Settings are set by calls, never read from the environment (the engine's options do that once,
+engine/options.py): `set_isa(name)` forces a SIMD path, `set_num_threads(n)` sizes the pool
+(default: one per physical core), `set_prefetch_bytes(n)` the software prefetch distance. Import
+raises ImportError, saying how to build, when the extension is missing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
 def _load() -> Any:
     try:
         from native import _ftnative  # type: ignore[attr-defined]
-    except ValueError as exc:  # FREETOKEN_NATIVE_ISA names an unknown or unsupported ISA
-        raise ImportError(f"native expert executor: {exc}") from exc
     except ImportError as exc:
         raise ImportError(
             f"the native expert executor is not built ({exc}). Reinstall with a C++17 compiler present "
@@ -42,8 +41,6 @@ def _load() -> Any:
 
 
 _ext = _load()
-if os.environ.get("FREETOKEN_NATIVE_THREADS"):
-    _ext.set_num_threads(int(os.environ["FREETOKEN_NATIVE_THREADS"]))
 atexit.register(_ext.shutdown)
 atexit.register(_ext.poll_stop)  # runs first (atexit is last-in, first-out)
 
@@ -59,6 +56,15 @@ def get_isa() -> str:
 def set_isa(name: str) -> None:
     """Force a SIMD path ('auto' = best available); ValueError if unknown or unsupported here."""
     _ext.set_isa(name)
+
+
+def set_prefetch_bytes(n: int) -> None:
+    """The software prefetch distance on each weight row, in bytes (0 = off; default 1024)."""
+    _ext.set_prefetch_bytes(int(n))
+
+
+def prefetch_bytes() -> int:
+    return _ext.prefetch_bytes()
 
 
 def set_num_threads(n: int, pin: bool = True) -> None:
@@ -168,11 +174,11 @@ def _layer_args(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: 
 
 
 class HostTask:
-    """One MoE layer call with fixed buffers, run later by `run()` or from a CUDA host node
-    (`function_address` is a `cudaHostFn_t`, `address` its user data): the CPU branch of a
-    graph-captured decode step. The buffers are checked here once and must stay alive and in place
-    as long as the task (the task keeps references to them); ids < 0 are skipped. A failure
-    inside a host node cannot raise: it zeroes `out`, and `check()` raises it afterwards."""
+    """One MoE layer call with fixed buffers, run later by `run()` or by the native poller thread
+    when its doorbell rings (`serve_doorbell`): the CPU branch of a graph-captured decode step.
+    The buffers are checked here once and must stay alive and in place as long as the task (the
+    task keeps references to them); ids < 0 are skipped. A failure inside the poller cannot raise:
+    it zeroes `out`, and `check()` raises it afterwards."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
                  out: torch.Tensor, id_offset: int = 0) -> None:
@@ -192,7 +198,6 @@ class HostTask:
         self._words: torch.Tensor | None = None
         self._fetch_buffers: tuple[torch.Tensor, ...] | None = None
         self.address: int = _ext.host_task_create(*_layer_args(x, out, ids, weights, experts), id_offset, True)
-        self.function_address: int = _ext.host_task_fn()
 
     def run(self) -> None:
         _ext.host_task_run(self.address)
@@ -215,15 +220,13 @@ class HostTask:
 
     def serve_fetch(self, copy: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
                     slots_w13: torch.Tensor, slots_w2: torch.Tensor, stream: int, context: int,
-                    word: torch.Tensor, word_device: int, host_word: bool = True,
-                    deadline_ms: int = 5000, scratch: int = -1) -> None:
+                    word: torch.Tensor, deadline_ms: int = 5000, scratch: int = -1) -> None:
         """Before each run from the doorbell, the poller has this layer's fetches issued (native/src/
         dma_fetch.h): for every i with copy[i] >= 0 (n = copy.numel() // 2), bank row copy[i] of both
         banks into slot copy[n + i] of both slot tensors, as host-to-device copies on `stream` (a
-        CUstream of `context`); then `word` = 1: from the host once the stream has drained
-        (`host_word`), else by a stream write (at `word_device`) queued after the copies. With
-        `host_word`, copies that have not landed after `deadline_ms` fail the task and release the
-        GPU's wait (the step's check raises) instead of holding the step for good.
+        CUstream of `context`); then `word` = 1, from the host once the stream has drained. Copies
+        that have not landed after `deadline_ms` fail the task and release the GPU's wait (the
+        step's check raises) instead of holding the step for good.
         Banks: page-locked host tensors [rows, ...]; slots: CUDA tensors [slots, ...] of the same row
         shape and dtype; copy and word page-locked (int64, int32). Call before `serve_doorbell`.
         With `scratch` >= 0 (a slot index past the table's, bf16 / f32 weights) the copy list is
@@ -257,8 +260,8 @@ class HostTask:
         row_bytes = [t[0].numel() * t.element_size() for t in (banks_w13, banks_w2)]
         _ext.host_task_set_fetch(self.address, copy.data_ptr(), (copy.numel() - extra) // 2, banks_w13.data_ptr(),
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
-                                 row_bytes[1], banks_w13.shape[0], slot_rows, stream, context, word_device,
-                                 word.data_ptr(), host_word, deadline_ms, scratch, banks_w2.shape[2],
+                                 row_bytes[1], banks_w13.shape[0], slot_rows, stream, context,
+                                 word.data_ptr(), deadline_ms, scratch, banks_w2.shape[2],
                                  banks_w2.shape[1], banks_w13.element_size())
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
 

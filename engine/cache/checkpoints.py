@@ -166,7 +166,7 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ inspection
     def listing(self, session: str | None = None, slot_bytes: int = 0) -> list[dict[str, object]]:
-        out = []
+        out: list[dict[str, object]] = []
         for x in sorted(self.cache.snapshot_nodes(), key=lambda x: (x.depth, x.last_access)):
             assert x.meta is not None
             if session is not None and x.meta.session != session:

@@ -244,7 +244,7 @@ class RadixCache:
         self._held.clear()
         self.cached_tokens = 0  # device snapshots
         self.num_host_snapshots = 0
-        self._held: dict[Node, None] = {}  # nodes holding a snapshot, in insertion order
+        self._held = {}  # nodes holding a snapshot, in insertion order
 
 
 def _common(key: list[int], tokens: list[int], pos: int, limit: int) -> int:

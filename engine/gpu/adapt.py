@@ -1,5 +1,5 @@
 """The fetch ratio corrected online from which branch of each MoE layer finishes last (opt-in,
-FREETOKEN_ADAPT_RATIO=1): the calibrated ratio balances the PCIe fetch against the CPU experts by
+gpu.adapt_ratio): the calibrated ratio balances the PCIe fetch against the CPU experts by
 rates measured apart from decode, and the in-situ rates move with the host (the sixth GPU
 session: Qwen3's CPU branch at 52-58 GB/s in situ against 56-64 calibrated, on different calls).
 

@@ -107,13 +107,9 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
 
 
 def grouped_prefill_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> int:
-    """The grouped prefill kernels' buffers (engine/gpu/grouped.py, the default prefill kernel):
-    silu(gate) * up over the padded entry rows (at most N*k + 63 per expert), every entry's weighted
-    output, their float32 per-token sum, and the int64 sort bookkeeping (the default); 0 for the loop."""
-    from engine.gpu.prefill import resolve_prefill_kernel
-
-    if resolve_prefill_kernel() != "grouped":
-        return 0
+    """The grouped prefill kernels' buffers (engine/gpu/grouped.py, the streamed prefill's kernels on
+    CUDA): silu(gate) * up over the padded entry rows (at most N*k + 63 per expert), every entry's
+    weighted output, their float32 per-token sum, and the int64 sort bookkeeping."""
     entries = opts.prefill_chunk * cfg.top_k
     rows = entries + cfg.num_experts * 63
     return (item * (rows * cfg.moe_intermediate_size + entries * cfg.hidden_size)

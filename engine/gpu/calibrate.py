@@ -9,13 +9,7 @@ Contract: `calibrate(CalibrationSpec)` -> `Calibration` (engine/gpu/calibration_
   a small device slot pool, as ExpertSlots.apply_copies and the prefill streamer copy, top-k
   experts per batch, synchronised per batch. Needs CUDA: without it, B_P is None and `note` says
   so (`NO_GPU`).
-- B_F: the decode step's own fetch (engine/gpu/kernels.py `fetch_experts`: a Triton kernel reading
-  the pinned bank through its device mapping) at a decode layer's size: `fetch_batch` experts per
-  launch (default top-k / 4: what one layer fetches at batch 1) in a copy list padded to top-k,
-  synchronised per launch. On the H200 the decode step moved ~43.5 GB/s this way against B_P's
-  50-52 (fifth session): the decode split's ratio comes from B_F. Measured for formats without
-  scale tensors (bf16, f32), as the GPU cache serves them.
-- contended: each GPU loop together with the CPU loop (the CPU executor in a thread: moe_layer
+- contended: the copy loop together with the CPU loop (the CPU executor in a thread: moe_layer
   releases the GIL), each rate taken over its own calls during the shared window. Where the CPU
   alone does not saturate host memory these stay near the alone rates; where it does they split
   DRAM (BENCHMARKS.md).
@@ -49,7 +43,6 @@ class CalibrationSpec:
     seconds: float = 1.0  # per measurement per round
     rounds: int = 3
     device: str = "cuda"  # where B_P copies go; ignored (no B_P) when CUDA is unavailable
-    fetch_batch: int = 0  # experts per fetch launch for B_F; 0 = max(1, round(top_k / 4))
 
 
 def cpu_model() -> str:
@@ -108,16 +101,6 @@ class _Loops:
             self.host = [t.pin_memory() for t in tensors]
             self.dev = [torch.empty((k, *t.shape[1:]), dtype=t.dtype, device=spec.device) for t in tensors]
             self.stream = torch.cuda.Stream(torch.device(spec.device))
-        self.fetch_q = min(k, spec.fetch_batch or max(1, round(k / 4)))
-        self.can_fetch = gpu and self.bank.s13 is None  # the decode fetch kernel moves w13 and w2 only
-        if self.can_fetch:
-            # copy lists as a decode layer's: fetch_q rows of one batch, padded with -1 to top-k
-            n = len(self.sets)
-            pad = torch.full((n, k - self.fetch_q), -1, dtype=torch.int64)
-            rows = torch.arange(n * k, dtype=torch.int64).view(n, k)[:, :self.fetch_q]
-            self.fetch_src = torch.cat([rows, pad], dim=1).to(spec.device)
-            self.fetch_dst = torch.arange(k, dtype=torch.int64, device=spec.device)
-            self.fetch_step = 0
 
     def cpu_call(self) -> int:
         ids = self.sets[self.cpu_step % len(self.sets)]
@@ -136,17 +119,6 @@ class _Loops:
                     d[slot].copy_(h[first + slot], non_blocking=True)
         self.stream.synchronize()
         return self.k * self.per_expert
-
-    def fetch_call(self) -> int:
-        from engine.gpu.kernels import fetch_experts  # triton: imported where CUDA runs
-
-        n = len(self.sets)
-        src = self.fetch_src[n - 1 - self.fetch_step % n]  # from the far end, as copy_call
-        self.fetch_step += 1
-        with torch.cuda.stream(self.stream):
-            fetch_experts(src, self.fetch_dst, self.host[0], self.host[1], self.dev[0], self.dev[1])
-        self.stream.synchronize()
-        return self.fetch_q * self.per_expert
 
     def together(self, seconds: float, gpu_call: Callable[[], int]) -> tuple[float, float]:
         """(CPU GB/s, GPU loop GB/s) while the CPU loop and `gpu_call`'s loop run."""
@@ -173,20 +145,14 @@ def calibrate(spec: CalibrationSpec) -> Calibration:
     gpu = spec.device.startswith("cuda") and torch.cuda.is_available()
     loops = _Loops(spec, gpu)
     b_cpu = max(_rate(loops.cpu_call, spec.seconds) for _ in range(spec.rounds))
-    b_pcie = cpu_c = pcie_c = b_fetch = cpu_f = fetch_c = None
+    b_pcie = cpu_c = pcie_c = None
     if gpu:
         b_pcie = max(_rate(loops.copy_call, spec.seconds) for _ in range(spec.rounds))
         pairs = [loops.together(spec.seconds, loops.copy_call) for _ in range(spec.rounds)]
         cpu_c, pcie_c = max(pairs, key=lambda p: p[0] + p[1])  # best combined round
-    if loops.can_fetch:
-        b_fetch = max(_rate(loops.fetch_call, spec.seconds) for _ in range(spec.rounds))
-        pairs = [loops.together(spec.seconds, loops.fetch_call) for _ in range(spec.rounds)]
-        cpu_f, fetch_c = max(pairs, key=lambda p: p[0] + p[1])
     return Calibration(
         key=machine_key(spec, loops.ft.num_threads(), gpu),
         b_cpu=round(b_cpu, 3), b_pcie=_round(b_pcie), b_cpu_contended=_round(cpu_c), b_pcie_contended=_round(pcie_c),
-        b_fetch=_round(b_fetch), b_fetch_contended=_round(fetch_c), b_cpu_fetch_contended=_round(cpu_f),
-        fetch_batch=loops.fetch_q if loops.can_fetch else 0,
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         note="" if gpu else NO_GPU,
     )

@@ -3,12 +3,12 @@
 Contract: `Calibration` (frozen) holds what engine/gpu/calibrate.py measures for one
 `MachineKey` (GPU name, CPU model, CPU executor threads, expert format and shape): B_C, the CPU
 expert executor's weight throughput at batch 1; B_P, pinned host->device expert copies in bulk
-batches (what prefill streams; the bounds use it); B_F, the decode step's fetch kernel at one
-layer's size (`fetch_batch` experts per launch); each alone and while the CPU executor runs too
-(contended; None where not measured, e.g. no CUDA device). `ratio()` is the fetch ratio the decode
-split uses (engine/gpu/policy.py): from the contended B_F and the CPU's rate beside it when
-measured, else the contended B_P form, else the paper's B_P / B_H from the rates alone, else 0 (no
-copy path: every miss on the CPU).
+batches (what prefill streams, and the decode steps' host-issued fetches; the bounds use it); each
+alone and while the CPU executor runs too (contended; None where not measured, e.g. no CUDA
+device). `ratio()` is the fetch ratio the decode split uses (engine/gpu/policy.py): the contended
+B_P' / (B_P' + B_C') when measured, else the paper's B_P / B_H from the rates alone, else 0 (no
+copy path: every miss on the CPU). Records written before the fetch kernel was retired carry its
+rate (B_F) too: read, and dropped.
 `save(path, cal)` merges one record into the file (written atomically: a temporary file then a
 rename), `load(path, key)` returns the record for a key or None, `load_all(path)` every record.
 The file is {"version": 2, "machines": {key string: record}}; an unreadable or foreign file is
@@ -26,7 +26,9 @@ from typing import Any
 
 from engine.gpu.policy import fetch_ratio
 
-VERSION = 2  # 2: B_F (the fetch kernel at a layer's size); version-1 files are measured again
+VERSION = 2  # version-1 files are measured again
+# the retired fetch kernel's rates (docs/gpu-tier.md), in version-2 records written before it went
+_RETIRED = ("b_fetch", "b_fetch_contended", "b_cpu_fetch_contended", "fetch_batch")
 
 
 @dataclass(frozen=True)
@@ -49,18 +51,11 @@ class Calibration:
     b_pcie: float | None = None  # GB/s, host->device expert copies alone
     b_cpu_contended: float | None = None  # GB/s, CPU executor while copies run
     b_pcie_contended: float | None = None  # GB/s, copies while the CPU executor runs
-    b_fetch: float | None = None  # GB/s, the decode fetch kernel at a layer's size, alone
-    b_fetch_contended: float | None = None  # GB/s, the same while the CPU executor runs
-    b_cpu_fetch_contended: float | None = None  # GB/s, CPU executor while the fetch kernel runs
-    fetch_batch: int = 0  # experts per fetch launch behind B_F
     measured_at: str = ""
     note: str = ""
 
-    def ratio(self, fetch: str = "kernel") -> float:
-        """The decode split for a fetch path: "kernel" (the fetch kernel's contended rate B_F' where
-        measured) or "dma" (host-issued copies: the bulk copies' contended rate B_P')."""
-        if fetch == "kernel" and self.b_fetch_contended is not None and self.b_cpu_fetch_contended is not None:
-            return fetch_ratio(self.b_fetch_contended, self.b_cpu_fetch_contended, contended=True)
+    def ratio(self) -> float:
+        """The decode split: host-issued copies move at the bulk copies' contended rate B_P'."""
         if self.b_cpu_contended is not None and self.b_pcie_contended is not None:
             return fetch_ratio(self.b_pcie_contended, self.b_cpu_contended, contended=True)
         if self.b_pcie is not None:
@@ -72,7 +67,8 @@ class Calibration:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Calibration:
-        return cls(**{**d, "key": MachineKey(**d["key"])})
+        fields = {k: v for k, v in d.items() if k not in _RETIRED}
+        return cls(**{**fields, "key": MachineKey(**d["key"])})
 
 
 def load_all(path: Path) -> dict[str, Calibration]:

@@ -61,8 +61,8 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
     budget = split_gpu_memory(total, decoder.cfg, opts, dtype, dense_bytes(decoder.weights, device),
                               banks.expert_bytes)
     old_bytes = old.slots.slots * banks.expert_bytes
-    keep = {"cpu_executor": old.cpu_executor, "ratio": old.ratio, "threads": opts.threads, "graphs": old.graphs,
-            "cpu_branch": old.cpu_branch, "plan": old.plan, "fetch": old.fetch,
+    keep = {"cpu_executor": old.cpu_executor, "ratio": old.ratio, "threads": opts.native_pool_threads, "graphs": old.graphs,
+            "plan": old.plan,
             # what was asked, not what ran: a pool that held every expert had no split to keep
             "adapt": old.adapt_request, "split": old.split_request}
     _release(decoder, old)
@@ -82,9 +82,8 @@ def rebuild_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dty
 
 def _build(banks: ExpertBanks, budget_bytes: int, device: torch.device, keep: dict[str, Any]) -> CachedExpertExecutor:
     return create_cached_executor(banks, budget_bytes, device, keep["ratio"], cpu_executor=keep["cpu_executor"],
-                                  threads=keep["threads"], graphs=keep["graphs"], cpu_branch=keep["cpu_branch"],
-                                  plan=keep["plan"], fetch=keep["fetch"], adapt=keep["adapt"],
-                                  split=keep["split"])
+                                  threads=keep["threads"], graphs=keep["graphs"], plan=keep["plan"],
+                                  adapt=keep["adapt"], split=keep["split"])
 
 
 def _release(decoder: Decoder, old: CachedExpertExecutor) -> None:

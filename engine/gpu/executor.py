@@ -22,34 +22,32 @@ own experts (the native executor computes every entry it is given, so zeroing th
 device entries would still read their weights from DRAM).
 
 `stats` counts hits, misses and fetched experts over all calls (kept on the device, read on
-demand). On a real GPU this version reads the plan's small outputs on the host once per layer
-(slot ids and copy list, one transfer), runs the CPU branch in a worker thread while the copies
-and the device part are queued, and the device part still loops over experts in Python (a few
-more syncs); the graph-captured version (device-side copy kernel, the CPU branch as a host node,
-one grouped kernel) is the next step. `overlap` (default: on unless the slots live on the CPU)
-runs the CPU branch in that worker; `close()` stops it.
+demand). Outside the decode steps below, this path reads the plan's small outputs on the host once
+per layer (slot ids and copy list, one transfer), runs the CPU branch in a worker thread while the
+copies and the device part are queued, and the device part loops over experts in Python (a few
+more syncs). `overlap` (default: on unless the slots live on the CPU) runs the CPU branch in that
+worker; `close()` stops it.
 
 Decode-sized batches on CUDA go through `DeviceStep` (engine/gpu/device_step.py) instead, each
 layer's step in a CUDA graph of its own, or enqueued as it is inside a captured whole pass
 (engine/model/decode_graph.py: `graph_step` / `with_side_work`; `capturable` up to `step_tokens`
-tokens). `plan`,
-`cpu_branch` and `fetch` pick its parts (FREETOKEN_PLAN / _CPU_BRANCH / _FETCH), `adapt`
-(FREETOKEN_ADAPT_RATIO=1) corrects the ratio online (engine/gpu/adapt.py; the plan kernel reads
-it from `ratio_device`). `check()`, which the scheduler calls after every forward, raises what the
-steps' host tasks could not (and applies the ratio correction). `split` (on wherever it
-can run: the host-issued fetch, the fused plan, the native CPU side, a scratch slot in the pool;
-FREETOKEN_SPLIT_EXPERT=0 turns it off, =1 insists) has each decode step split one miss by
+tokens). `plan` picks its plan (the option gpu.plan), `adapt` (gpu.adapt_ratio) corrects the
+ratio online (engine/gpu/adapt.py; the plan kernel reads it from `ratio_device`). `check()`, which
+the scheduler calls after every forward, raises what the steps' host tasks could not (and applies
+the ratio correction). `split` (on wherever it can run: the fused plan, the native CPU side, a
+scratch slot in the pool;
+gpu.split_expert off turns it off, on insists) has each decode step split one miss by
 intermediate rows between a partial fetch and the CPU (engine/gpu/policy.py `split_share`), so
 the two sides can balance to a fraction of an expert instead of a whole one; `adapt` then defaults
-to on (FREETOKEN_ADAPT_RATIO=0 turns it off).
+to on (gpu.adapt_ratio off turns it off).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,19 +55,11 @@ import torch.nn.functional as F
 from engine.errors import ConfigError, EngineError
 from engine.gpu.adapt import RatioController
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.device_step import (
-    DeviceStep,
-    StepParts,
-    resolve_cpu_branch,
-    resolve_dma_word,
-    resolve_fetch,
-    resolve_plan,
-)
+from engine.gpu.device_step import DeviceStep, StepParts, resolve_plan
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
 from engine.gpu.slots import ExpertSlots
-from engine.model.ops import env_switch
 from engine.moe.base import CacheStats, ExpertExecutor
 from engine.moe.executor import TorchExpertExecutor
 from engine.moe.native import NativeExpertExecutor, native_unsupported
@@ -80,27 +70,17 @@ log = logging.getLogger("freetoken.engine")
 SPLIT_ROWS = 32  # the split expert's share moves in steps of this many intermediate rows
 
 
-def split_switch(split: bool | None) -> bool | None:
-    """`split`, else FREETOKEN_SPLIT_EXPERT (1 forces it, 0 turns it off), else None (on where it can
-    run); ConfigError for a bad value."""
-    if split is not None:
-        return split
-    raw = os.environ.get("FREETOKEN_SPLIT_EXPERT", "").strip()
-    return env_switch("FREETOKEN_SPLIT_EXPERT", False) if raw else None
-
-
-def resolve_split(split: bool | None, banks: ExpertBanks, fetch: str, plan: str, device: torch.device,
-                  native_cpu: bool) -> bool:
-    """Whether decode steps split one miss per layer: `split_switch(split)`, where None means on
-    wherever it can run (a CUDA pool, the host-issued fetch, the fused plan, the native CPU executor,
-    experts `split_units` can divide). Asked for where the fetch, plan or experts cannot split: a
-    ConfigError at start, never a silent fallback."""
-    asked = split_switch(split)
+def resolve_split(split: bool | None, banks: ExpertBanks, plan: str, device: torch.device, native_cpu: bool) -> bool:
+    """Whether decode steps split one miss per layer (the option gpu.split_expert): `split`, where
+    None means on wherever it can run (a CUDA pool, the fused plan, the native CPU executor, experts
+    `split_units` can divide). Asked for where the plan or experts cannot split: a ConfigError at
+    start, never a silent fallback."""
+    asked = split
     units = split_units(banks)
-    can = fetch == "dma" and plan == "fused" and units > 0
+    can = plan == "fused" and units > 0
     if asked and not can:
-        raise ConfigError("FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch (FREETOKEN_FETCH=dma), the fused "
-                          f"plan and bf16 / f32 experts whose size is a multiple of {SPLIT_ROWS}")
+        raise ConfigError("split_expert (FREETOKEN_SPLIT_EXPERT=1) needs the fused plan and bf16 / f32 experts "
+                          f"whose size is a multiple of {SPLIT_ROWS}")
     if asked is None:
         return can and device.type == "cuda" and native_cpu
     return asked
@@ -183,8 +163,7 @@ class CachedExpertExecutor(ExpertExecutor):
 
     def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
-                 cpu_branch: str | None = None, plan: str | None = None, fetch: str | None = None,
-                 adapt: bool | None = None, split: bool | None = None) -> None:
+                 plan: str | None = None, adapt: bool | None = None, split: bool | None = None) -> None:
         table.check_matches(banks, slots)
         self.banks, self.slots, self.table = banks, slots, table
         self.cpu_executor = cpu_executor
@@ -196,21 +175,16 @@ class CachedExpertExecutor(ExpertExecutor):
         self._counts = torch.zeros(4, dtype=torch.int64, device=table.device)  # hits, misses, fetched, split
         # decode-sized batches on CUDA with the native CPU side: the sync-free step (device_step.py)
         self.graphs = graphs
-        self.cpu_branch = resolve_cpu_branch(cpu_branch)  # a bad FREETOKEN_CPU_BRANCH fails here, at start
-        self.plan = resolve_plan(plan)  # likewise FREETOKEN_PLAN
-        self.fetch = resolve_fetch(fetch, self.cpu_branch)  # and FREETOKEN_FETCH
-        if self.fetch == "dma" and self.cpu_branch != "doorbell":
-            raise ConfigError("FREETOKEN_FETCH=dma needs the doorbell CPU branch (its poller issues the copies)")
-        # how the copier releases the GPU's wait: FREETOKEN_DMA_WORD=host (default) / stream.
-        # With fetch="dma", nothing may read device memory into pageable host memory while a step is
-        # queued (such a read holds a driver lock the copier's copies need: a deadlock, eighth GPU
-        # session): the scheduler reads only after check() has synchronised, and so does `stats`.
-        self.dma_word = resolve_dma_word() if self.fetch == "dma" else "host"
+        self.plan = resolve_plan(plan)  # a bad plan name fails here, at start
+        # The steps' fetches are issued by the host: nothing may read device memory into pageable
+        # host memory while a step is queued (such a read holds a driver lock the copier's copies
+        # need: a deadlock, eighth GPU session): the scheduler reads only after check() has
+        # synchronised, and so does `stats`.
         # one miss per decode step split by rows between a partial fetch and the CPU (on where it can
         # run since the tenth GPU session); the requests are kept for a rebuilt pool (engine/gpu/elastic.py)
         self.split_request, self.adapt_request = split, adapt
         native = serves_steps(cpu_executor)
-        on = resolve_split(split, banks, self.fetch, self.plan, table.device, native)
+        on = resolve_split(split, banks, self.plan, table.device, native)
         # the plan's (units, rows per unit), or None: also none for a pool too small for a scratch slot
         # next to a table slot (create_cached_executor makes the scratch when the split is on)
         self.split_steps = ((split_units(banks), SPLIT_ROWS)
@@ -218,9 +192,9 @@ class CachedExpertExecutor(ExpertExecutor):
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py): opt-in, and
         # on by default with the split: a ratio nudge then moves a fraction of an expert, where whole
         # experts per layer barely moved (ninth GPU session: the pair +13.6 %, the split alone +2.4 %)
-        self.adapt = env_switch("FREETOKEN_ADAPT_RATIO", self.split) if adapt is None else adapt
-        if self.adapt and (self.cpu_branch != "doorbell" or self.plan != "fused"):
-            raise ConfigError("FREETOKEN_ADAPT_RATIO=1 needs the doorbell CPU branch and the fused plan")
+        self.adapt = self.split if adapt is None else adapt
+        if self.adapt and self.plan != "fused":
+            raise ConfigError("adapt_ratio (FREETOKEN_ADAPT_RATIO=1) needs the fused plan")
         self._controller = RatioController(self.ratio)
         # the plan kernel reads the ratio from here: check() may rewrite it between steps
         self.ratio_device = (torch.tensor([self.ratio], dtype=torch.float64, device=table.device)
@@ -228,7 +202,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self.step_tokens = step_tokens if table.device.type == "cuda" and native else 0
         self._steps: dict[int, DeviceStep] = {}
         self._failures_checked = 0  # native host-task failures seen by check()
-        self._graph_pool: tuple[int, int] | None = None
+        self._graph_pool: Any = None
         # large chunks (dense routing): every layer's experts streamed into two layer buffers
         # (engine/gpu/prefill.py), when the pool holds two layers but not the whole model
         E = banks.num_experts
@@ -240,7 +214,7 @@ class CachedExpertExecutor(ExpertExecutor):
 
     @property
     def split(self) -> bool:
-        """Whether decode steps split one miss per layer (FREETOKEN_SPLIT_EXPERT)."""
+        """Whether decode steps split one miss per layer (gpu.split_expert)."""
         return self.split_steps is not None
 
     @property
@@ -255,8 +229,7 @@ class CachedExpertExecutor(ExpertExecutor):
 
     def describe(self) -> str:
         steps = "off" if not self.step_tokens else ("CUDA graphs" if self.graphs else "eager")
-        fetch = (("" if self.fetch == "kernel" else f" ({self.fetch})") + (" adaptive" if self.adapt else "")
-                 + (" split" if self.split else ""))
+        fetch = (" adaptive" if self.adapt else "") + (" split" if self.split else "")
         return (f"cached ({self.slots.slots} slots on {self.slots.device}, fetch ratio {self.ratio:.3f}{fetch}; "
                 f"misses on {self.cpu_executor.describe()}; decode steps <= {self.step_tokens} tokens: {steps})")
 
@@ -285,7 +258,7 @@ class CachedExpertExecutor(ExpertExecutor):
         on_cpu = (host[:n] < 0).view(ids.shape)
         copy_src, copy_dst = host[n:].chunk(2)
         part = cpu_entries(ids.cpu(), weights.cpu(), on_cpu)
-        cpu_job = None
+        cpu_job: _Done | Future[tuple[torch.Tensor, torch.Tensor]] | None = None
         if part is not None:
             # the CPU branch starts first (paper 3.2); on a GPU it runs in a worker thread (the
             # native executor releases the GIL) while copies and the device part are queued. With
@@ -323,8 +296,7 @@ class CachedExpertExecutor(ExpertExecutor):
         if step is None:
             if self.graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = DeviceStep(self._step_parts(), tokens, k, dtype, self.graphs, self._graph_pool, self.cpu_branch,
-                              self.plan, self.fetch)
+            step = DeviceStep(self._step_parts(), tokens, k, dtype, self.graphs, self._graph_pool, self.plan)
             self._steps[tokens] = step
         return step
 
@@ -332,7 +304,7 @@ class CachedExpertExecutor(ExpertExecutor):
         # device steps run on CUDA only, with the native CPU side (`step_tokens`)
         assert self.ratio_device is not None and isinstance(self.cpu_executor, NativeExpertExecutor)
         return StepParts(self.banks, self.slots, self.table, self.cpu_executor.experts, self._counts,
-                         self.ratio_device, self.split_steps, self.adapt, self.dma_word)
+                         self.ratio_device, self.split_steps, self.adapt)
 
     def begin_forward(self, entries: int) -> None:
         """A chunk the streamer will take (`entries` routed entries per layer, tokens x k) has its
@@ -420,18 +392,14 @@ class _Done:
 
 def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.device | str, ratio: float,
                            cpu_executor: ExpertExecutor | None = None, threads: int = 0,
-                           graphs: bool = True, cpu_branch: str | None = None,
-                           plan: str | None = None, fetch: str | None = None,
-                           adapt: bool | None = None, split: bool | None = None) -> CachedExpertExecutor:
+                           graphs: bool = True, plan: str | None = None, adapt: bool | None = None,
+                           split: bool | None = None) -> CachedExpertExecutor:
     """A `CachedExpertExecutor` with a slot pool of `budget_bytes` on `device` and an empty cache
     (and a scratch slot in it when the expert split is on: `resolve_split`)."""
     cpu_executor = cpu_executor or default_cpu_executor(banks, threads)
-    branch = resolve_cpu_branch(cpu_branch)
-    scratch = resolve_split(split, banks, resolve_fetch(fetch, branch), resolve_plan(plan), torch.device(device),
-                            serves_steps(cpu_executor))
+    scratch = resolve_split(split, banks, resolve_plan(plan), torch.device(device), serves_steps(cpu_executor))
     slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=scratch)
     layers = banks.w13.shape[0] // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
-    return CachedExpertExecutor(banks, slots, table, cpu_executor, ratio,
-                                graphs=graphs, cpu_branch=cpu_branch, plan=plan, fetch=fetch, adapt=adapt,
+    return CachedExpertExecutor(banks, slots, table, cpu_executor, ratio, graphs=graphs, plan=plan, adapt=adapt,
                                 split=split)

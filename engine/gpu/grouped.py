@@ -52,14 +52,15 @@ dtype), plus a few int64 vectors of N*k or M entries.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from engine.options import triton_interpreted
+
+_INTERPRET = triton_interpreted()
 # tiles: rows of a block are entries of one expert; N / K tiles over the weights (see block_m)
 _GATE_UP_N, _GATE_UP_K = 64, 64  # I-tile (gate and up each: 128 output columns in all), H step
 _DOWN_N, _DOWN_K = 128, 64  # H-tile, I step

@@ -1,13 +1,13 @@
-"""Hand the CPU branch of a MoE layer to the host from a CUDA stream, two ways (both can be captured
-into a CUDA graph; engine/gpu/device_step.py measures and picks):
+"""Hand the CPU branch of a MoE layer to the host from a CUDA stream: the doorbell (it can be
+captured into a CUDA graph; engine/gpu/device_step.py uses it).
 
-- `launch_host_task(task, stream)`: the driver's `cuLaunchHostFunc`: the task runs on the driver's
-  callback thread when the stream reaches it (a host node in a graph). The stream is blocked for
-  the task's duration; other streams go on.
-- the doorbell: `ring(stream, words)` writes words[0] = 1 with a stream memory operation
-  (`cuStreamWriteValue32`), the native poller thread (native/src/poller.h) sees it, runs the task
-  and sets words[1] = 1; `wait_done(stream, words)` makes the stream wait for words[1] == 1
-  (`cuStreamWaitValue32`) and writes it back to 0. No driver thread is involved.
+`ring(stream, words)` writes words[0] = 1 with a stream memory operation (`cuStreamWriteValue32`),
+the native poller thread (native/src/poller.h) sees it, runs the task and sets words[1] = 1;
+`wait_done(stream, words)` makes the stream wait for words[1] == 1 (`cuStreamWaitValue32`) and
+writes it back to 0. No driver thread is involved. (A `cuLaunchHostFunc` host node, which blocks
+its stream while the task runs on the driver's callback thread, was ~230 us per layer slower on
+the H200 and is gone: docs/gpu-tier.md.) `device_address` gives the device's address of
+page-locked memory; `current_context` the CUDA context the poller's copier makes current.
 
 The task (native.ftnative.HostTask) runs without the GIL; it and the page-locked `words` must
 outlive every launch and graph that uses them (callers keep them referenced).
@@ -41,11 +41,6 @@ def _fn(*names: str, argtypes: list[Any]) -> Any:
 
 
 @functools.cache
-def _launch_host_func() -> Any:
-    return _fn("cuLaunchHostFunc", argtypes=[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
-
-
-@functools.cache
 def _write_value() -> Any:
     return _fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32",
                argtypes=[ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint])
@@ -70,7 +65,7 @@ def _current_context() -> Any:
 
 def current_context() -> int:
     """This thread's CUDA context (torch's primary context once CUDA is initialised): the native
-    poller makes it current before it issues copies (FREETOKEN_FETCH=dma)."""
+    poller makes it current before it issues copies."""
     torch.cuda.init()
     out = ctypes.c_void_p()
     _check(_current_context()(ctypes.byref(out)), "cuCtxGetCurrent")
@@ -86,11 +81,6 @@ def _check(err: int, what: str) -> None:
 
 def _stream(stream: torch.cuda.Stream | None) -> ctypes.c_void_p:
     return ctypes.c_void_p((stream or torch.cuda.current_stream()).cuda_stream)
-
-
-def launch_host_task(task: Any, stream: torch.cuda.Stream | None = None) -> None:
-    _check(_launch_host_func()(_stream(stream), ctypes.c_void_p(task.function_address),
-                               ctypes.c_void_p(task.address)), "cuLaunchHostFunc")
 
 
 def device_address(words: torch.Tensor) -> int:

@@ -1,14 +1,10 @@
-"""Triton kernels of the GPU expert cache's decode step: the fetch of missed experts into their
-slots, the routed experts that run from slots, and the CPU branch's hand-off. None needs a host
-synchronisation (host memory is read and written through its device mapping), so a whole MoE layer
-can be queued (and captured in a CUDA graph) without one.
+"""Triton kernels of the GPU expert cache's decode step: the routed experts that run from slots,
+and the CPU branch's hand-off. None needs a host synchronisation (host memory is read and written
+through its device mapping), so a whole MoE layer can be queued (and captured in a CUDA graph)
+without one. (The fetch itself is issued by the host: native/src/dma_fetch.h. A Triton kernel that
+copied the experts over PCIe through the banks' device mapping was 6 % slower: docs/gpu-tier.md.)
 
 Contract:
-- `fetch_experts(copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2)`: for every i with
-  copy_src[i] >= 0, slot copy_dst[i] of both slot tensors receives bank row copy_src[i]. The banks
-  are page-locked host tensors (cudaHostRegister'd in place, engine/gpu/setup.py): the kernel
-  reads them over PCIe through their device mapping, so the copy list never has to reach the host.
-  Padding entries (-1) cost one program each that exits at once.
 - `slot_experts(x, ids, slot_ids, weights, slots_w13, slots_w2) -> [N, H]`: the sum over the entries
   with a slot (slot_ids >= 0) of weight * down(silu(gate(x)) * up(x)), weights read from the slot
   pool. Each intermediate is rounded to x's dtype where the reference (TorchExpertExecutor: F.linear
@@ -21,12 +17,11 @@ Contract:
   sum per token, plus the CPU branch's part when given, in one launch).
 - `hand_off(x, ids, slot_ids, weights, x_h, ids_h, w_h[, copy_src, copy_dst, copy_h])`: the CPU
   branch's inputs written into page-locked host buffers by one kernel (what were a select, a cast
-  and three copies), and the copy list with them when the host issues the fetch (FREETOKEN_FETCH=dma).
+  and three copies), and the copy list with them (the host issues the fetch).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -34,43 +29,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_FETCH_BLOCK = 4096
+from engine.options import triton_interpreted
+
 # libdevice's exp (expf's accuracy, as the reference's silu) where a GPU compiles the kernels;
 # Triton's interpreter has no libdevice and its tl.exp is numpy's
-_LIBDEVICE_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-_FETCH_CTAS = int(os.environ.get("FREETOKEN_FETCH_CTAS", "64"))  # read once: fetch_experts runs every layer
-
-
-@triton.jit
-def _fetch_kernel(src_ptr, dst_ptr, bank13, bank2, slot13, slot2, n13, n2, n_chunks, programs,
-                  BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    src = tl.load(src_ptr + i)
-    if src >= 0:
-        dst = tl.load(dst_ptr + i)
-        for c in range(tl.program_id(1), n_chunks, programs):
-            offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            m13 = offs < n13
-            tl.store(slot13 + dst * n13 + offs, tl.load(bank13 + src * n13 + offs, mask=m13), mask=m13)
-            m2 = offs < n2
-            tl.store(slot2 + dst * n2 + offs, tl.load(bank2 + src * n2 + offs, mask=m2), mask=m2)
-
-
-def fetch_experts(copy_src: torch.Tensor, copy_dst: torch.Tensor, banks_w13: torch.Tensor, banks_w2: torch.Tensor,
-                  slots_w13: torch.Tensor, slots_w2: torch.Tensor) -> None:
-    n = copy_src.numel()
-    if n == 0 or slots_w13.shape[0] == 0:
-        return
-    n13 = banks_w13[0].numel()
-    n2 = banks_w2[0].numel()
-    n_chunks = triton.cdiv(max(n13, n2), _FETCH_BLOCK)
-    # A bounded number of programs per copy, each looping over its chunks: enough loads in flight to
-    # fill PCIe, without occupying every SM (FREETOKEN_FETCH_CTAS: programs over all copies, 0 = one
-    # per chunk). Measured on the H200 (docs/benchmarks.md): one program per chunk takes every SM and
-    # delays the CPU branch's small copies behind it; 48-128 programs keep ~47 of 49.5 GB/s.
-    programs = n_chunks if _FETCH_CTAS <= 0 else max(1, min(n_chunks, _FETCH_CTAS // n))
-    _fetch_kernel[(n, programs)](copy_src, copy_dst, banks_w13, banks_w2, slots_w13, slots_w2, n13, n2, n_chunks,
-                                 programs, BLOCK=_FETCH_BLOCK, num_warps=8)
+_LIBDEVICE_EXP = tl.constexpr(not triton_interpreted())
 
 
 @triton.jit
@@ -199,7 +162,7 @@ def expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     h = torch.empty(entries, inter, dtype=x.dtype, device=x.device)
     w = weights.reshape(-1).to(x.dtype).contiguous()
     phased = copy_dst is not None and between is not None
-    dst = copy_dst.contiguous() if phased else slot_flat  # unused in phase 0
+    dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
     copies = dst.numel() if phased else 1
     split_t = split if split is not None else slot_flat  # unused without a scratch slot
     if split is None:
@@ -313,6 +276,7 @@ def hand_off(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights
     else:
         assert split is None, "the split entry travels with a copy list"
         copy_src = copy_dst = copy_h = ids_h  # unused placeholders (COPIES = 0)
+    assert copy_src is not None and copy_dst is not None and copy_h is not None
     if split is None:
         scratch = -2
     _handoff_kernel[(n,)](x.contiguous(), ids.contiguous(), slot_ids.contiguous(), weights.contiguous(), x_h, ids_h,

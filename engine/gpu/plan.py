@@ -20,7 +20,7 @@ the executor's online one) updates `state` (engine/gpu/cache_table.py) and retur
    and fetched), else -1 (run on the CPU); `copy_src` / `copy_dst` [E] int64: flat expert ids
    (`layer * E + expert`) and their destination slots, the q valid pairs first, padded with -1:
    one batched host->device copy for every bank (engine/gpu/slots.py).
-With `split=(units, rows)` and a `scratch` slot (past the table's; FREETOKEN_SPLIT_EXPERT), step 2
+With `split=(units, rows)` and a `scratch` slot (past the table's; gpu.split_expert), step 2
 is `split_share`: q whole experts, and the next miss in step 3's order is the split expert, its
 first rem * rows intermediate rows fetched into the scratch slot and run there, the others on the
 CPU. Its entries' slot id is `scratch`; `LayerPlan.split` = [its flat id, rem * rows] ([-1, 0]

@@ -19,7 +19,7 @@ Contract:
   (a pure CPU tier, e.g. a slot pool of size 0 or a machine where the copy path is unusable).
   The caller further caps q by the free victim slots (engine/gpu/plan.py).
 - `split_share(misses, ratio, units)` -> (q, rem): the same balance with one expert split between
-  the two sides (FREETOKEN_SPLIT_EXPERT): whole experts move in steps of one expert's time, so a
+  the two sides (gpu.split_expert): whole experts move in steps of one expert's time, so a
   layer with m = 4 misses and ratio 0.47 fetches 2 (the fetch side then ends last by a third of an
   expert) where the balance is 1.88. Here the GPU's share m * ratio is rounded (half to even) to
   1/units of an expert instead: q = floor of it whole experts are fetched, and the next miss is

@@ -9,9 +9,9 @@ layer is on the GPU when the layer runs: the resident ones in place, the others 
 
 Contract: `PrefillStreamer(banks, slots, table, copy_stream, kernel=None)` (copy_stream: a CUDA
 stream other than the compute stream, or None: copies on the current stream, which is what a CPU
-device uses; the results are the same; kernel: how `layer` computes the experts, "loop" or
-"grouped", default the FREETOKEN_PREFILL_KERNEL environment variable, read once here, else "grouped";
-any other value is a ConfigError). `PrefillStreamer.fits(slots, experts)`: whether the pool has
+device uses; the results are the same; kernel: how `layer` computes the experts, "grouped" where
+Triton runs, the loop elsewhere; "loop" asks for the loop anyway (the reference the tests hold the
+grouped kernels to); any other value is a ConfigError). `PrefillStreamer.fits(slots, experts)`: whether the pool has
 the 2E slots the two buffers need (E = experts per layer); when it does not, use the decode path.
 - `start(first_moe_index=0)` (optional; `layer` calls it on first use): takes 2E slots from the
   pool with `table.reserve` (the least recently used, empty first; their experts leave the
@@ -33,8 +33,9 @@ the 2E slots the two buffers need (E = experts per layer); when it does not, use
     for operation: distinct experts in ascending id, gate/up F.linear, silu * up, down F.linear,
     times the weight, index_add_: the result is bit-identical to it. A Python loop over the
     routed experts (about 8 kernel launches each) after a host read of the routing.
-  - "grouped" (the default: 1.7x the loop's rate on an 8192-token chunk, docs/benchmarks.md; on
-    CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the loop runs):
+  - "grouped" (1.7x the loop's rate on an 8192-token chunk, docs/benchmarks.md: the one GPU path
+    since; on CUDA, or on any device under Triton's interpreter; on a CPU pool otherwise the loop
+    runs):
     engine/gpu/grouped.py, two Triton GEMM kernels over the entries sorted by expert,
     each expert read from its slot through a [L, E] device tensor of slots made in `start`: no
     host read, no loop over experts. Every intermediate is rounded where the reference rounds it
@@ -91,7 +92,6 @@ slots as available, so a call with more misses than unreserved slots would take 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -101,18 +101,10 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.slots import ExpertSlots
+from engine.options import triton_interpreted
 from engine.weights.layout import ExpertBanks
 
 PREFILL_KERNELS = ("loop", "grouped")
-
-
-def resolve_prefill_kernel(name: str | None = None) -> str:
-    """`name`, else FREETOKEN_PREFILL_KERNEL, else "grouped"; ConfigError for an unknown one."""
-    kernel = name or os.environ.get("FREETOKEN_PREFILL_KERNEL", "grouped")
-    if kernel not in PREFILL_KERNELS:
-        raise ConfigError(f"unknown prefill kernel FREETOKEN_PREFILL_KERNEL={kernel!r} "
-                          f"(valid: {', '.join(PREFILL_KERNELS)})")
-    return kernel
 
 
 @dataclass
@@ -138,18 +130,19 @@ class PrefillStreamer:
         table.check_matches(banks, slots)
         if copy_stream is not None and slots.device.type != "cuda":
             raise ValueError(f"a copy stream needs CUDA slots, the pool is on {slots.device}")
-        self.kernel = resolve_prefill_kernel(kernel)  # a bad FREETOKEN_PREFILL_KERNEL fails here
+        if kernel is not None and kernel not in PREFILL_KERNELS:
+            raise ConfigError(f"unknown prefill kernel {kernel!r} (valid: {', '.join(PREFILL_KERNELS)})")
         # the Triton kernels run on CUDA, or on any device under Triton's interpreter (CPU tests)
-        self.grouped = self.kernel == "grouped" and (
-            slots.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        triton_here = slots.device.type == "cuda" or triton_interpreted()
+        self.grouped = kernel != "loop" and triton_here
+        self.kernel = "grouped" if self.grouped else "loop"
         self._kernels: ModuleType | None = None
         self._counts: torch.Tensor | None = None  # grouped: [in_place, streamed_unused] on the device
         if self.grouped:
             try:
                 from engine.gpu import grouped  # Triton: imported only where the grouped path runs
             except ImportError as e:
-                raise ConfigError("the grouped prefill kernel needs triton (FREETOKEN_PREFILL_KERNEL=loop runs "
-                                  f"without it): {e}") from e
+                raise ConfigError(f"the grouped prefill kernel needs triton: {e}") from e
             self._kernels = grouped
             self._counts = torch.zeros(2, dtype=torch.int64, device=slots.device)
         self.banks, self.slots, self.table = banks, slots, table

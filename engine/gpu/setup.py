@@ -1,7 +1,7 @@
 """Turn a loaded decoder into one with a GPU expert cache under a memory cap (`--gpu-memory`).
 
 Contract: `attach_expert_cache(decoder, opts, dtype)` moves an embedding table that is not also the
-LM head into page-locked host memory (`host_embedding`; FREETOKEN_HOST_EMBED=0 keeps it on the GPU),
+LM head into page-locked host memory (`host_embedding`; the option gpu.host_embed off keeps it on the GPU),
 splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host
 expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more),
 resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for this machine
@@ -20,10 +20,8 @@ import torch
 
 from engine.errors import ConfigError
 from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
-from engine.gpu.device_step import resolve_fetch
 from engine.gpu.executor import create_cached_executor
 from engine.model.decoder import Decoder
-from engine.model.ops import host_embedding_enabled
 from engine.options import EngineOptions
 from engine.weights.layout import ExpertBanks
 
@@ -84,22 +82,22 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     from engine.gpu.calibration_store import load, save
     from engine.moe.native import FORMAT_OF_DTYPE, load_native
 
-    spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1], inter=banks.w2.shape[2],
-                           threads=opts.threads, bank_bytes=10**9, seconds=0.4, rounds=2, device=opts.device)
-    threads = opts.threads or load_native().physical_cores()
-    fetch = resolve_fetch(None)  # host-issued copies move at the bulk-copy rate, the fetch kernel at B_F
+    pool = opts.native_pool_threads
+    spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1],
+                           inter=banks.w2.shape[2], threads=pool, bank_bytes=10**9, seconds=0.4, rounds=2,
+                           device=opts.device)
+    threads = pool or load_native().physical_cores()
     path = Path(opts.calibration_file) if opts.calibration_file else None
     if path is not None:
         cal = load(path, machine_key(spec, threads, True))
         if cal is not None:
-            return cal.ratio(fetch)
+            return cal.ratio()
     log.warning("no stored B_P / B_C for this machine: measuring them now (a few seconds)")
     cal = calibrate(spec)
     if path is not None:
         save(path, cal)
-    log.warning("measured B_C %.1f GB/s, B_P %s GB/s, decode fetch B_F %s GB/s -> fetch ratio %.2f", cal.b_cpu,
-                cal.b_pcie, cal.b_fetch, cal.ratio(fetch))
-    return cal.ratio(fetch)
+    log.warning("measured B_C %.1f GB/s, B_P %s GB/s -> fetch ratio %.2f", cal.b_cpu, cal.b_pcie, cal.ratio())
+    return cal.ratio()
 
 
 def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:
@@ -107,15 +105,17 @@ def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtyp
     if device.type != "cuda":
         raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
     banks = decoder.weights.experts
-    freed = host_embedding(decoder) if host_embedding_enabled() else 0
+    freed = host_embedding(decoder) if opts.gpu.host_embed else 0
     if freed:
         log.info("token embedding in page-locked host memory: %.2f GiB more for expert slots", freed / 2**30)
     budget = split_gpu_memory(opts.gpu_memory, decoder.cfg, opts, dtype, dense_bytes(decoder.weights, device),
                               banks.expert_bytes)
     pin_in_place(banks)
     ratio = resolve_fetch_ratio(banks, opts)
-    decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.threads,
-                                              graphs=opts.cuda_graphs)
+    g = opts.gpu
+    decoder.executor = create_cached_executor(banks, budget.experts, device, ratio, threads=opts.native_pool_threads,
+                                              graphs=opts.cuda_graphs, plan=g.plan, adapt=g.adapt_ratio,
+                                              split=g.split_expert)
     decoder.cuda_graphs = opts.cuda_graphs  # decode passes through CUDA graphs (engine/model/decode_graph.py)
     log.info("GPU memory: %s; fetch ratio %.2f", budget.describe(), ratio)
     return budget

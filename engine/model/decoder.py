@@ -29,7 +29,7 @@ from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.decode_graph import DecodeGraphs
 from engine.model.linear_attention import gated_deltanet
 from engine.model.moe import feed_forward
-from engine.model.ops import Rotary, check_switches, embed_tokens, rms_norm
+from engine.model.ops import Rotary, embed_tokens, rms_norm
 from engine.moe.base import ExpertExecutor
 from engine.weights.layout import DecoderWeights
 
@@ -38,7 +38,6 @@ GRAPH_TOKENS = DECODE_ATTENTION_TOKENS  # passes of up to this many tokens may r
 
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, executor: ExpertExecutor) -> None:
-        check_switches()  # a bad FREETOKEN_FUSED_* value fails here, not in a forward pass
         self.cfg = cfg
         self.weights = weights
         self._graphs: dict[int, DecodeGraphs] = {}

@@ -7,17 +7,16 @@ exactly one new token (decode: the pass meta names each token's state slot, `met
 take `gated_deltanet_decode`: all sequences at once, state slots named by a device tensor, no
 host read, so a captured pass (engine/model/decode_graph.py) holds it; the recurrence and the
 conv's dot are float32. On CUDA the same step runs as three Triton kernels
-(engine/model/fused_gdn.py; FREETOKEN_FUSED_GDN=0 keeps the torch ops). Longer chunks: for
+(engine/model/fused_gdn.py; the option kernels.fused_gdn off keeps the torch ops). Longer chunks: for
 bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's chunked Triton
 kernel as one varlen call; float32 models (whose promise is the reference's logits to 1e-4) and
-other devices use the torch ops in `gdn_ops` per sequence. FREETOKEN_GDN=torch|fla
+other devices use the torch ops in `gdn_ops` per sequence. The option kernels.gdn (torch | fla)
 forces either path for those chunks.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -26,14 +25,14 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.model import gdn_ops
 from engine.model.batch import ForwardBatch, PassMeta
-from engine.model.ops import fused_gdn_enabled, gated_rms_norm
+from engine.model.ops import fused_gdn_enabled, gated_rms_norm, kernel_options
 from engine.weights.layout import LinearAttentionWeights
 
 
 def _fla(x: torch.Tensor) -> Any | None:
     """fla's kernels for x, or None for the torch ops. fla's Triton dots run in TF32, so float32
-    models keep the exact torch path unless FREETOKEN_GDN=fla forces the kernels."""
-    choice = os.environ.get("FREETOKEN_GDN", "auto")
+    models keep the exact torch path unless kernels.gdn = fla forces the kernels."""
+    choice = kernel_options().gdn
     if choice == "torch" or not x.is_cuda or (choice != "fla" and x.dtype == torch.float32):
         return None
     return _import_fla()

@@ -3,8 +3,8 @@
 Contract: `moe_block(x, w, cfg, executor, moe_index, captured)` -> [N, H], numerically the reference's
 (router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
 CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
-FREETOKEN_FUSED_ROUTER=0 keeps the torch ops). The shared expert's gate, product and sum run as
-one Triton kernel with FREETOKEN_FUSED_SHARED=1 (opt-in: no gain measured). In a captured pass (`captured`)
+the option kernels.fused_router off keeps the torch ops). The shared expert's gate, product and
+sum run as one Triton kernel with kernels.fused_shared on (opt-in: no gain measured). In a captured pass (`captured`)
 the routed experts run as the executor's graph step, and the shared expert is handed to its
 `with_side_work`, which may queue it inside the routed step where the GPU would otherwise wait for
 the CPU branch or the fetch: the same kernels on the same inputs, so the same numbers.

@@ -4,70 +4,54 @@ Contract: pure functions on tensors, no parameters owned, numerics chosen to mat
 `transformers` reference (norms in float32, cast back to the input dtype). On CUDA, `rms_norm`
 and `Rotary.apply` run as one Triton kernel each (engine/model/fused_ops.py: the same rounding
 points; the rotary bit-identical, the norm's sum of squares in another order) instead of ~7 torch
-kernels: a decode step runs ~100 of them per token, at a few microseconds each.
-FREETOKEN_FUSED_OPS=0 keeps the torch kernels (read once; `check_switches` reads every switch at
-engine start, so a value that is not on/off fails there).
+kernels: a decode step runs ~100 of them per token, at a few microseconds each. Which fused
+kernels run is the engine's `opts.kernels` (engine/options.py), handed over once at engine start
+(`use_kernels`); `kernels.fused_ops` off keeps the torch kernels.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-from engine.errors import ConfigError
 from engine.model.kernel_limits import FUSED_NORM_MAX_DIM
+from engine.options import KernelOptions
 
-_SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False,
-                  "no": False}
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable; ConfigError for a value that is neither."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = _SWITCH_VALUES.get(raw.strip().lower())
-    if value is None:
-        raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, on/off, yes/no")
-    return value
+_kernels = KernelOptions()  # the process's kernel choices: the engine sets them at start
 
 
-@functools.cache
+def use_kernels(kernels: KernelOptions) -> None:
+    """The fused-kernel switches every forward pass reads from now on (the engine's
+    `opts.kernels`, set when it starts; process-wide, like the kernels themselves)."""
+    global _kernels
+    _kernels = kernels
+
+
+def kernel_options() -> KernelOptions:
+    return _kernels
+
+
 def fused_ops_enabled() -> bool:
-    """FREETOKEN_FUSED_OPS (default on): RMSNorm and rotary as Triton kernels on CUDA."""
-    return env_switch("FREETOKEN_FUSED_OPS", True)
+    """RMSNorm and rotary as Triton kernels on CUDA (kernels.fused_ops, default on)."""
+    return _kernels.fused_ops
 
 
-@functools.cache
 def fused_gdn_enabled() -> bool:
-    """FREETOKEN_FUSED_GDN (default on): the Gated DeltaNet decode step and its gated norm as Triton
-    kernels on CUDA (engine/model/fused_gdn.py)."""
-    return env_switch("FREETOKEN_FUSED_GDN", True)
+    """The Gated DeltaNet decode step and its gated norm as Triton kernels on CUDA
+    (engine/model/fused_gdn.py; kernels.fused_gdn, default on)."""
+    return _kernels.fused_gdn
 
 
-@functools.cache
 def fused_router_enabled() -> bool:
-    """FREETOKEN_FUSED_ROUTER (default on): the router's softmax, top-k and renormalisation as one
-    Triton kernel on CUDA (engine/model/fused_ops.py `route_topk`)."""
-    return env_switch("FREETOKEN_FUSED_ROUTER", True)
+    """The router's softmax, top-k and renormalisation as one Triton kernel on CUDA
+    (engine/model/fused_ops.py `route_topk`; kernels.fused_router, default on)."""
+    return _kernels.fused_router
 
 
-@functools.cache
 def fused_shared_enabled() -> bool:
-    """FREETOKEN_FUSED_SHARED=1: a MoE block's shared-expert gate, product and sum as one Triton
-    kernel on CUDA (engine/model/fused_ops.py `shared_gated_add`); opt-in until measured on a GPU."""
-    return env_switch("FREETOKEN_FUSED_SHARED", False)
-
-
-@functools.cache
-def host_embedding_enabled() -> bool:
-    """FREETOKEN_HOST_EMBED (default on): under a GPU memory cap, an embedding table that is not
-    also the LM head lives in page-locked host memory (engine/gpu/setup.py), its rows gathered by
-    `embed_tokens`: the table (1 GB for Qwen3.6's vocabulary) becomes expert slots."""
-    return env_switch("FREETOKEN_HOST_EMBED", True)
+    """A MoE block's shared-expert gate, product and sum as one Triton kernel on CUDA
+    (engine/model/fused_ops.py `shared_gated_add`; kernels.fused_shared, opt-in: no gain measured)."""
+    return _kernels.fused_shared
 
 
 def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -78,16 +62,6 @@ def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     from engine.gpu.host_rows import gather_rows  # triton: imported where CUDA runs
 
     return gather_rows(ids, table)
-
-
-def check_switches() -> None:
-    """Reads every FREETOKEN_FUSED_* switch: a bad value fails where this is called (engine start),
-    not inside a forward pass."""
-    fused_ops_enabled()
-    fused_gdn_enabled()
-    fused_router_enabled()
-    fused_shared_enabled()
-    host_embedding_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

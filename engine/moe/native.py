@@ -2,9 +2,11 @@
 loads the extension from.
 
 Contract: `load_native()` imports `native.ftnative` once and returns it, or raises `ConfigError`
-saying why (not built, or an unsupported forced ISA). `native_unsupported(banks, device)` says
-why the native executor cannot serve a configuration (None when it can): it reads host banks in
-bf16 or float32 and runs on the CPU. `NativeExpertExecutor(banks, threads)` runs every routed
+saying why (not built). `apply_native_options(native)` hands the engine's `opts.native` to the
+extension when it is built: a forced ISA the CPU lacks (or any native setting without the
+extension) is a `ConfigError`; with the defaults and no extension it does nothing. `native_unsupported(banks, device)` says why the native
+executor cannot serve a configuration (None when it can): it reads host banks in bf16 or float32
+and runs on the CPU. `NativeExpertExecutor(banks, threads)` runs every routed
 expert of a layer in one native call; `threads` > 0 resizes the process-wide worker pool
 (0 keeps it: one pinned worker per physical core).
 """
@@ -17,6 +19,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.moe.base import ExpertExecutor
+from engine.options import NativeOptions
 from engine.weights.layout import ExpertBanks
 
 FORMAT_OF_DTYPE = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -36,6 +39,23 @@ def load_native() -> ModuleType:
     if _module is None:
         raise ConfigError(f"native expert executor unavailable: {_error}")
     return _module
+
+
+def apply_native_options(native: NativeOptions) -> None:
+    if native == NativeOptions():
+        try:
+            ft = load_native()
+        except ConfigError:
+            return  # nothing asked of an extension that is not there
+    else:
+        ft = load_native()
+    try:
+        ft.set_isa(native.native_isa or "auto")
+    except ValueError as e:
+        raise ConfigError(f"native_isa {native.native_isa!r} (FREETOKEN_NATIVE_ISA): {e}") from None
+    ft.set_prefetch_bytes(native.native_prefetch)
+    if native.native_threads and ft.num_threads() != native.native_threads:
+        ft.set_num_threads(native.native_threads)
 
 
 def native_unsupported(banks: ExpertBanks, device: torch.device | str) -> str | None:

@@ -1,23 +1,20 @@
-"""Where the host-issued fetch (FREETOKEN_FETCH=dma) stops: the seventh GPU session saw
+"""Where the host-issued fetch stops: the seventh GPU session saw
 `CachedExpertExecutor` device steps hang for good on the H200 when a layer refilled every slot the
 previous layer had just filled (3 slots, ratio 1.0, eager; 3 slots, ratio 0.5, captured), with the
 poller's answer written, the layer's fetched word still 0 and no failure recorded; 20 slots ran
-through. The copier then set the word by a stream write queued after its copies
-(FREETOKEN_DMA_WORD=stream): a wait on another stream's work that CUDA cannot see, which the
-driver's documentation warns may deadlock. Since then the default is the host-written word (the
-copier polls its stream until the copies have landed, then stores 1, as the poller answers).
+through. The copier then set the word by a stream write queued after its copies: a wait on
+another stream's work that CUDA cannot see, which the driver's documentation warns may deadlock.
+Since then the word is written by the host (the copier polls its stream until the copies have
+landed, then stores 1, as the poller answers); the stream-written word is gone from the engine.
 Each case runs in a child process under one environment and a watchdog; on a hang the child
 prints the per-layer words, whether the copy stream is idle, the copier's state and every
 thread's stack (a blocking read: the device is stuck; a launch: the driver), then exits.
 
-Variants, one hypothesis each:
-- host-word: the default;
-- stream-word: as in the seventh session (expected to hang);
-- stream-word, eager-modules: CUDA_MODULE_LOADING=EAGER (a kernel loaded lazily while the stream
+Variants, one hypothesis each (the eighth session also ran the stream-written word: plain, with
+CUDA_MODULE_LOADING=EAGER, with CUDA_DEVICE_MAX_CONNECTIONS=32 and polled; see below):
+- host-word: a blocking read of the counters after each layer;
+- host-word, eager-modules: CUDA_MODULE_LOADING=EAGER (a kernel loaded lazily while the stream
   waits may need the device idle under the driver's lock, which the copier's calls then need);
-- stream-word, connections-32: CUDA_DEVICE_MAX_CONNECTIONS=32 (the copy stream behind the waiting
-  stream in one hardware queue);
-- stream-word, polled: the host polls an event instead of a blocking read after each layer;
 - host-word, polled: the engine's way (the host reads only after the step is done).
 - host-word, pinned read: the step's counters copied asynchronously into page-locked memory while
   the step may still wait for the copier, then an event polled: what queueing the next step before
@@ -44,13 +41,10 @@ import time
 
 CASES = ((3, 1.0, False), (3, 0.5, True), (20, 1.0, False))
 VARIANTS = {
-    "host-word": {"FREETOKEN_DMA_WORD": "host"},
-    "stream-word": {"FREETOKEN_DMA_WORD": "stream"},
-    "stream-word, eager-modules": {"FREETOKEN_DMA_WORD": "stream", "CUDA_MODULE_LOADING": "EAGER"},
-    "stream-word, connections-32": {"FREETOKEN_DMA_WORD": "stream", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
-    "stream-word, polled": {"FREETOKEN_DMA_WORD": "stream", "FT_PROBE_POLLED": "1"},
-    "host-word, polled": {"FREETOKEN_DMA_WORD": "host", "FT_PROBE_POLLED": "1"},
-    "host-word, pinned read": {"FREETOKEN_DMA_WORD": "host", "FT_PROBE_READ": "pinned"},
+    "host-word": {},
+    "host-word, eager-modules": {"CUDA_MODULE_LOADING": "EAGER"},
+    "host-word, polled": {"FT_PROBE_POLLED": "1"},
+    "host-word, pinned read": {"FT_PROBE_READ": "pinned"},
 }
 L, E, K, H, INTER = 3, 16, 4, 256, 96  # tests/engine/gpu_cache/test_device_step_cuda.py's sizes
 
@@ -67,7 +61,7 @@ def child(slots: int, ratio: float, graphs: bool, watchdog_s: float) -> None:
     banks = ExpertBanks((torch.randn(L * E, 2 * INTER, H, generator=g) / 8).bfloat16(),
                         (torch.randn(L * E, H, INTER, generator=g) / 6).bfloat16(), E)
     assert pin_in_place(banks)
-    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs, fetch="dma")
+    ex = create_cached_executor(banks, slots * banks.expert_bytes, "cuda", ratio, graphs=graphs)
     where = {"step": -1, "layer": -1}
     polled = os.environ.get("FT_PROBE_POLLED") == "1"
     pinned = (torch.zeros(ex._counts.shape, dtype=ex._counts.dtype, pin_memory=True)

@@ -5,8 +5,9 @@ staged passes, the tokens each request got before an error and the seconds taken
 session saw "the host-issued copies did not land within 5000 ms" at a layer task's first run here
 in the serial engine (split, sampled: tokens [24, 23, 23], the first pass after the batch shrank
 3 -> 2), not with one request (the capped engine tests). The twelfth session confirmed the cause:
-"split, serial, no first-run settle" (FREETOKEN_SETTLE_FIRST_RUN=0) hangs, every other setting
-finishes (docs/history/data/h200-2026-12-01-session12/results.md).
+"split, serial, no first-run settle" (the device step's first-run settle turned off) hung, every
+other setting finished (docs/history/data/h200-2026-12-01-session12/results.md); the settle is no longer a
+switch, and the fetch kernel the "kernel fetch" settings ran is retired (docs/gpu-tier.md).
 
 Usage: python -m evals.gpu.overlap_probe [--only REGEX] [--timeout-s 60] [--device cpu (a dry run)]
 """
@@ -33,18 +34,12 @@ from freetoken_agent.demo import write_demo_model
 BASE = dict(device="cuda", dtype="float32", kv_tokens=2048, max_running=4, prefill_chunk=128)
 SETTINGS = {  # name -> environment; the serial ones first: the eleventh session's failure was there
     "split, serial": {"FREETOKEN_OVERLAP_DECODE": "0"},
-    "split, serial, no first-run settle": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SETTLE_FIRST_RUN": "0"},
     "split, serial, greedy": {"FREETOKEN_OVERLAP_DECODE": "0", "GREEDY": "1"},
     "whole dma, serial": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SPLIT_EXPERT": "0"},
-    "kernel fetch, serial": {"FREETOKEN_OVERLAP_DECODE": "0", "FREETOKEN_SPLIT_EXPERT": "0",
-                             "FREETOKEN_FETCH": "kernel"},
     "split, overlap, one request": {"FREETOKEN_OVERLAP_DECODE": "1", "ONE": "1"},
     "split, overlap width 4": {"FREETOKEN_OVERLAP_DECODE": "1", "FREETOKEN_OVERLAP_WIDTH": "4"},
-    "kernel fetch, overlap width 4": {"FREETOKEN_OVERLAP_DECODE": "1", "FREETOKEN_OVERLAP_WIDTH": "4",
-                                      "FREETOKEN_SPLIT_EXPERT": "0", "FREETOKEN_FETCH": "kernel"},
 }
-KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_OVERLAP_WIDTH", "FREETOKEN_SPLIT_EXPERT", "FREETOKEN_FETCH",
-         "FREETOKEN_SETTLE_FIRST_RUN")
+KNOBS = ("FREETOKEN_OVERLAP_DECODE", "FREETOKEN_OVERLAP_WIDTH", "FREETOKEN_SPLIT_EXPERT")
 
 
 def cap_for(model: Path) -> int:
@@ -71,7 +66,7 @@ def run(model: Path, cap: int, env: dict[str, str]) -> str:
     if env.get("ONE") == "1":
         prompts, params = prompts[:1], params[1:2]
     t0 = time.perf_counter()
-    with Engine(model, EngineOptions(**{**BASE, "gpu_memory": cap, "fetch_ratio": 0.5})) as eng:  # type: ignore[arg-type]
+    with Engine(model, EngineOptions.resolve({**BASE, "gpu_memory": cap, "fetch_ratio": 0.5})) as eng:
         handles = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
         errors = []
         for h in handles:

@@ -2,8 +2,8 @@
 # One GPU-machine run for the GPU tier (issue 6): the GPU tests (TESTS=quick / all; names and failures in
 # $OUT/gpu_tests.log, one pytest per path), the calibration, and the decode / prefill benchmarks on dummy weights
 # of both shapes at a 12 GiB and a 16 GiB cap, the torch plan, the torch Gated DeltaNet step, the opt-in shared-expert
-# kernel, the bulk-copy fetch ratio, the fetch kernel against host-issued fetches, whole experts and the static
-# ratio (split expert off) and a second fetch ratio against the defaults; JSON and logs land in $OUT, a table is printed last.
+# kernel, whole experts and the static ratio (split expert off) and a second fetch ratio against the defaults; JSON
+# and logs land in $OUT, a table is printed last.
 # Run from the repository root with the wheels installed (see docs/benchmarks.md). TEST_S bounds
 # the tests (default 300 s); BENCH=0 skips the benchmarks, ONLY=regex picks them by name. The
 # side-by-side run with llama.cpp is evals/gpu/run_side_by_side.sh.
@@ -71,10 +71,6 @@ done
 [ "${BENCH:-1}" = 0 ] && exit 0
 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
 $F calibrate --shape qwen3.6-35b-a3b --threads 8 --json > "$OUT/calibration_q36.json" 2>/dev/null
-# the fetch ratio from the bulk copies' contended rates (the default before the fifth session) for an
-# A/B against the default one from the decode fetch kernel's (B_F)
-bulk_ratio() { python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
-print(round(d['b_pcie_contended'] / (d['b_pcie_contended'] + d['b_cpu_contended']), 4))" "$1" 2>/dev/null || echo 0.45; }
 bench() {  # FREETOKEN_PLAN=torch bench ... passes the knob through the environment
     local name=$1 limit=$2; shift 2
     [[ "$name" =~ ${ONLY:-.} ]] || return 0
@@ -85,10 +81,6 @@ bench dec_q3_24L_12G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12
 # a larger share of the misses over PCIe than the calibrated ratio: the CPU branch starts later
 bench dec_q3_24L_12G_r055 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3 \
     --fetch-ratio 0.55
-bench dec_q3_24L_12G_bulkratio 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --tokens 128 --reps 3 \
-    --fetch-ratio "$(bulk_ratio "$OUT/calibration.json")"
-bench dec_q36_20L_12G_bulkratio 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB --tokens 128 \
-    --reps 3 --fetch-ratio "$(bulk_ratio "$OUT/calibration_q36.json")"
 # the torch cache plan (engine/gpu/plan.py) against the default one-program plan, same shape and cap
 FREETOKEN_PLAN=torch bench dec_q3_24L_12G_torchplan 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
     --tokens 128 --reps 3
@@ -97,12 +89,6 @@ bench dec_q36_20L_12G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memor
 # Triton kernels (default since the fifth session)
 FREETOKEN_FUSED_GDN=0 FREETOKEN_FUSED_ROUTER=0 bench dec_q36_20L_12G_torchgdn 120 decode --shape qwen3.6-35b-a3b \
     --layers 20 --gpu-memory 12GiB --tokens 128 --reps 3
-# the fetch kernel (FREETOKEN_FETCH=kernel: the SMs load the fetched experts over PCIe; its ratio from
-# B_F) against the default host-issued fetch (copy-engine copies queued by the poller)
-FREETOKEN_FETCH=kernel bench dec_q36_20L_12G_kernel 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
-    --tokens 128 --reps 3
-FREETOKEN_FETCH=kernel bench dec_q3_24L_12G_kernel 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB \
-    --tokens 128 --reps 3
 # the token embedding on the GPU (FREETOKEN_HOST_EMBED=0) against the default page-locked host table
 FREETOKEN_HOST_EMBED=0 bench dec_q36_20L_12G_devembed 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 12GiB \
     --tokens 128 --reps 3
@@ -124,8 +110,6 @@ FREETOKEN_ADAPT_RATIO=0 bench dec_q3_24L_16G_static 90 decode --shape qwen3-30b-
     --tokens 128 --reps 3
 bench dec_q3_24L_16G 90 decode --shape qwen3-30b-a3b --layers 24 --gpu-memory 16GiB --tokens 128 --reps 3
 bench dec_q36_20L_16G 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB --tokens 128 --reps 3
-FREETOKEN_FETCH=kernel bench dec_q36_20L_16G_kernel 120 decode --shape qwen3.6-35b-a3b --layers 20 --gpu-memory 16GiB \
-    --tokens 128 --reps 3
 bench pre_q3_24L_12G 90 prefill --shape qwen3-30b-a3b --layers 24 --gpu-memory 12GiB --prompt-tokens 1024,8192,16384 --chunk 8192
 # the expert cache as the previous request left it (what a serving engine has; llama.cpp's resident
 # layers are always there): the kept experts are read in place

@@ -47,9 +47,9 @@ else
 fi
 F="python3 -m freetoken_agent"
 $F calibrate --shape "$SHAPE" --threads 8 --json > "$OUT/calibration.json" 2>/dev/null
-# FETCHES="kernel dma split split+adapt" runs ours once per variant against the same llama.cpp run,
-# each into $OUT/ours_<variant>/ with its own summary: "kernel" / "dma" pick FREETOKEN_FETCH, "split"
-# the host-issued fetch with FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+overlap"
+# FETCHES="dma split split+adapt" runs ours once per variant against the same llama.cpp run,
+# each into $OUT/ours_<variant>/ with its own summary: "dma" whole experts (FREETOKEN_SPLIT_EXPERT=0),
+# "split" FREETOKEN_SPLIT_EXPERT=1, "+adapt" adds FREETOKEN_ADAPT_RATIO=1, "+overlap"
 # FREETOKEN_OVERLAP_DECODE=1 (the next pass queued before this one's tokens are read; else serial,
 # the default; "+serial" is accepted and changes nothing);
 # (each variant's directory: ours_<variant> with "+" as "-", a name the device tool brings back);
@@ -74,12 +74,12 @@ if [ -z "${FETCHES:-}" ]; then
 else
     for fetch in $FETCHES; do
         mkdir -p "$OUT/ours_${fetch//+/-}" && cp "$OUT/peer-bench.json" "$OUT/ours_${fetch//+/-}/"
-        echo "== ours with FREETOKEN_FETCH=$fetch"
-        path=${fetch%%+*} split=0 adapt=0 overlap=0
-        [ "$path" = split ] && path=dma split=1
+        echo "== ours: $fetch"
+        split=0 adapt=0 overlap=0
+        [ "${fetch%%+*}" = split ] && split=1
         case "$fetch" in *+adapt*) adapt=1 ;; esac
         case "$fetch" in *+overlap*) overlap=1 ;; esac
-        FREETOKEN_FETCH=$path FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt FREETOKEN_OVERLAP_DECODE=$overlap \
+        FREETOKEN_SPLIT_EXPERT=$split FREETOKEN_ADAPT_RATIO=$adapt FREETOKEN_OVERLAP_DECODE=$overlap \
             run_ours "$OUT/ours_${fetch//+/-}"
     done
 fi
@@ -89,7 +89,7 @@ if [ -z "${FETCHES:-}" ]; then
     python3 -m evals.gpu.side_by_side "$OUT" $PAIRS
 else
     for fetch in $FETCHES; do
-        echo "== FREETOKEN_FETCH=$fetch"
+        echo "== ours: $fetch"
         python3 -m evals.gpu.summary "$OUT/ours_${fetch//+/-}"
         python3 -m evals.gpu.side_by_side "$OUT/ours_${fetch//+/-}" $PAIRS
     done

@@ -1,7 +1,8 @@
 """Where the time of one cached MoE decode layer goes, on a real shape (qwen3-30b-a3b experts,
-random bf16 weights, page-locked host banks): the fetch kernel's PCIe rate against the copy engine,
-the slot-expert kernels, the native CPU branch alone, and the whole device step (eager and
-graph-captured) at a given cache fraction and fetch ratio. Prints one table; `--json PATH` too.
+random bf16 weights, page-locked host banks): the copy engine's PCIe rate, the slot-expert
+kernels, the native CPU branch alone, and the whole device step (eager and graph-captured) at a
+given cache fraction and fetch ratio. Prints one table; `--json PATH` too. (The retired fetch
+kernel and host-node CPU branch, measured against these, are in docs/gpu-tier.md.)
 
 Usage: python -m evals.gpu.step_probe [--layers 8] [--fraction 0.33] [--ratio 0.47] [--threads 8]
 """
@@ -16,7 +17,7 @@ import time
 import torch
 
 from engine.gpu.executor import create_cached_executor
-from engine.gpu.kernels import fetch_experts, slot_experts
+from engine.gpu.kernels import slot_experts
 from engine.gpu.setup import pin_in_place
 from engine.moe.native import NativeExpertExecutor
 from engine.weights.layout import ExpertBanks
@@ -34,7 +35,7 @@ def _events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
     return a.elapsed_time(b) / reps
 
 
-def _contention(kern, engine_copy, bytes_per_call: int, cpu, banks, k: int, L: int, E: int,  # type: ignore[no-untyped-def]
+def _contention(engine_copy, bytes_per_call: int, cpu, banks, k: int, L: int, E: int,  # type: ignore[no-untyped-def]
                 H: int, seconds: float = 1.5) -> dict[str, float]:
     import threading
 
@@ -77,10 +78,7 @@ def _contention(kern, engine_copy, bytes_per_call: int, cpu, banks, k: int, L: i
     stop.set()
     th.join()
     res["cpu_alone_gbps"] = round(out[0], 1)
-    res["kernel_alone_gbps"] = round(gpu_rate(kern), 1)
     res["copy_alone_gbps"] = round(gpu_rate(engine_copy), 1)
-    g, c = with_cpu(kern)
-    res["kernel_with_cpu_gbps"], res["cpu_with_kernel_gbps"] = round(g, 1), round(c, 1)
     g, c = with_cpu(engine_copy)
     res["copy_with_cpu_gbps"], res["cpu_with_copy_gbps"] = round(g, 1), round(c, 1)
     return res
@@ -134,17 +132,12 @@ def main() -> None:
 
 def _micro(rows, banks, cpu, L, E, H, inter, k) -> None:  # type: ignore[no-untyped-def]
     w13, w2, eb = banks.w13, banks.w2, banks.expert_bytes
-    # 1. fetch: 8 experts per call, kernel vs copy engine
+    # 1. fetch: 8 experts per call through the copy engine
     n = 8
     slots13 = torch.empty(n, 2 * inter, H, dtype=torch.bfloat16, device="cuda")
     slots2 = torch.empty(n, H, inter, dtype=torch.bfloat16, device="cuda")
     src_list = [list(range(i * 37 % (L * E - n), i * 37 % (L * E - n) + n)) for i in range(20)]
-    srcs = [torch.tensor(s, device="cuda") for s in src_list]
-    dst = torch.arange(n, device="cuda")
     it = iter(range(10**9))
-
-    def kern() -> None:
-        fetch_experts(srcs[next(it) % 20], dst, w13, w2, slots13, slots2)
 
     def engine_copy() -> None:
         s = src_list[next(it) % 20]
@@ -152,7 +145,6 @@ def _micro(rows, banks, cpu, L, E, H, inter, k) -> None:  # type: ignore[no-unty
             slots13[j].copy_(w13[r], non_blocking=True)
             slots2[j].copy_(w2[r], non_blocking=True)
 
-    rows["fetch_kernel_gbps"] = round(n * eb / _events_ms(kern, 20) / 1e6, 1)
     rows["copy_engine_gbps"] = round(n * eb / _events_ms(engine_copy, 20) / 1e6, 1)
 
     # 2. slot experts, batch 1, k entries
@@ -182,25 +174,21 @@ def _micro(rows, banks, cpu, L, E, H, inter, k) -> None:  # type: ignore[no-unty
     rows["cpu_layer_us_k8"] = round(t[len(t) // 2] * 1e6, 1)
     rows["cpu_gbps_k8"] = round(k * eb / t[len(t) // 2] / 1e9, 1)
 
-    # 4. contention: PCIe fetches (kernel or copy engine) and the CPU experts at the same time
-    rows.update(_contention(kern, engine_copy, n * eb, cpu, banks, k, L, E, H))
+    # 4. contention: PCIe fetches and the CPU experts at the same time
+    rows.update(_contention(engine_copy, n * eb, cpu, banks, k, L, E, H))
 
 
 
 def _steps(rows, banks, cpu, a, L, E, H, k) -> None:  # type: ignore[no-untyped-def]
     eb = banks.expert_bytes
     # 5. the whole device step per layer: all resident, PCIe only, CPU only, the split; graph / eager
-    variants = [("resident", 1.0, 1.0, True, "doorbell"), ("resident_hostfunc", 1.0, 1.0, True, "hostfunc"),
-                ("pcie", a.fraction, 1.0, True, "doorbell"), ("cpu", a.fraction, 0.0, True, "doorbell"),
-                ("cpu_hostfunc", a.fraction, 0.0, True, "hostfunc"),
-                ("split", a.fraction, a.ratio, True, "doorbell"), ("split_hostfunc", a.fraction, a.ratio, True, "hostfunc"),
-                ("split_eager", a.fraction, a.ratio, False, "doorbell")]
+    variants = [("resident", 1.0, 1.0, True), ("pcie", a.fraction, 1.0, True), ("cpu", a.fraction, 0.0, True),
+                ("split", a.fraction, a.ratio, True), ("split_eager", a.fraction, a.ratio, False)]
     wanted = set(a.variants.split(",")) if a.variants else None
-    for name, fraction, ratio, graphs, branch in variants:
+    for name, fraction, ratio, graphs in variants:
         if wanted is not None and name not in wanted:
             continue
-        ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs,
-                                    cpu_branch=branch)
+        ex = create_cached_executor(banks, int(fraction * L * E) * eb, "cuda", ratio, cpu, graphs=graphs)
         g = torch.Generator().manual_seed(0)
         steps = [(torch.randn(1, H, generator=g).bfloat16().cuda(),
                   torch.randperm(E, generator=g)[:k][None].cuda(), torch.rand(1, k, generator=g).bfloat16().cuda())

@@ -36,8 +36,7 @@ def main(out: Path) -> None:
             print(f"{path.stem}: peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB of {r['gpu_memory'] / 2**30:.0f}")
         elif "b_cpu" in r:
             print(f"{path.stem}: B_C {r['b_cpu']} B_P {r['b_pcie']} contended {r['b_cpu_contended']} + "
-                  f"{r['b_pcie_contended']} fetch {r.get('b_fetch')} contended {r.get('b_fetch_contended')} + "
-                  f"{r.get('b_cpu_fetch_contended')} ratio {r.get('ratio')}")
+                  f"{r['b_pcie_contended']} ratio {r.get('ratio')}")
 
 
 if __name__ == "__main__":

@@ -28,4 +28,4 @@ echo "== batch 4 and 16 (bf16, 16 threads)"
 bench --threads 16 --batch 4 --bank-gb 4 --rounds 2 --seconds 0.5 --json | tee "$OUT/b4.json"
 bench --threads 16 --batch 16 --bank-gb 4 --rounds 2 --seconds 0.5 --json | tee "$OUT/b16.json"
 echo "== correctness of every SIMD path on this CPU (float64 reference)"
-FREETOKEN_REQUIRE_NATIVE=1 FREETOKEN_NATIVE_THREADS=4 OMP_NUM_THREADS=8 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/native 2>&1 | tail -3
+FREETOKEN_REQUIRE_NATIVE=1 OMP_NUM_THREADS=8 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/native 2>&1 | tail -3

@@ -87,9 +87,11 @@ def _python_overhead_us(ft: Any) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.moe.native import load_native
+    from engine.moe.native import apply_native_options, load_native
+    from engine.options import EngineOptions
 
     ft = load_native()
+    apply_native_options(EngineOptions.resolve().native)  # FREETOKEN_NATIVE_PREFETCH etc., as an engine would
     from engine.moe.executor import TorchExpertExecutor
     from engine.weights.layout import ExpertBanks
     from native.formats import random_experts

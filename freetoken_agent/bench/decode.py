@@ -117,14 +117,14 @@ def _per_token(timings: list[Timing], bench: ModelBench) -> dict[str, Any]:
             "cpu_branch_ms_per_token": cpu_branch_ms, "layer_timeline": _timeline(timings, steps)}
 
 
-def _timeline(timings: list[Timing], steps: int) -> dict[str, float] | None:
+def _timeline(timings: list[Timing], steps: int) -> dict[str, float | None] | None:
     """Per served doorbell request (one MoE layer of one decode step) over the timed tokens: the
     poller's share, the GPU's part alone between consecutive layers and the host-issued fetches'
     latency (native poll_timeline); None where no step served the doorbell."""
-    pairs = [(t.timeline_first, t.timeline_end) for t in timings]
-    if any(a is None or b is None for a, b in pairs):
+    pairs = [(a, b) for a, b in ((t.timeline_first, t.timeline_end) for t in timings) if a is not None and b is not None]
+    if len(pairs) < len(timings) or not pairs:
         return None
-    d = {k: sum(b[k] - a[k] for a, b in pairs) for k in pairs[0][0]}  # type: ignore[index, union-attr]
+    d = {k: sum(b[k] - a[k] for a, b in pairs) for k in pairs[0][0]}
     if not d["served"]:
         return None
     return {"layers_per_token": d["served"] / steps, "gaps_per_token": d["gaps"] / steps,

@@ -36,11 +36,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 from engine.weights.shapes import MODEL_SHAPES, SHAPES
-from freetoken_agent.argtypes import add_engine_arguments, positive_int, resolve_gpu_memory
+from freetoken_agent.argtypes import add_engine_arguments, engine_options, positive_int, resolve_gpu_memory
 
 if TYPE_CHECKING:  # the engine (torch) is imported when a bench runs, not to define its parser
     from engine.moe.base import CacheStats, ExpertExecutor
@@ -112,7 +113,6 @@ class ModelBench:
 
         from engine.engine import Engine
         from engine.model.load import parse_dtype
-        from engine.options import EngineOptions
         from engine.weights.dummy import dummy_config, dummy_decoder
         from freetoken_agent.calibrate import calibration_path
 
@@ -123,13 +123,9 @@ class ModelBench:
         if args.gpu_memory and args.device != "cuda":
             raise ConfigError("--gpu-memory caps the GPU's memory: it needs --device cuda")
         args.gpu_memory = resolve_gpu_memory(args.gpu_memory, args.device)
-        if args.threads < 0:
-            raise ConfigError(f"--cpu-threads must be >= 0, got {args.threads}")
         self.args, self.shape = args, SHAPES[args.shape]
         self.model = getattr(args, "model", None)
         if self.model is not None:
-            from pathlib import Path
-
             from engine.config import ModelConfig
 
             path = Path(self.model)
@@ -147,27 +143,25 @@ class ModelBench:
             self.cfg = dummy_config(self.shape, args.layers)
         if kv_tokens > self.cfg.max_position_embeddings:
             raise ConfigError(f"{kv_tokens} tokens exceed the shape's {self.cfg.max_position_embeddings} positions")
-        self.opts = EngineOptions(device=args.device, threads=args.threads, executor=args.executor,
-                                  kv_tokens=kv_tokens, max_running=1, checkpoint_slots=0, host_checkpoint_slots=0,
-                                  prefill_chunk=prefill_chunk, gpu_memory=args.gpu_memory,
-                                  fetch_ratio=args.fetch_ratio, cuda_graphs=args.cuda_graphs,
-                                  overlap_decode=args.overlap_decode,
-                                  calibration_file=str(calibration_path()))
-        self.dtype = parse_dtype(args.dtype or self.cfg.torch_dtype)
+        self.opts = engine_options(args, device=args.device, kv_tokens=kv_tokens, max_running=1, checkpoint_slots=0,
+                                   host_checkpoint_slots=0, prefill_chunk=prefill_chunk, gpu_memory=args.gpu_memory,
+                                   calibration_file=str(calibration_path()))
+        self.dtype = parse_dtype(self.opts.dtype or self.cfg.torch_dtype)
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.model is not None:
             self.note(f"loading {self.model} on {args.device}")
             t0 = time.perf_counter()
-            self.engine = Engine(self.model, dataclasses.replace(self.opts, dtype=args.dtype))
+            self.engine = Engine(self.model, self.opts)
             self.load_s = time.perf_counter() - t0
             return
         self.note(f"building random weights of {self.shape.name} ({self.cfg.num_layers} layers, "
                   f"{self.shape.bank_bytes(self.cfg.num_moe_layers, self.dtype.itemsize) / 1e9:.1f} GB of experts, "
                   f"seed {args.seed}) on {args.device}")
         t0 = time.perf_counter()
-        decoder = dummy_decoder(self.cfg, self.device, self.dtype, args.seed, args.executor, args.threads)
+        decoder = dummy_decoder(self.cfg, self.device, self.dtype, args.seed, self.opts.executor,
+                                self.opts.native_pool_threads)
         self.engine = Engine.from_decoder(decoder, self.opts)
         self.load_s = time.perf_counter() - t0
 
@@ -241,13 +235,13 @@ class ModelBench:
 
         banks = self.engine.decoder.weights.experts
         try:
-            threads = self.opts.threads or load_native().physical_cores()
+            threads = self.opts.native_pool_threads or load_native().physical_cores()
         except ConfigError as e:
             return None, f"unknown: {e}"
         spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1],
                                inter=banks.w2.shape[2], threads=threads, device=self.opts.device)
         key = machine_key(spec, threads, self.device.type == "cuda")
-        cal = load(self.opts.calibration_file, key)
+        cal = load(Path(self.opts.calibration_file), key)
         if cal is None:
             return None, (f"unknown: no calibration stored for {key.as_string()} (run `freetoken-agent calibrate "
                           f"--shape {self.shape.name} --threads {threads}`)")

@@ -82,7 +82,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
             bench.cold(experts=args.expert_cache == "cold")
             before = streamer.stats if streamer is not None else None
             t = bench.timed_request(bench.random_prompt(n, index), 1)
-            if before is not None:
+            if streamer is not None and before is not None:
                 after = streamer.stats  # read once the request is done: a host sync outside the timing
                 streamed += after.streamed - before.streamed
                 unused += after.streamed_unused - before.streamed_unused

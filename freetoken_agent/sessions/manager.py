@@ -102,9 +102,10 @@ class SessionManager:
     def plan(self, req: ChatRequest, ids: list[int]) -> RequestPlan:
         det = detect(req)
         tools = tool_names(req)
-        sid = det.session_key or prefix_key(req)
+        key = det.session_key or prefix_key(req)
         with self._lock:
-            sess = self._sessions.get(sid)
+            sess = self._sessions.get(key)
+        sid: str | None = key
         side = det.side
         if side is None and sess is not None and sess.main_tools is not None and tools != sess.main_tools \
                 and system_text(req) != sess.main_system:

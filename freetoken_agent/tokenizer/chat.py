@@ -122,6 +122,7 @@ class ChatTokenizer:
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
         jinja_path = model_dir / "chat_template.jinja"
+        template: Any
         if jinja_path.exists():  # takes precedence over the config's copy, as in transformers
             template = jinja_path.read_text(encoding="utf-8")
         else:

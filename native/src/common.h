@@ -66,8 +66,8 @@ inline float fp8_to_f32(uint8_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-// Software prefetch distance on each weight row, in bytes (0 = off). FREETOKEN_NATIVE_PREFETCH sets it
-// at import; a tuning knob for benchmarks, not for users.
+// Software prefetch distance on each weight row, in bytes (0 = off); set_prefetch_bytes sets it
+// (engine option native_prefetch: a tuning knob for benchmarks, not for users).
 extern int g_prefetch_bytes;
 
 extern const float kFp4Values[16];   // e2m1 code -> value

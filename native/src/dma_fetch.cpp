@@ -14,7 +14,6 @@ namespace {
 
 using CUresult = int;
 using MemcpyHtoDAsync = CUresult (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
-using WriteValue32 = CUresult (*)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
 using CtxSetCurrent = CUresult (*)(void* ctx);
 using StreamQuery = CUresult (*)(void* stream);
 // the driver's CUDA_MEMCPY2D (cuda.h), for the split expert's pitched copy of w2's first columns
@@ -38,7 +37,6 @@ constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY: the stream still h
 
 struct Driver {
     MemcpyHtoDAsync memcpy_htod = nullptr;
-    WriteValue32 write_value = nullptr;
     CtxSetCurrent set_current = nullptr;
     StreamQuery query = nullptr;
     Memcpy2DAsync memcpy_2d = nullptr;
@@ -59,14 +57,11 @@ const Driver& driver() {
             return p != nullptr ? p : dlsym(lib, b);
         };
         d.memcpy_htod = reinterpret_cast<MemcpyHtoDAsync>(sym("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"));
-        d.write_value = reinterpret_cast<WriteValue32>(sym("cuStreamWriteValue32_v2", "cuStreamWriteValue32"));
         d.set_current = reinterpret_cast<CtxSetCurrent>(sym("cuCtxSetCurrent", "cuCtxSetCurrent"));
         d.query = reinterpret_cast<StreamQuery>(sym("cuStreamQuery", "cuStreamQuery"));
         d.memcpy_2d = reinterpret_cast<Memcpy2DAsync>(sym("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync"));
-        if (d.memcpy_htod == nullptr || d.write_value == nullptr || d.set_current == nullptr || d.query == nullptr ||
-            d.memcpy_2d == nullptr)
-            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuMemcpy2DAsync / cuStreamWriteValue32 / "
-                      "cuCtxSetCurrent / cuStreamQuery";
+        if (d.memcpy_htod == nullptr || d.set_current == nullptr || d.query == nullptr || d.memcpy_2d == nullptr)
+            d.error = "libcuda.so.1 lacks cuMemcpyHtoDAsync / cuMemcpy2DAsync / cuCtxSetCurrent / cuStreamQuery";
     });
     return d;
 }
@@ -133,25 +128,19 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
         }
         if (f.scratch >= 0)
             if (std::string e = issue_split(d, f); !e.empty()) return e;
-        if (f.host_word) {
-            // the copies have landed when the stream has drained; then the host's store releases
-            // the GPU's GEMVs, as the poller's answer does (no stream waits on another's memop)
-            const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.deadline_ms);
-            CUresult r;
-            for (uint32_t spins = 0; (r = d.query(f.stream)) == kNotReady; ++spins) {
-                // a query takes the driver's lock: ask every 1-2 us (32 pauses), not back to back, while the
-                // copies take ~0.1-1 ms
-                for (int i = 0; i < 32; ++i) cpu_relax();
-                if ((spins & 255) == 255 && std::chrono::steady_clock::now() > deadline)
-                    return "the host-issued copies did not land within " + std::to_string(f.deadline_ms) + " ms";
-            }
-            if (r != 0) return "cuStreamQuery failed with CUDA driver error " + std::to_string(r);
-            dma_fetch_release(f);
-            return {};
+        // the copies have landed when the stream has drained; then the host's store releases the
+        // GPU's GEMVs, as the poller's answer does (no stream waits on another's memop)
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.deadline_ms);
+        CUresult r;
+        for (uint32_t spins = 0; (r = d.query(f.stream)) == kNotReady; ++spins) {
+            // a query takes the driver's lock: ask every 1-2 us (32 pauses), not back to back, while the
+            // copies take ~0.1-1 ms
+            for (int i = 0; i < 32; ++i) cpu_relax();
+            if ((spins & 255) == 255 && std::chrono::steady_clock::now() > deadline)
+                return "the host-issued copies did not land within " + std::to_string(f.deadline_ms) + " ms";
         }
-        // after the copies in stream order: the GPU's wait on this word releases its GEMVs
-        if (const CUresult r = d.write_value(f.stream, f.word_device, 1, 0); r != 0)
-            return "cuStreamWriteValue32 failed with CUDA driver error " + std::to_string(r);
+        if (r != 0) return "cuStreamQuery failed with CUDA driver error " + std::to_string(r);
+        dma_fetch_release(f);
         return {};
     } catch (...) {
         return "host-issued fetch failed";

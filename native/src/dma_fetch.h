@@ -1,13 +1,13 @@
-// Host-issued expert fetches for the doorbell CPU branch (FREETOKEN_FETCH=dma): when a layer's
+// Host-issued expert fetches for the doorbell CPU branch: when a layer's
 // doorbell rings, the poller hands the layer's fetch to its copier thread (poller.h) and runs the
 // layer's CPU experts; the copier reads the copy list (bank row, slot) from page-locked memory,
 // queues each fetched expert's two host-to-device copies on a copy stream (the copy engines move
 // host memory at the bulk-copy rate; the SMs' own loads over PCIe reach ~80 % of it), then sets a
-// page-locked word that the GPU's stream waits on to 1: by default from the host once the copy
-// stream has drained (polled with cuStreamQuery), or (host_word false) as a stream write queued
-// after the copies. The second hands the GPU's wait a dependency on another stream's work that
-// CUDA cannot see, which its documentation warns may deadlock; on the H200 (seventh session) unit
-// steps with it stopped for good. The CUDA driver is opened with dlopen on first use: the library
+// page-locked word that the GPU's stream waits on to 1, from the host once the copy stream has
+// drained (polled with cuStreamQuery). (A stream write queued after the copies instead hands the
+// GPU's wait a dependency on another stream's work that CUDA cannot see, which its documentation
+// warns may deadlock; on the H200, seventh session, unit steps with it stopped for good; it is
+// gone since.) The CUDA driver is opened with dlopen on first use: the library
 // builds and loads on machines without CUDA, and only a task that is given a fetch needs the driver.
 #pragma once
 
@@ -25,11 +25,9 @@ struct DmaFetch {
     int64_t rows = 0, slots = 0;  // bounds: a bank row or slot outside them is an error, never a copy
     void* stream = nullptr;  // CUstream of the copies
     void* context = nullptr;  // CUcontext the stream belongs to (made current on the poller thread)
-    uint64_t word_device = 0;  // the page-locked word the GPU waits on: its device address
-    volatile uint32_t* word_host = nullptr;  // and its host address (written directly on failure)
-    bool host_word = true;  // the word set from the host after the copies, else by a stream write
-    // host_word: copies not landed after this long fail the fetch (and release the GPU) rather
-    // than hold the step for good; a layer's copies take milliseconds at most
+    volatile uint32_t* word_host = nullptr;  // the page-locked word the GPU waits on (host address)
+    // copies not landed after this long fail the fetch (and release the GPU) rather than hold the
+    // step for good; a layer's copies take milliseconds at most
     int64_t deadline_ms = 5000;
     // The split expert (a partial fetch), when `scratch` >= 0: copy[2n] a bank row (-1: none this
     // call), copy[2n + 1] r; the first r intermediate rows of that expert land in slot `scratch`
@@ -39,7 +37,7 @@ struct DmaFetch {
     int64_t inter = 0, hidden = 0, elem = 0;
 };
 
-// Queues the copies and sets the word (host_word: waits for the copies, then dma_fetch_release);
+// Queues the copies, waits for them, then sets the word (dma_fetch_release);
 // returns "" or the reason it could not. On a failure the caller records it, then calls
 // dma_fetch_release, which writes the word from the host so the GPU never waits forever (the
 // slots may hold stale rows: the step raises the recorded failure, which is in place before the

@@ -1,7 +1,7 @@
 // A MoE layer call prepared once (all pointers fixed: page-locked buffers the GPU copies into and
-// out of) and run later from a CUDA host node: the CPU branch of a graph-captured decode step.
-// `ft_host_task_run` has the cudaHostFn_t / CUhostFn signature; it must not throw (it runs on the
-// CUDA driver's callback thread), so a failure is counted and its message kept for the caller.
+// out of) and run later by the doorbell poller (poller.h): the CPU branch of a graph-captured
+// decode step. `ft_host_task_run` must not throw (it runs on the poller thread), so a failure is
+// counted and its message kept for the caller.
 #pragma once
 
 #include <atomic>
@@ -27,7 +27,7 @@ struct HostTask {
 
 extern "C" void ft_host_task_run(void* task) noexcept;
 // The task's host-issued fetch (dma_fetch.h), when it has one: the poller calls it before
-// ft_host_task_run. Never from a CUDA host node (no driver calls are allowed there). A failure is
+// ft_host_task_run. A failure is
 // counted and kept as the task's error, like a failed run.
 void ft_host_task_fetch(void* task) noexcept;
 bool ft_host_task_has_fetch(void* task) noexcept;

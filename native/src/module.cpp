@@ -75,8 +75,8 @@ uintptr_t host_task_create(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out
 // Gives a task a host-issued fetch (see dma_fetch.h); before the task serves a doorbell.
 void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t bank13, uintptr_t bank2,
                          uintptr_t slot13, uintptr_t slot2, int64_t bytes13, int64_t bytes2, int64_t rows,
-                         int64_t slots, uintptr_t stream, uintptr_t context, uintptr_t word_device,
-                         uintptr_t word_host, bool host_word, int64_t deadline_ms, int64_t scratch, int64_t inter,
+                         int64_t slots, uintptr_t stream, uintptr_t context,
+                         uintptr_t word_host, int64_t deadline_ms, int64_t scratch, int64_t inter,
                          int64_t hidden, int64_t elem) {
     auto f = std::make_unique<DmaFetch>();
     f->copy = reinterpret_cast<const int64_t*>(copy);
@@ -91,9 +91,7 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
     f->slots = slots;
     f->stream = reinterpret_cast<void*>(stream);
     f->context = reinterpret_cast<void*>(context);
-    f->word_device = word_device;
     f->word_host = reinterpret_cast<volatile uint32_t*>(word_host);
-    f->host_word = host_word;
     f->deadline_ms = deadline_ms;
     f->scratch = scratch;
     f->inter = inter, f->hidden = hidden, f->elem = elem;
@@ -140,8 +138,6 @@ double call_overhead_us(int reps) {
 
 PYBIND11_MODULE(_ftnative, m) {
     m.doc() = "freetoken native CPU MoE expert executor (raw-address API; use native/ftnative.py)";
-    if (const char* env = std::getenv("FREETOKEN_NATIVE_ISA"); env && *env) set_isa(env);
-    if (const char* env = std::getenv("FREETOKEN_NATIVE_PREFETCH"); env && *env) g_prefetch_bytes = std::atoi(env);
 
     m.def("moe_layer", &layer, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("x_bf16"),
           py::arg("x_ld"), py::arg("out"), py::arg("out_bf16"), py::arg("out_ld"), py::arg("T"), py::arg("H"),
@@ -150,7 +146,7 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
           py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, py::arg("skip_negative") = false,
           py::arg("split") = 0, "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
-    m.def("host_task_create", &host_task_create, "A prepared layer call for a CUDA host node (same arguments).");
+    m.def("host_task_create", &host_task_create, "A prepared layer call for the doorbell poller (same arguments).");
     m.def("host_task_free", [](uintptr_t t) { delete reinterpret_cast<HostTask*>(t); });
     m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },
           py::call_guard<py::gil_scoped_release>(), "Run a prepared call in this thread.");
@@ -183,13 +179,16 @@ PYBIND11_MODULE(_ftnative, m) {
     }, "(the copier thread runs, a fetch handed to it and not yet taken, the copier inside a fetch).");
     m.def("host_task_busy_ns", &ft_host_task_busy_ns, "Nanoseconds inside host tasks so far, all tasks.");
     m.def("host_task_failures", &ft_host_task_failures, "Failed runs and fetches so far, all tasks.");
-    m.def("host_task_fn", [] { return reinterpret_cast<uintptr_t>(&ft_host_task_run); },
-          "Address of the host function (cudaHostFn_t) that runs a prepared call.");
     m.def("read_ranges", &read_ranges_py, py::call_guard<py::gil_scoped_release>(), py::arg("ptrs"), py::arg("sizes"),
           "Read the byte ranges with the pool threads (bandwidth reference); returns a checksum.");
     m.def("call_overhead_us", &call_overhead_us, py::call_guard<py::gil_scoped_release>(), py::arg("reps") = 2000);
     m.def("set_isa", &set_isa, py::arg("name"), "Force an ISA path: avx512bf16|avx512|avx2|scalar|auto.");
     m.def("get_isa", [] { return std::string(isa_name(current_isa())); });
+    m.def("set_prefetch_bytes", [](int bytes) {
+        if (bytes < 0) throw std::invalid_argument("prefetch distance must be >= 0 bytes");
+        g_prefetch_bytes = bytes;
+    }, py::arg("bytes"), "Software prefetch distance on each weight row, in bytes (0 = off).");
+    m.def("prefetch_bytes", [] { return g_prefetch_bytes; });
     m.def("supported_isas", [] {
         std::vector<std::string> out;
         for (Isa i : {Isa::avx512bf16, Isa::avx512, Isa::avx2, Isa::scalar})

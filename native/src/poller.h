@@ -1,4 +1,5 @@
-// The doorbell alternative to CUDA host nodes for the CPU branch of a captured decode step: one
+// The doorbell that hands the CPU branch of a captured decode step to the host (it replaced CUDA
+// host nodes, ~230 us per layer slower on the H200: docs/gpu-tier.md): one
 // native thread polls a request word per registered HostTask in page-locked memory; the GPU
 // writes 1 there (a stream memory operation, captured into the graph), the poller clears it, runs
 // the task and writes 1 to the task's done word; the GPU waits for done == 1 and writes it back to

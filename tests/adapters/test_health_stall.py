@@ -1,4 +1,4 @@
-"""`GET /health` says "stalled" while an engine step has run past FREETOKEN_STEP_WATCH_S (engine/
+"""`GET /health` says "stalled" while an engine step has run past its step_watch_s (engine/
 watchdog.py), and "ok" again once it returns. The app is the real one (adapters/server.py) over a
 real engine on the demo model, in process; the step is held by a listener that blocks (emission
 runs on the engine thread), as a device wait that nothing answers would hold it."""
@@ -9,7 +9,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 from fastapi.testclient import TestClient
 
 from adapters.server import create_app
@@ -22,11 +21,11 @@ from freetoken_agent.service import ChatService
 from freetoken_agent.tokenizer import ChatTokenizer
 
 
-def test_health_reports_a_stalled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FREETOKEN_STEP_WATCH_S", "0.3")
+def test_health_reports_a_stalled_step(tmp_path: Path) -> None:
     model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
     release = threading.Event()
-    with Engine(model, EngineOptions(dtype="float32", kv_tokens=512, max_running=2, prefill_chunk=64)) as eng:
+    with Engine(model, EngineOptions(dtype="float32", kv_tokens=512, max_running=2, prefill_chunk=64,
+                                     step_watch_s=0.3)) as eng:
         service = ChatService(eng, ChatTokenizer.from_dir(model), "freetoken-demo", 0, 64)
         client = TestClient(create_app(AppState(service=service, model_name="freetoken-demo")))
         before = client.get("/health").json()

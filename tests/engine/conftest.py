@@ -44,11 +44,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[TinyS
 
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., Engine]]:
-    """`make_engine(model_dir, **options)` -> Engine, closed at the end of the test."""
+    """`make_engine(model_dir, **options)` -> Engine (options by flat name, engine/options.py),
+    closed at the end of the test."""
     engines: list[Engine] = []
 
     def make(model_dir: Path, **opts: object) -> Engine:
-        engine = Engine(model_dir, EngineOptions(**opts))  # type: ignore[arg-type]
+        engine = Engine(model_dir, EngineOptions.of(**opts))
         engines.append(engine)
         return engine
 

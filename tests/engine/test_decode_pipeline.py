@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engine.anchors import DecodeAnchor
-from engine.decode_pipeline import overlap_enabled, overlap_width
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.moe.base import ExpertExecutor
@@ -40,8 +39,10 @@ class CaptureSafe(ExpertExecutor):
         return self.inner(x, ids, weights, moe_index)
 
 
-def _engine(model: Path, overlap: bool) -> Engine:
-    eng = Engine(model, EngineOptions(**OPTS, overlap_decode=overlap))  # type: ignore[arg-type]
+def _engine(model: Path, overlap: bool, width: int = 4) -> Engine:
+    """Passes of up to four sequences overlap here unless `width` says otherwise (the default is
+    one: engine/decode_pipeline.py)."""
+    eng = Engine(model, EngineOptions(**OPTS, overlap_decode=overlap, overlap_width=width))  # type: ignore[arg-type]
     eng.decoder.executor = CaptureSafe(eng.decoder.executor)
     eng.decoder.cuda_graphs = True  # the decode passes go through engine/model/decode_graph.py
     return eng
@@ -51,45 +52,40 @@ def _staged(eng: Engine) -> int:
     return eng.scheduler.staged_passes
 
 
-@pytest.fixture(autouse=True)
-def wide(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Passes of up to four sequences overlap here (the default is one: engine/decode_pipeline.py)."""
-    monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", "4")
-
-
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("m") / "m", arch=request.param)
 
 
 def test_switch() -> None:
-    assert overlap_enabled(True) and not overlap_enabled(False)
+    assert EngineOptions.resolve({"overlap_decode": True}, {}).overlap_decode
+    assert not EngineOptions.resolve({"overlap_decode": False}, {}).overlap_decode
 
 
-def test_switch_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "0")
-    assert not overlap_enabled(True)
-    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1")
-    assert overlap_enabled(False)
-    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "sometimes")
+def test_switch_from_environment() -> None:
+    """The option given (the CLI's flag) beats the environment; the environment beats the default."""
+    assert not EngineOptions.resolve({"overlap_decode": False}, {"FREETOKEN_OVERLAP_DECODE": "1"}).overlap_decode
+    assert not EngineOptions.resolve({}, {"FREETOKEN_OVERLAP_DECODE": "0"}).overlap_decode
+    assert EngineOptions.resolve({}, {"FREETOKEN_OVERLAP_DECODE": "1"}).overlap_decode
     with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_DECODE"):
-        overlap_enabled(True)
+        EngineOptions.resolve({}, {"FREETOKEN_OVERLAP_DECODE": "sometimes"})
 
 
 def test_width_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FREETOKEN_OVERLAP_WIDTH")
-    assert overlap_width() == 1
+    monkeypatch.delenv("FREETOKEN_OVERLAP_WIDTH", raising=False)
+    assert EngineOptions.resolve().overlap_width == 1
+    monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", "3")
+    assert EngineOptions.resolve().overlap_width == 3
     for bad in ("0", "two"):
         monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_OVERLAP_WIDTH"):
-            overlap_width()
+            EngineOptions.resolve()
 
 
 def test_by_default_only_single_sequence_passes_overlap(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests, the second longer: while both decode every pass is serial; once the first has
     ended the other's passes are staged."""
-    monkeypatch.delenv("FREETOKEN_OVERLAP_WIDTH")
-    with _engine(model, True) as eng:
+    with _engine(model, True, width=1) as eng:
         handles = [eng.submit(list(range(300, 330)), SamplingParams(max_tokens=6, ignore_eos=True)),
                    eng.submit(list(range(340, 360)), SamplingParams(max_tokens=30, ignore_eos=True))]
         outs = [h.result(timeout=300) for h in handles]
@@ -293,7 +289,7 @@ def test_off_unless_asked(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     or the option turns it on, `--no-overlap-decode` leaves it off."""
     import argparse
 
-    from freetoken_agent.argtypes import add_engine_arguments
+    from freetoken_agent.argtypes import add_engine_arguments, engine_options
 
     monkeypatch.delenv("FREETOKEN_OVERLAP_DECODE", raising=False)
     assert EngineOptions().overlap_decode is False
@@ -301,9 +297,12 @@ def test_off_unless_asked(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert eng.scheduler.pipeline is None
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    assert parser.parse_args([]).overlap_decode is False
-    assert parser.parse_args(["--overlap-decode"]).overlap_decode is True
-    assert parser.parse_args(["--no-overlap-decode"]).overlap_decode is False
+    assert engine_options(parser.parse_args([])).overlap_decode is False
+    assert engine_options(parser.parse_args(["--overlap-decode"])).overlap_decode is True
+    assert engine_options(parser.parse_args(["--no-overlap-decode"])).overlap_decode is False
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1")  # an explicit flag beats the environment
+    assert engine_options(parser.parse_args(["--no-overlap-decode"])).overlap_decode is False
+    assert engine_options(parser.parse_args([])).overlap_decode is True
 
 
 def test_the_first_pass_is_settled_per_top_k(model: Path) -> None:

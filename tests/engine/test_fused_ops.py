@@ -265,27 +265,30 @@ if __name__ == "__main__":  # the interpreter test's child
     print("ok")
 
 
-def test_fused_switches_take_on_off_and_refuse_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FREETOKEN_FUSED_* are on/off switches; another value stops the decoder's construction (the
-    engine's start) with an error that names the variable, instead of failing each forward pass."""
+def test_fused_switches_take_on_off_and_refuse_the_rest() -> None:
+    """FREETOKEN_FUSED_* (and FREETOKEN_HOST_EMBED) are on/off switches; another value stops the
+    options' resolution (the engine's start) with an error that names the variable, instead of
+    failing each forward pass; the engine hands the kernel switches to the ops
+    (`use_kernels`), which every pass reads."""
     from engine.errors import ConfigError
-    from engine.weights.dummy import dummy_config, dummy_decoder
+    from engine.options import EngineOptions
 
-    switches = {"FREETOKEN_FUSED_OPS": ops.fused_ops_enabled, "FREETOKEN_FUSED_GDN": ops.fused_gdn_enabled,
-                "FREETOKEN_FUSED_ROUTER": ops.fused_router_enabled, "FREETOKEN_FUSED_SHARED": ops.fused_shared_enabled,
-                "FREETOKEN_HOST_EMBED": ops.host_embedding_enabled}
+    switches = {"FREETOKEN_FUSED_OPS": ("fused_ops", ops.fused_ops_enabled),
+                "FREETOKEN_FUSED_GDN": ("fused_gdn", ops.fused_gdn_enabled),
+                "FREETOKEN_FUSED_ROUTER": ("fused_router", ops.fused_router_enabled),
+                "FREETOKEN_FUSED_SHARED": ("fused_shared", ops.fused_shared_enabled)}
+    before = ops.kernel_options()
     try:
-        for name, read in switches.items():
+        for name, (field, read) in switches.items():
             for raw, value in (("Yes", True), ("off", False), ("1", True), (" 0 ", False)):
-                monkeypatch.setenv(name, raw)
-                read.cache_clear()
+                opts = EngineOptions.resolve({}, {name: raw})
+                assert getattr(opts.kernels, field) is value, (name, raw)
+                ops.use_kernels(opts.kernels)
                 assert read() is value, (name, raw)
-            monkeypatch.setenv(name, "maybe")
-            read.cache_clear()
             with pytest.raises(ConfigError, match=name):
-                dummy_decoder(dummy_config("tiny-qwen3"))
-            monkeypatch.delenv(name)
-            read.cache_clear()
+                EngineOptions.resolve({}, {name: "maybe"})
     finally:
-        for read in switches.values():
-            read.cache_clear()
+        ops.use_kernels(before)
+    assert EngineOptions.resolve({}, {"FREETOKEN_HOST_EMBED": "off"}).gpu.host_embed is False
+    with pytest.raises(ConfigError, match="FREETOKEN_HOST_EMBED"):
+        EngineOptions.resolve({}, {"FREETOKEN_HOST_EMBED": "maybe"})

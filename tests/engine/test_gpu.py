@@ -60,12 +60,11 @@ def test_cuda_logits_match_reference(spec: TinySpec, gdn: str, tiny_checkpoint, 
             pytest.skip("no linear attention in this family")
         if _import_fla() is None:
             pytest.fail("fla-core is not importable on this CUDA machine")
-    monkeypatch.setenv("FREETOKEN_GDN", gdn)
     # fp32 reference matmuls, no TF32, on both sides.
     torch.backends.cuda.matmul.allow_tf32 = False
     path, _ = tiny_checkpoint(spec)
     prompt = [int(t) for t in torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(3))]
-    engine = make_engine(path, device="cuda")
+    engine = make_engine(path, device="cuda", gdn=gdn)
     handle = engine.submit(prompt, SamplingParams(max_tokens=32, ignore_eos=True), capture_logits=True)
     out = handle.result()
     ref = reference(path, prompt, out[:-1], tmp_path)
@@ -116,8 +115,7 @@ def test_bf16_fla_path_tracks_torch_path(tiny_checkpoint, make_engine, monkeypat
     prompt = [int(t) for t in torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(4))]
     rows = {}
     for gdn, dtype in (("torch", "float32"), ("torch", "bfloat16"), ("auto", "bfloat16")):
-        monkeypatch.setenv("FREETOKEN_GDN", gdn)
-        engine = make_engine(path, device="cuda", dtype=dtype)
+        engine = make_engine(path, device="cuda", dtype=dtype, gdn=gdn)
         h = engine.submit(prompt, SamplingParams(max_tokens=1), capture_logits=True)
         h.result()
         rows[gdn, dtype] = h.logits[0]
@@ -131,9 +129,8 @@ def test_bf16_fla_path_tracks_torch_path(tiny_checkpoint, make_engine, monkeypat
 def test_fla_varlen_batch_equals_single(tiny_checkpoint, make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     if _import_fla() is None:
         pytest.fail("fla-core is not importable on this CUDA machine")
-    monkeypatch.setenv("FREETOKEN_GDN", "fla")
     path, _ = tiny_checkpoint(SPECS[0])
-    engine = make_engine(path, device="cuda")
+    engine = make_engine(path, device="cuda", gdn="fla")
     gen = torch.Generator().manual_seed(5)
     prompts = [[int(t) for t in torch.randint(0, 128, (n,), generator=gen)] for n in (7, 70, 130, 33)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)

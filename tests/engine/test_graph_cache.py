@@ -24,17 +24,16 @@ def test_disabled_cache_always_runs_eagerly() -> None:
     assert calls == [1, 1, 1] and cache.captured == 0
 
 
-def test_a_failure_report_names_the_project_frame_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_report_names_the_project_frame_that_raised() -> None:
     """_where: the innermost frame under engine/ (the operation that broke a capture), not torch's."""
     from engine.errors import ConfigError
     from engine.graphs import _where
-    from engine.model.ops import env_switch
+    from engine.options import EngineOptions
 
-    monkeypatch.setenv("FREETOKEN_TEST_SWITCH", "perhaps")
     with pytest.raises(ConfigError) as info:
-        env_switch("FREETOKEN_TEST_SWITCH", False)
+        EngineOptions.resolve({}, {"FREETOKEN_OVERLAP_DECODE": "perhaps"})
     where = _where(info.value)
-    assert where.startswith("ops.py:") and "in env_switch: raise ConfigError" in where, where
+    assert where.startswith("options.py:") and "in parse_env: raise ConfigError" in where, where
 
 
 @pytest.mark.gpu

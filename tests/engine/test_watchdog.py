@@ -53,19 +53,18 @@ def test_a_stalled_step_is_logged_with_where_it_stands(caplog: pytest.LogCapture
 
 def test_the_threshold_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FREETOKEN_STEP_WATCH_S", "0")
-    assert not StepWatch.from_env().enabled
+    assert not StepWatch(EngineOptions.resolve().step_watch_s).enabled
     monkeypatch.setenv("FREETOKEN_STEP_WATCH_S", "soon")
     with pytest.raises(ConfigError, match="FREETOKEN_STEP_WATCH_S"):
-        StepWatch.from_env()
+        EngineOptions.resolve()
     monkeypatch.delenv("FREETOKEN_STEP_WATCH_S")
-    assert StepWatch.from_env().threshold_s == 120
+    assert StepWatch(EngineOptions.resolve().step_watch_s).threshold_s == 120
 
 
 def test_the_engine_reports_a_step_that_does_not_return(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A listener that blocks holds the engine thread inside a step (emission runs there), as a
     device wait that nothing answers would."""
-    monkeypatch.setenv("FREETOKEN_STEP_WATCH_S", "0.3")
     model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
     release = threading.Event()
 
@@ -74,7 +73,8 @@ def test_the_engine_reports_a_step_that_does_not_return(tmp_path: Path, monkeypa
             release.wait(timeout=30)
 
     with caplog.at_level(logging.WARNING, logger="freetoken.engine"), \
-            Engine(model, EngineOptions(dtype="float32", kv_tokens=512, max_running=2, prefill_chunk=64)) as eng:
+            Engine(model, EngineOptions(dtype="float32", kv_tokens=512, max_running=2, prefill_chunk=64,
+                                        step_watch_s=0.3)) as eng:
         assert eng.stalled_step_s() is None
         handle = eng.submit(list(range(300, 320)), SamplingParams(max_tokens=3, ignore_eos=True), listener=listener)
         deadline = time.monotonic() + 20

@@ -1,6 +1,6 @@
 /* A stand-in for libcuda.so.1 with the driver calls native/src/dma_fetch.cpp makes, for
    tests on machines without a GPU (tests/native/test_dma_fetch.py): "device" addresses are host
-   addresses, an asynchronous copy is a memcpy, a stream write a store, a stream query answers
+   addresses, an asynchronous copy is a memcpy, a stream query answers
    "not ready" as often as the test asks, then done. It records the calls so
    the test can check what the poller asked of the driver. */
 #include <stdint.h>
@@ -9,7 +9,6 @@
 static void* g_ctx;
 static void* g_stream;
 static int g_copies;
-static int g_writes;
 static int g_fail_copy_at = -1; /* the n-th copy (from 0) returns an error */
 static volatile int g_hold;
 static int g_queries, g_pending; /* cuStreamQuery calls; answers "not ready" this many times first */ /* while set, a copy waits inside the call (a driver call that blocks) */
@@ -56,13 +55,6 @@ int cuMemcpy2DAsync_v2(const struct memcpy2d* c, void* stream) {
     return 0;
 }
 
-int cuStreamWriteValue32_v2(void* stream, uint64_t addr, uint32_t value, unsigned flags) {
-    g_writes++;
-    g_stream = stream;
-    *(volatile uint32_t*)(uintptr_t)addr = value;
-    return 0;
-}
-
 int cuStreamQuery(void* stream) {
     g_queries++;
     g_stream = stream;
@@ -76,7 +68,6 @@ int cuStreamQuery(void* stream) {
 void* fake_ctx(void) { return g_ctx; }
 void* fake_stream(void) { return g_stream; }
 int fake_copies(void) { return g_copies; }
-int fake_writes(void) { return g_writes; }
 void fake_fail_copy_at(int n) { g_fail_copy_at = n; }
 void fake_hold(int on) { g_hold = on; }
 int fake_queries(void) { return g_queries; }

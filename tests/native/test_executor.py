@@ -153,11 +153,14 @@ def test_read_ranges_touches_every_byte(ft):
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
 
 
 _ENV_CHECK = """
 import torch
+from engine.moe.native import apply_native_options
+from engine.options import EngineOptions
+apply_native_options(EngineOptions.resolve().native)  # the environment, read once, as an engine does
 from native import ftnative as ft
 from native.formats import quantize, dequantize
 from tests.native.conftest import reference
@@ -172,6 +175,7 @@ print(ft.get_isa(), ft.num_threads(), float((o.double() - r).abs().max() / r.abs
 
 @pytest.mark.parametrize("name", ALL_ISAS)
 def test_env_var_forces_isa(ft, name):
+    """FREETOKEN_NATIVE_ISA / _THREADS reach the extension through the engine's options."""
     res = _run(_ENV_CHECK, FREETOKEN_NATIVE_ISA=name, FREETOKEN_NATIVE_THREADS="3")
     if name in CPU_ISAS:
         assert res.returncode == 0, res.stderr
@@ -183,8 +187,8 @@ def test_env_var_forces_isa(ft, name):
 
 
 def test_env_var_unknown_isa(ft):
-    res = _run("from native import ftnative", FREETOKEN_NATIVE_ISA="sse9")
-    assert res.returncode != 0 and "unknown ISA" in res.stderr
+    res = _run("from engine.options import EngineOptions; EngineOptions.resolve()", FREETOKEN_NATIVE_ISA="sse9")
+    assert res.returncode != 0 and "FREETOKEN_NATIVE_ISA='sse9'" in res.stderr
 
 
 def test_exit_and_fork_with_a_live_pool(ft):

@@ -1,5 +1,6 @@
 """Calibration (engine/gpu/calibrate.py, calibration_store.py): the store round-trips records per
-machine key, merges keys, survives a corrupt or foreign file; the fetch ratio picks the contended
+machine key, merges keys, survives a corrupt or foreign file, reads records that carry the retired
+fetch kernel's rate; the fetch ratio picks the contended
 form when it was measured, else the paper's, else 0; and on a machine without CUDA a real
 measurement gives a positive B_C, no B_P and says why.
 """
@@ -22,7 +23,7 @@ KEY = MachineKey("NVIDIA H200", "Xeon", 8, "bf16", 2048, 768)
 def test_store_round_trip_and_merge(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "calibration.json"
     assert load(path, KEY) is None and load_all(path) == {}
-    a = Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2, measured_at="2026-11-30T10:00:00+00:00")
+    a = Calibration(KEY, 50.0, 55.0, 49.0, 52.0, measured_at="2026-11-30T10:00:00+00:00")
     save(path, a)
     assert load(path, KEY) == a
     other = MachineKey("none", "Xeon", 2, "bf16", 2048, 768)
@@ -51,11 +52,7 @@ def test_unreadable_store_is_empty_and_replaced(tmp_path: Path, text: str) -> No
 
 
 def test_ratio_forms() -> None:
-    # the decode fetch kernel's contended rate and the CPU's beside it come first
-    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2).ratio() == pytest.approx(43 / 109)
-    # host-issued copies (FREETOKEN_FETCH=dma) move at the bulk copies' contended rate
-    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0, 43.0, 66.0, 2).ratio("dma") == pytest.approx(52 / 101)
-    assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0, 47.0).ratio() == pytest.approx(52 / 101)  # no contended B_F
+    # host-issued copies move at the bulk copies' contended rate
     assert Calibration(KEY, 50.0, 55.0, 49.0, 52.0).ratio() == pytest.approx(52 / 101)  # contended
     assert Calibration(KEY, 110.0, 55.0).ratio() == pytest.approx(0.5)  # paper: B_P / B_H
     assert Calibration(KEY, 50.0, 55.0).ratio() == 1.0
@@ -74,3 +71,13 @@ def test_measures_cpu_and_reports_missing_gpu() -> None:
     assert cal.b_pcie is None and cal.b_pcie_contended is None and cal.b_cpu_contended is None
     assert cal.note == NO_GPU and cal.ratio() == 0.0
     assert cal.key.gpu == "none" and cal.key.threads >= 1 and (cal.key.hidden, cal.key.inter) == (128, 64)
+
+
+def test_a_record_with_the_retired_fetch_kernel_rate_is_read() -> None:
+    """Version-2 records written while the fetch kernel ran carry its rate (B_F): read, dropped, and
+    the ratio is the host-issued copies' (docs/gpu-tier.md "Retired paths")."""
+    record = {"key": {"gpu": "NVIDIA H200", "cpu": "Xeon", "threads": 8, "fmt": "bf16", "hidden": 2048, "inter": 768},
+              "b_cpu": 50.0, "b_pcie": 55.0, "b_cpu_contended": 49.0, "b_pcie_contended": 52.0, "b_fetch": 47.0,
+              "b_fetch_contended": 43.0, "b_cpu_fetch_contended": 66.0, "fetch_batch": 2, "measured_at": "", "note": ""}
+    cal = Calibration.from_json(record)
+    assert cal == Calibration(KEY, 50.0, 55.0, 49.0, 52.0) and cal.ratio() == pytest.approx(52 / 101)

@@ -91,7 +91,5 @@ def test_calibrate_measures_pcie() -> None:
     cal = calibrate(CalibrationSpec(bank_bytes=500_000_000, seconds=0.2, rounds=1))
     assert cal.b_pcie and cal.b_pcie > 1 and cal.b_pcie_contended and cal.b_cpu_contended
     assert 0 < cal.ratio() <= 1 and cal.key.gpu != "none" and not cal.note
-    # the decode fetch kernel at a layer's size (top-8 -> 2 experts per launch), and the ratio from it
-    assert cal.fetch_batch == 2 and cal.b_fetch and cal.b_fetch > 1
-    assert cal.b_fetch_contended and cal.b_cpu_fetch_contended
-    assert cal.ratio() == pytest.approx(cal.b_fetch_contended / (cal.b_fetch_contended + cal.b_cpu_fetch_contended))
+    # the decode split's ratio: the host-issued copies' contended rate against the CPU's beside it
+    assert cal.ratio() == pytest.approx(cal.b_pcie_contended / (cal.b_pcie_contended + cal.b_cpu_contended))

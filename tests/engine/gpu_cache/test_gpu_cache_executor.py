@@ -243,53 +243,20 @@ def test_engine_prefill_streams_through_two_layer_buffers(tiny_checkpoint, make_
     assert cached.table.invariant_errors() == [] and cached.stats.calls > 0  # decode went through the plan
 
 
-def test_unknown_cpu_branch_plan_or_fetch_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_plan_is_refused_at_construction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from engine.errors import ConfigError
 
     banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
-    with pytest.raises(ConfigError, match="unknown CPU branch hand-off 'bogus'"):
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), cpu_branch="bogus")
-    monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "nope")
-    with pytest.raises(ConfigError, match="'nope'"):
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
-    monkeypatch.delenv("FREETOKEN_CPU_BRANCH")
     with pytest.raises(ConfigError, match="unknown cache plan 'quick'"):
         create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), plan="quick")
-    monkeypatch.setenv("FREETOKEN_PLAN", "fast")
-    with pytest.raises(ConfigError, match="'fast'"):
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks))
-    monkeypatch.delenv("FREETOKEN_PLAN")
-    with pytest.raises(ConfigError, match="unknown expert fetch 'copy'"):
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="copy")
-    monkeypatch.setenv("FREETOKEN_DMA_WORD", "kernel")
-    with pytest.raises(ConfigError, match="unknown FREETOKEN_DMA_WORD 'kernel'"):
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma")
-    monkeypatch.delenv("FREETOKEN_DMA_WORD")
-    with pytest.raises(ConfigError, match="needs the doorbell"):  # the host node cannot call the driver
-        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), fetch="dma",
-                               cpu_branch="hostfunc")
-    for bad in ({"plan": "torch"}, {"cpu_branch": "hostfunc"}):  # the online ratio needs both
-        with pytest.raises(ConfigError, match="FREETOKEN_ADAPT_RATIO=1 needs"):
-            create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks),
-                                   adapt=True, **bad)
+    from engine.options import EngineOptions
 
-
-def test_default_fetch_is_host_issued_with_the_doorbell_and_the_kernel_with_host_nodes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv("FREETOKEN_FETCH", raising=False)
-    monkeypatch.delenv("FREETOKEN_CPU_BRANCH", raising=False)
-    banks = ExpertBanks(torch.zeros(2 * 4, 8, 4), torch.zeros(2 * 4, 4, 4), 4)
-
-    def make(**kw):  # type: ignore[no-untyped-def]
-        return create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks), **kw)
-
-    assert make().fetch == "dma"
-    assert make(cpu_branch="hostfunc").fetch == "kernel"  # a host node cannot call the driver
-    monkeypatch.setenv("FREETOKEN_CPU_BRANCH", "hostfunc")
-    assert make().fetch == "kernel"
-    monkeypatch.delenv("FREETOKEN_CPU_BRANCH")
-    monkeypatch.setenv("FREETOKEN_FETCH", "kernel")
-    assert make().fetch == "kernel"
-    assert make(fetch="dma").fetch == "dma"  # the argument before the environment
+    with pytest.raises(ConfigError, match="FREETOKEN_PLAN='fast'"):
+        EngineOptions.resolve({}, {"FREETOKEN_PLAN": "fast"})
+    assert EngineOptions.resolve({}, {"FREETOKEN_PLAN": "torch"}).gpu.plan == "torch"
+    with pytest.raises(ConfigError, match=r"FREETOKEN_ADAPT_RATIO=1\) needs"):  # the online ratio needs the fused plan
+        create_cached_executor(banks, 2 * banks.expert_bytes, "cpu", 0.5, TorchExpertExecutor(banks),
+                               adapt=True, plan="torch")
 
 
 def test_forward_dying_midway_through_a_streamed_chunk(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]

@@ -67,14 +67,12 @@ def test_capped_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
 @pytest.mark.parametrize("ratio", [0.3, 0.5])
-def test_whole_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """FREETOKEN_SPLIT_EXPERT=0 under a cap: whole experts only, every one of the ten slots in the
-    table, nothing split, and the same greedy tokens as the uncapped engine."""
+def test_whole_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: float) -> None:
+    """split_expert off (FREETOKEN_SPLIT_EXPERT=0) under a cap: whole experts only, every one of the
+    ten slots in the table, nothing split, and the same greedy tokens as the uncapped engine."""
     model, want, cap, _ = _uncapped(tmp_path, arch)
     before = torch.cuda.memory_allocated()
-    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "0")
-    with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=ratio)) as eng:
+    with Engine(model, EngineOptions.of(**BASE, gpu_memory=cap, fetch_ratio=ratio, split_expert=False)) as eng:
         ex = eng.decoder.executor
         assert isinstance(ex, CachedExpertExecutor) and not ex.split and not ex.adapt and ex.slots.slots == 10
         got = list(eng.generate(PROMPT, PARAMS))
@@ -85,10 +83,9 @@ def test_whole_expert_engine_equals_uncapped(tmp_path: Path, arch: str, ratio: f
     assert peak <= cap, f"peak {peak} > cap {cap}"
 
 
-@pytest.mark.parametrize("split", ["1", "0"])
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("n", [3, 6])  # x 4 routed experts: 12 entries (the fused plan), 24 (the torch plan)
-def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path, n: int, split: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path, n: int, split: bool) -> None:
     """A prompt of at most 8 tokens runs as a decode-sized pass; under a cap its pass is captured
     (the third such prompt replays the graph the second captured) with and without the split expert,
     and the tokens are the uncapped engine's. (The tenth GPU session saw a 4-token pass's capture
@@ -97,10 +94,9 @@ def test_short_prompts_run_as_captured_decode_passes_under_a_cap(tmp_path: Path,
     prompts = [PROMPT[i * n:(i + 1) * n] for i in range(3)]
     with Engine(model, EngineOptions(**BASE)) as ref:
         want = [list(ref.generate(p, PARAMS)) for p in prompts]
-    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", split)
-    with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=0.5)) as eng:
+    with Engine(model, EngineOptions.of(**BASE, gpu_memory=cap, fetch_ratio=0.5, split_expert=split)) as eng:
         ex = eng.decoder.executor
-        assert isinstance(ex, CachedExpertExecutor) and ex.split == (split == "1")
+        assert isinstance(ex, CachedExpertExecutor) and ex.split == split
         got = [list(eng.generate(p, PARAMS)) for p in prompts]
         graphs = eng.decoder.graphs.get(n)
         assert graphs is not None and graphs.captured == 1, "the short prompts' pass ran eagerly"
@@ -146,10 +142,9 @@ def test_overlapped_decode_equals_serial_under_a_cap(tmp_path: Path, arch: str, 
                 (PROMPT[20:64], SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, seed=2, ignore_eos=True))]
 
     def run(overlap: bool) -> tuple[list[list[int]], int, int]:
-        monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "1" if overlap else "0")
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=0.5)) as eng:
+        with Engine(model, EngineOptions(**BASE, gpu_memory=cap, fetch_ratio=0.5, overlap_decode=overlap)) as eng:
             assert isinstance(eng.decoder.executor, CachedExpertExecutor) and eng.decoder.executor.split
             outs = [eng.submit(p, sp).result(timeout=300) for p, sp in requests]
             pipeline = eng.scheduler.pipeline
@@ -175,13 +170,13 @@ def test_concurrent_sampled_requests_finish_under_a_cap(tmp_path: Path, arch: st
     the device waited for the copier; the first-run settle in engine/gpu/device_step.py cured it
     (twelfth session: overlap_probe hangs without the settle and not with it; thirteenth: the serial
     cases passed for both families)."""
-    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "0" if overlap == "serial" else "1")
-    monkeypatch.setenv("FREETOKEN_OVERLAP_WIDTH", "4" if overlap == "overlap4" else "1")
     model, _, cap, _ = _uncapped(tmp_path, arch, max_running=4)
     prompts = [PROMPT[:40], PROMPT[8:30], PROMPT[20:64]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
               SamplingParams(max_tokens=32, temperature=0.8, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=28, temperature=1.0, top_p=0.9, seed=2, ignore_eos=True)]
-    with Engine(model, EngineOptions(**{**BASE, "max_running": 4}, gpu_memory=cap, fetch_ratio=0.5)) as eng:  # type: ignore[arg-type]
+    with Engine(model, EngineOptions(**{**BASE, "max_running": 4}, gpu_memory=cap, fetch_ratio=0.5,  # type: ignore[arg-type]
+                                     overlap_decode=overlap != "serial",
+                                     overlap_width=4 if overlap == "overlap4" else 1)) as eng:
         outs = [h.result(timeout=300) for h in [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]]
     assert [len(o) for o in outs] == [24, 32, 28]

@@ -11,8 +11,8 @@ standing in for the GPU (no copy stream: everything runs in order, same results)
   experts in place and streams only the rest;
 - the buffers are the 2E least recently used slots (empty first); plan_layer never hits a reserved
   slot nor takes one as a victim while it has unreserved slots to spare; `fits` is false below 2E;
-- FREETOKEN_PREFILL_KERNEL: an unknown value is a ConfigError naming the valid ones; `grouped` on a
-  CPU pool (no Triton interpreter) keeps the loop, bit for bit; through Triton's interpreter (when
+- the kernel: an unknown name is a ConfigError naming the valid ones; a CPU pool (no Triton
+  interpreter) runs the loop, bit for bit; through Triton's interpreter (when
   triton is installed; a subprocess) the grouped kernels give the reference's outputs (float32 to
   summation order, bf16 within a few roundings) and leave the same table, LRU state and stats as
   the loop path, for empty, partly resident and full caches, dense and sparse routing.
@@ -268,28 +268,25 @@ def test_reserve_release_register_and_plan() -> None:
     assert table.reserved() == [] and table.invariant_errors() == []
 
 
-def test_bad_prefill_kernel_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_prefill_kernel_is_a_config_error() -> None:
     banks = _banks()
     slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, 2 * E)
-    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "fused")
     with pytest.raises(ConfigError, match=r"'fused'.*valid: loop, grouped"):
-        PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E))
-    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "loop")
+        PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="fused")
     with pytest.raises(ConfigError, match="valid: loop, grouped"):
         PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="Grouped")
-    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "loop"
-    monkeypatch.delenv("FREETOKEN_PREFILL_KERNEL")
-    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E)).kernel == "grouped"
+    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="loop").kernel == "loop"
 
 
-def test_grouped_knob_on_a_cpu_pool_keeps_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FREETOKEN_PREFILL_KERNEL", "grouped")
+def test_a_cpu_pool_runs_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Triton's interpreter a CPU pool has no grouped kernels: the loop, asked or not."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     banks = _banks(seed=6)
     ref = TorchExpertExecutor(banks)
     slots = ExpertSlots(tuple(banks.w13.shape[1:]), tuple(banks.w2.shape[1:]), banks.w13.dtype, 2 * E)
+    assert PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E), kernel="grouped").kernel == "loop"
     streamer = PrefillStreamer(banks, slots, CacheTable(L, E, 2 * E))
-    assert streamer.kernel == "grouped" and not streamer.grouped
+    assert streamer.kernel == "loop" and not streamer.grouped
     for layer, (x, ids, w) in enumerate(_chunk(7)):
         got = streamer.layer(x, ids, w, layer, layer + 1 if layer + 1 < L else None)
         assert torch.equal(got, ref(x, ids, w, layer))

@@ -85,12 +85,14 @@ def test_split_switch_is_checked_and_takes_a_slot_for_its_scratch(monkeypatch: p
     from engine.weights.layout import ExpertBanks
 
     banks = ExpertBanks(torch.zeros(2 * 8, 2 * 64, 32), torch.zeros(2 * 8, 32, 64), 8)
-    with pytest.raises(ConfigError, match="FREETOKEN_SPLIT_EXPERT=1 needs the host-issued fetch"):
-        create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5, fetch="kernel", split=True)
-    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "sometimes")
+    with pytest.raises(ConfigError, match=r"FREETOKEN_SPLIT_EXPERT=1\) needs the fused plan"):
+        create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5, plan="torch", split=True)
+    from engine.options import EngineOptions
+
     with pytest.raises(ConfigError, match="FREETOKEN_SPLIT_EXPERT"):
-        create_cached_executor(banks, 4 * banks.expert_bytes, "cpu", 0.5)
-    monkeypatch.delenv("FREETOKEN_SPLIT_EXPERT")
+        EngineOptions.resolve({}, {"FREETOKEN_SPLIT_EXPERT": "sometimes"})
+    for raw, want in (("1", True), ("0", False), ("auto", None)):
+        assert EngineOptions.resolve({}, {"FREETOKEN_SPLIT_EXPERT": raw}).gpu.split_expert is want
     odd = ExpertBanks(torch.zeros(8, 2 * 48, 32), torch.zeros(8, 32, 48), 8)  # 48 rows: no 32-row steps
     with pytest.raises(ConfigError, match="multiple of 32"):
         create_cached_executor(odd, 4 * odd.expert_bytes, "cpu", 0.5, split=True)
@@ -107,8 +109,8 @@ def test_split_switch_is_checked_and_takes_a_slot_for_its_scratch(monkeypatch: p
 
 def test_the_split_is_on_wherever_it_can_run_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """resolve_split: unset, the split is on exactly where every part it needs is (a CUDA pool, the
-    host-issued fetch, the fused plan, the native CPU side, divisible experts) and quietly off
-    elsewhere; FREETOKEN_SPLIT_EXPERT=0 turns it off where it could run, =1 insists."""
+    fused plan, the native CPU side, divisible experts) and quietly off
+    elsewhere; off (FREETOKEN_SPLIT_EXPERT=0) turns it off where it could run, on (=1) insists."""
     from engine.errors import ConfigError
     from engine.gpu.executor import resolve_split
     from engine.weights.layout import ExpertBanks
@@ -117,22 +119,17 @@ def test_the_split_is_on_wherever_it_can_run_unless_turned_off(monkeypatch: pyte
                         torch.zeros(2 * 8, 32, 64, dtype=torch.bfloat16), 8)
     fp8 = ExpertBanks(banks.w13.to(torch.float8_e4m3fn), banks.w2.to(torch.float8_e4m3fn), 8)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv("FREETOKEN_SPLIT_EXPERT", raising=False)
-    assert resolve_split(None, banks, "dma", "fused", cuda, True)
-    for why_not in ((banks, "kernel", "fused", cuda, True), (banks, "dma", "torch", cuda, True),
-                    (banks, "dma", "fused", cpu, True), (banks, "dma", "fused", cuda, False),
-                    (fp8, "dma", "fused", cuda, True)):
+    assert resolve_split(None, banks, "fused", cuda, True)
+    for why_not in ((banks, "torch", cuda, True), (banks, "fused", cpu, True), (banks, "fused", cuda, False),
+                    (fp8, "fused", cuda, True)):
         assert not resolve_split(None, *why_not), why_not
-    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "0")
-    assert not resolve_split(None, banks, "dma", "fused", cuda, True)
-    assert resolve_split(True, banks, "dma", "fused", cuda, True)  # the argument wins over the variable
-    monkeypatch.setenv("FREETOKEN_SPLIT_EXPERT", "1")
-    assert resolve_split(None, banks, "dma", "fused", cuda, True)
-    with pytest.raises(ConfigError, match="needs the host-issued fetch"):
-        resolve_split(None, banks, "kernel", "fused", cuda, True)
+    assert not resolve_split(False, banks, "fused", cuda, True)  # off where it could run
+    assert resolve_split(True, banks, "fused", cuda, True)
+    with pytest.raises(ConfigError, match="needs the fused plan"):  # on insists
+        resolve_split(True, banks, "torch", cuda, True)
     with pytest.raises(ConfigError, match="multiple of 32"):
-        resolve_split(None, fp8, "dma", "fused", cuda, True)
-    assert not resolve_split(False, banks, "kernel", "fused", cuda, True)
+        resolve_split(True, fp8, "fused", cuda, True)
+    assert not resolve_split(False, banks, "torch", cuda, True)
 
 
 class _HostScalarCopies(TorchDispatchMode):
