@@ -13,6 +13,7 @@ with usage and `message_stop`. Usage: `input_tokens` are the uncached prompt tok
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -28,7 +29,9 @@ from adapters.common import (
     SSEResponse,
     check_function_tool,
     forced_output_of,
+    int_in,
     pinged,
+    sampling_of,
     sse,
     text_of,
     until_disconnect,
@@ -165,26 +168,19 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
 
 
 def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatRequest:
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
-    for key, lo, hi in (("temperature", 0.0, 1.0), ("top_p", 1e-9, 1.0)):
-        v = body.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi):
-            raise ApiError(400, f"{key} must be a number in [{lo}, {hi}], got {v!r}")
+    max_tokens = int_in(body, "max_tokens")
+    temperature, top_p, top_k = sampling_of(body)
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop_sequences must be a list of strings")
     thinking = body.get("thinking") or {}
     tools = _tools(body.get("tools"))
-    top_k = body.get("top_k")
     choice = body.get("tool_choice")
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
     return ChatRequest(messages=parse_messages(body.get("system"), body.get("messages")), tools=tools,
                        parallel_tool_calls=parallel,
                        tool_choice=_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
-                       temperature=body.get("temperature"), top_p=body.get("top_p"),
-                       top_k=top_k if isinstance(top_k, int) and top_k > 0 else None, stop=stop,
+                       temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                        enable_thinking=isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"),
                        headers=headers, forced_output=forced_output_of(body))
 
@@ -211,8 +207,12 @@ def _usage(fin: Finish) -> dict[str, Any]:
 async def count_tokens(request: Request) -> dict[str, int]:
     state: AppState = request.app.state.ft
     body = await read_json(request)
+    state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
-    return {"input_tokens": state.service.count_tokens(req)}
+    if req.max_tokens is not None and req.max_tokens > state.service.context_window:
+        raise ApiError(400, f"max_tokens {req.max_tokens} exceeds the model's context window of "
+                            f"{state.service.context_window} tokens")
+    return {"input_tokens": await asyncio.to_thread(state.service.count_tokens, req)}
 
 
 @router.post("/v1/messages")
@@ -221,10 +221,10 @@ async def messages(request: Request) -> Any:
     body = await read_json(request)
     state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
-    stream, parser = state.start(req, id_prefix="toolu_")
+    stream, parser = await state.start(req, id_prefix="toolu_")
     mid, model = f"msg_{uuid.uuid4().hex[:24]}", state.model_name
     if not body.get("stream"):
-        text, fin = await until_disconnect(request, stream.collect())
+        text, fin = await until_disconnect(request, stream.collect(), drain=state.drain)
         state.check_finish(fin)
         parsed = parser.feed(text) + parser.finish()
         content: list[dict[str, Any]] = []
@@ -272,7 +272,7 @@ async def messages(request: Request) -> Any:
             return out
 
         yield sse({"type": "ping"}, "ping")
-        async for item in pinged(stream, state.ping_interval):
+        async for item in pinged(stream, state.ping_interval, state.drain):
             if item is None:
                 yield sse({"type": "ping"}, "ping")
                 continue

@@ -8,6 +8,9 @@ seconds pass without one; leaving it early (client gone) unsubscribes, which abo
 generation when no one else listens. `until_disconnect(request, coro)` runs a non-streaming
 handler's work and cancels it if the client goes away. `forced_output_of(body)` reads the
 benchmark-only extension field `freetoken_forced_output` (a non-empty string, or absent).
+`Drain` is the shutdown clock: once `begin(grace)` ran, `pinged` ends a stream still running at
+the deadline with a `Finish` carrying the error "the server is shutting down" (each protocol
+renders it as its error event) and `until_disconnect` answers 503.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -25,6 +29,23 @@ from starlette.types import Receive, Scope, Send
 from freetoken_agent.service import Chunk, Finish, GenerationStream
 
 T = TypeVar("T")
+SHUTTING_DOWN = "the server is shutting down"
+
+
+class Drain:
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+
+    def begin(self, grace: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + max(0.0, grace)
+
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    def left(self) -> float | None:
+        """Seconds until running work is cut; None when no shutdown began."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 class ApiError(Exception):
@@ -74,7 +95,8 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
-async def pinged(stream: GenerationStream, interval: float) -> AsyncIterator[Chunk | Finish | None]:
+async def pinged(stream: GenerationStream, interval: float,
+                 drain: Drain | None = None) -> AsyncIterator[Chunk | Finish | None]:
     queue: asyncio.Queue[Chunk | Finish] = asyncio.Queue()
 
     async def pump() -> None:
@@ -84,9 +106,16 @@ async def pinged(stream: GenerationStream, interval: float) -> AsyncIterator[Chu
     task = asyncio.create_task(pump())
     try:
         while True:
+            left = drain.left() if drain is not None else None
+            if left == 0.0 and queue.empty():
+                yield Finish(reason="error", prompt_tokens=stream.prompt_tokens, cached_tokens=0,
+                             completion_tokens=len(stream.handle.output_ids), error=SHUTTING_DOWN)
+                return
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=interval)
+                item = await asyncio.wait_for(queue.get(), timeout=interval if left is None else min(interval, left))
             except TimeoutError:
+                if drain is not None and drain.left() == 0.0:
+                    continue
                 if task.done() and queue.empty():
                     task.result()  # surface a failure of the pump
                     return
@@ -101,7 +130,8 @@ async def pinged(stream: GenerationStream, interval: float) -> AsyncIterator[Chu
             await task
 
 
-async def until_disconnect(request: Request, work: Awaitable[T], poll: float = 0.25) -> T:
+async def until_disconnect(request: Request, work: Awaitable[T], poll: float = 0.25,
+                           drain: Drain | None = None) -> T:
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -110,6 +140,8 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll: float = 0
                 return task.result()
             if await request.is_disconnected():
                 raise ApiError(499, "client closed the request")
+            if drain is not None and drain.left() == 0.0:
+                raise ApiError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
     finally:
         if not task.done():
             task.cancel()
@@ -172,6 +204,37 @@ def check_function_tool(tool: Any, where: str) -> dict[str, Any]:
         raise ApiError(400, f"{where}: properties of tool {name!r} must be an object", param=where)
     out = {"name": name, "description": fn.get("description") or "", "parameters": params}
     return {"type": "function", "function": out}
+
+
+TEMPERATURE_MAX = 2.0  # every protocol: one range for temperature, top_p and top_k
+TOP_K_MAX = 1 << 20
+
+
+def number_in(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    """`body[key]` as a float in [lo, hi] (finite), None when absent; a 400 naming the field otherwise."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ApiError(400, f"{key} must be a number in [{lo}, {hi}], got {value!r}", param=key)
+    return float(value)
+
+
+def int_in(body: dict[str, Any], key: str, lo: int = 1, hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{key} must be an integer {bound}, got {value!r}", param=key)
+    return value
+
+
+def sampling_of(body: dict[str, Any]) -> tuple[float | None, float | None, int | None]:
+    """(temperature, top_p, top_k), validated the same way for every protocol."""
+    top_k = int_in(body, "top_k", 0, TOP_K_MAX)
+    return (number_in(body, "temperature", 0.0, TEMPERATURE_MAX), number_in(body, "top_p", 1e-9, 1.0),
+            top_k or None)
 
 
 FORCED_OUTPUT_FIELD = "freetoken_forced_output"

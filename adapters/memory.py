@@ -11,20 +11,23 @@ on CUDA). POST takes any of:
   checkpoint slots resized, only while no request is queued or running (every cached prefix and
   checkpoint is dropped); the expert slots take the difference under the same cap;
 pools first, then the cap; it answers as GET does. Errors in the caller's protocol shape, nothing
-changed: 400 for a value that is not a size or a count, a cap too small for the fixed parts, a cap
-on an engine without an expert cache (a CPU engine, or `--gpu-memory off`); 409 for pools while
-requests run. Authentication is the app's, as for every /v1 route.
+changed: 400 for a value that is not a size or a count, a KV pool smaller than the context window
+the server advertises (`/v1/models`: a smaller pool would fail every long request), a cap too small
+for the fixed parts, a cap on an engine without an expert cache (a CPU engine, or `--gpu-memory
+off`); 409 for pools while requests run. Authentication is the app's: with `--admin-key`, POST
+needs that key (adapters/guard.py), GET the API key as every /v1 route.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from adapters.common import ApiError
-from adapters.state import AppState
+from adapters.state import AppState, read_json
 from engine.errors import ConfigError, EngineError
 
 router = APIRouter()
@@ -42,9 +45,19 @@ def get_memory(request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/memory")
-def set_memory(request: Request, body: dict[str, Any]) -> dict[str, Any]:
-    engine = _state(request).service.engine
+async def set_memory(request: Request) -> dict[str, Any]:
+    body = await read_json(request)
+    return await asyncio.to_thread(_set_memory, _state(request), body)
+
+
+def _set_memory(state: AppState, body: dict[str, Any]) -> dict[str, Any]:
+    engine = state.service.engine
     pools = {name: _count(body, name, low) for name, low in POOLS.items() if name in body}
+    window = state.service.context_window
+    if pools.get("kv_tokens", window) < window:
+        raise ApiError(400, f"kv_tokens: {pools['kv_tokens']} is below the served context window of {window} "
+                            "tokens (restart with a smaller --context-window to serve a smaller pool)",
+                       param="kv_tokens")
     total = _cap(body, engine.opts.device) if "gpu_memory" in body else None
     if not pools and total is None:
         raise ApiError(400, f"nothing to change: give gpu_memory or one of {', '.join(POOLS)}")

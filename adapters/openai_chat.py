@@ -24,8 +24,10 @@ from adapters.common import (
     SSEResponse,
     check_function_tool,
     forced_output_of,
+    int_in,
     parse_arguments,
     pinged,
+    sampling_of,
     sse,
     text_of,
     until_disconnect,
@@ -41,24 +43,6 @@ from adapters.state import AppState, read_json
 from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
 
 router = APIRouter()
-
-
-def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ApiError(400, f"{key} must be a number in [{lo}, {hi}], got {value!r}", param=key)
-    return float(value)
-
-
-def _int(body: dict[str, Any], key: str, lo: int = 1) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ApiError(400, f"{key} must be an integer >= {lo}, got {value!r}", param=key)
-    return value
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
@@ -100,7 +84,8 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str
     if value in ("auto", "none", "required"):
         return value  # type: ignore[no-any-return]
     if isinstance(value, dict):
-        name = (value.get("function") or {}).get("name") if value.get("type", "function") == "function" else None
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) and value.get("type", "function") == "function" else None
         if not isinstance(name, str):
             raise ApiError(400, "tool_choice must be auto, none, required or {type: function, function: {name}}",
                            param="tool_choice")
@@ -130,18 +115,18 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     thinking = kwargs.get("enable_thinking", body.get("reasoning_effort") not in ("none", "minimal"))
-    max_tokens = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
+    max_tokens = int_in(body, "max_completion_tokens") or int_in(body, "max_tokens")
+    temperature, top_p, top_k = sampling_of(body)
     return ChatRequest(
         messages=parse_messages(body.get("messages")), tools=tools,
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 1e-9, 1.0),
-        top_k=_int(body, "top_k", 0), seed=_seed(body), stop=stop or [],
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=_seed(body), stop=stop or [],
         enable_thinking=bool(thinking), parallel_tool_calls=parallel, headers=headers,
         forced_output=forced_output_of(body))
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    seed = _int(body, "seed", -(2**63))
+    seed = int_in(body, "seed", -(2**63))
     if seed is not None and seed >= 2**64:
         raise ApiError(400, f"seed must be below 2**64, got {seed}", param="seed")
     return seed
@@ -169,10 +154,10 @@ async def chat_completions(request: Request) -> Any:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage"))
-    stream, parser = state.start(req)
+    stream, parser = await state.start(req)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if not body.get("stream"):
-        text, fin = await until_disconnect(request, stream.collect())
+        text, fin = await until_disconnect(request, stream.collect(), drain=state.drain)
         state.check_finish(fin)
         parsed = parser.feed(text) + parser.finish()
         reasoning = "".join(e.text for e in parsed if isinstance(e, ReasoningDelta))
@@ -196,7 +181,7 @@ async def chat_completions(request: Request) -> Any:
     async def events() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""})
         has_calls = False
-        async for item in pinged(stream, state.ping_interval):
+        async for item in pinged(stream, state.ping_interval, state.drain):
             if item is None:
                 yield ": ping\n\n"
                 continue

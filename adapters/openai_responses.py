@@ -27,8 +27,10 @@ from adapters.common import (
     SSEResponse,
     check_function_tool,
     forced_output_of,
+    int_in,
     parse_arguments,
     pinged,
+    sampling_of,
     sse,
     text_of,
     until_disconnect,
@@ -86,7 +88,12 @@ def parse_input(instructions: Any, raw: Any) -> list[ChatMessage]:
                 out.append(ChatMessage(role=role, content=text))
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list):
+                raise ApiError(400, f"{where}: reasoning content and summary must be lists of parts", param="input")
+            texts = [p.get("text", "") for p in parts if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, f"{where}: reasoning parts need a string text", param="input")
+            text = "".join(texts)
             msg = assistant()
             msg.reasoning = (msg.reasoning or "") + text
         elif kind in ("function_call", "custom_tool_call"):
@@ -126,21 +133,15 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
         choice = {"type": "function", "function": {"name": choice["name"]}}
     elif isinstance(choice, dict):
         choice = "auto"  # hosted-tool choices name tools that do not exist here
-    max_tokens = body.get("max_output_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ApiError(400, f"max_output_tokens must be a positive integer, got {max_tokens!r}",
-                       param="max_output_tokens")
-    for key in ("temperature", "top_p"):
-        v = body.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
-            raise ApiError(400, f"{key} must be a non-negative number", param=key)
+    max_tokens = int_in(body, "max_output_tokens")
+    temperature, top_p, top_k = sampling_of(body)
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     return ChatRequest(messages=parse_input(body.get("instructions"), body.get("input")), tools=tools,
                        tool_choice=parse_tool_choice(choice, tools), max_tokens=max_tokens,
-                       temperature=body.get("temperature"), top_p=body.get("top_p"),
+                       temperature=temperature, top_p=top_p, top_k=top_k,
                        enable_thinking=effort not in ("none", "minimal"), parallel_tool_calls=parallel,
                        headers=headers, forced_output=forced_output_of(body))
 
@@ -248,7 +249,7 @@ async def responses(request: Request) -> Any:
     body = await read_json(request)
     state.check_model(body.get("model"))
     req = to_chat_request(body, dict(request.headers))
-    stream, parser = state.start(req)
+    stream, parser = await state.start(req)
     rid = _new_id("resp")
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": state.model_name,
             "instructions": body.get("instructions"), "tools": body.get("tools") or [],
@@ -267,7 +268,7 @@ async def responses(request: Request) -> Any:
                 "usage": _usage(fin, n_reasoning)}
 
     if not body.get("stream"):
-        text, fin = await until_disconnect(request, stream.collect())
+        text, fin = await until_disconnect(request, stream.collect(), drain=state.drain)
         state.check_finish(fin)
         builder = _Builder()
         for e in parser.feed(text) + parser.finish():
@@ -279,7 +280,7 @@ async def responses(request: Request) -> Any:
         b = _Builder()
         yield b.event("response.created", response={**base, "status": "in_progress", "output": [], "usage": None})
         yield b.event("response.in_progress", response={**base, "status": "in_progress", "output": [], "usage": None})
-        async for item in pinged(stream, state.ping_interval):
+        async for item in pinged(stream, state.ping_interval, state.drain):
             if item is None:
                 yield ": ping\n\n"
                 continue

@@ -2,15 +2,16 @@
 
 Contract: `create_app(state)` serves `/v1/chat/completions`, `/v1/responses`, `/v1/messages`,
 `/v1/messages/count_tokens`, `/v1/models`, `/v1/models/{id}`, `/v1/sessions`, `/v1/sessions/{id}`, `/v1/memory`,
-`/health` and `/metrics`. With an
-API key, every route but `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`
-(constant-time compare). Any error, including a bug, is answered in the caller's protocol shape
-(Anthropic's for `/v1/messages*`, OpenAI's elsewhere); the server keeps serving.
+`/health` and `/metrics`. Every request passes `adapters/guard.py` first (request id, Host
+allow-list, API key and admin key, JSON-only bodies under a size cap, metrics by route template).
+Any error, including a bug, is answered in the caller's protocol shape (Anthropic's for
+`/v1/messages*`, OpenAI's elsewhere); a 500 says only "internal error" and the request id (the
+exception goes to the log with that id); the server keeps serving. No redirects: `/metrics/` is a
+404 (a redirect would echo the Host header).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
@@ -19,10 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters import anthropic_messages, memory, openai_chat, openai_responses, sessions
 from adapters.common import ApiError, anthropic_error_body, openai_error_body
+from adapters.guard import Guard, route_matcher
 from adapters.state import AppState
 from engine.errors import CapacityError, EngineError
 from freetoken_agent.service import ContextTooLong
@@ -34,50 +35,16 @@ def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
 
 
-class AuthAndCount:
-    """Pure ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from handlers):
-    checks the API key in constant time and counts responses by route and status."""
-
-    OPEN = ("/health", "/", "/api/hello")
-
-    def __init__(self, app: ASGIApp, state: AppState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        if self.state.api_key and path not in self.OPEN:
-            request = Request(scope)
-            given = request.headers.get("x-api-key") or ""
-            bearer = request.headers.get("authorization") or ""
-            if bearer.lower().startswith("bearer "):
-                given = given or bearer[7:].strip()
-            if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
-                err = ApiError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-                await _error_response(request, err)(scope, receive, send)
-                self.state.metrics.requests.labels(path, "401").inc()
-                return
-        status = 500
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.state.metrics.requests.labels(path, str(status)).inc()
+def request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", "-"))
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     body = anthropic_error_body(err) if _is_anthropic(request) else openai_error_body(err)
     state: AppState | None = getattr(request.app.state, "ft", None)
     if state is not None:
-        state.metrics.errors.labels(request.url.path, str(err.status)).inc()
+        route = request.scope.get("state", {}).get("route", "unmatched")
+        state.metrics.errors.labels(route, str(err.status)).inc()
     return JSONResponse(body, status_code=err.status if err.status != 499 else 400)
 
 
@@ -93,7 +60,10 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="freetoken-agent", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ft = state
 
-    app.add_middleware(AuthAndCount, state=state)
+    app.router.redirect_slashes = False
+    app.add_middleware(Guard, limits=state.limits, route_of=route_matcher(app.router.routes),
+                       count=lambda route, status: state.metrics.requests.labels(route, status).inc(),
+                       draining=state.drain.started)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -114,9 +84,9 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def crash(request: Request, err: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(request, ApiError(500, f"internal error: {type(err).__name__}: {err}",
-                                                 type="server_error"))
+        rid = request_id(request)
+        log.exception("unhandled error on %s (%s)", request.url.path, rid)
+        return _error_response(request, ApiError(500, f"internal error (request id {rid})", type="server_error"))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

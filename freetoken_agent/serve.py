@@ -6,6 +6,10 @@ device is present (the expert cache then under `--gpu-memory auto`), else the CP
 names the device it chose; `--api-key` turns on authentication; the served model name defaults to
 `freetoken-demo` for the demo model, to the id for a Hugging Face id and to the directory name
 otherwise; `--anchor-policy` picks where prefill checkpoints go (freetoken_agent/sessions/anchors.py).
+Hardening (docs/security.md): `--max-request-bytes` caps a request body (default: sized for the
+context window), `--allowed-hosts` extends the Host names served (loopback names only by default
+when bound to a loopback address; any when bound elsewhere, unless this is given), `--admin-key`
+gates `POST /v1/memory`, `--shutdown-grace` is how long running generations get after SIGTERM.
 The HTTP layer lives in `adapters/` (the top layer); this command is the composition root that
 wires it to the engine and the chat service. Defining the parser imports neither torch nor the
 engine: `run_serve` does.
@@ -60,6 +64,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="where prefill keeps state checkpoints: semantic (client-aware, default), positional "
                         "(every 8192 tokens + request end) or user-only (user-turn starts + request end); "
                         "the last two are benchmark baselines")
+    p.add_argument("--max-request-bytes", type=positive_int, default=None,
+                   help="largest request body in bytes (default: 1 MiB + 32 bytes per context-window token)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAME[,NAME...]",
+                   help="Host header names to answer besides localhost, 127.0.0.1 and ::1 (* for any); "
+                        "default: those three when --host is a loopback address, any otherwise")
+    p.add_argument("--admin-key", default=None,
+                   help="require this key (instead of --api-key) for POST /v1/memory, which resizes the pools")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running generations get to finish after SIGTERM before their streams end")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="server log level (info: one line per request)")
 
@@ -71,11 +84,22 @@ def default_model_name(spec: str, model_dir: Path) -> str:
     return spec if not Path(spec).expanduser().exists() else model_dir.name
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def allowed_hosts(bind: str, extra: str | None) -> tuple[str, ...] | None:
+    """Host names to answer: loopback names (plus `extra`); None (any) for a non-loopback bind
+    without `extra`."""
+    from adapters.guard import LOOPBACK_HOSTS, host_name
 
+    names = tuple(host_name(h) for h in (extra or "").split(",") if h.strip())
+    if not names and bind not in ("127.0.0.1", "localhost", "::1") and not bind.startswith("127."):
+        return None
+    return (*LOOPBACK_HOSTS, *names)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from adapters.guard import Limits
     from adapters.server import create_app
     from adapters.state import AppState
+    from adapters.transport import serve
     from engine.engine import Engine
     from freetoken_agent.argtypes import engine_options, resolve_gpu_memory
     from freetoken_agent.calibrate import calibration_path
@@ -96,8 +120,10 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = Engine(model_dir, opts, progress=progress)
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)
     service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens, sessions=sessions)
+    limits = Limits(max_request_bytes=args.max_request_bytes, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                    api_key=args.api_key, admin_key=args.admin_key)
     state = AppState(service=service, model_name=name, api_key=args.api_key, aliases=(str(model_dir),),
-                     ping_interval=args.ping_interval)
+                     ping_interval=args.ping_interval, limits=limits)
     app = create_app(state)
     chosen = f"{device}, chosen by --device auto" if args.device == "auto" else device
     print(f"freetoken-agent: serving {name!r} ({engine.cfg.family}, {chosen}) on http://{args.host}:{args.port}"
@@ -105,7 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{engine.decoder.executor.describe()})", file=sys.stderr,
           flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, state, args.host, args.port, args.log_level, args.shutdown_grace)
     finally:
         engine.close()
     return 0

@@ -12,8 +12,14 @@ Contract:
   generation is aborted at once, freeing its slot.
 - `req.forced_output` (benchmark only: trace replay, scripted capture) is tokenised and emitted
   instead of sampled tokens; the forward pass still runs, so caches are those of a real reply.
-- Stop strings are matched on the decoded text; text that may start a stop string is held back
-  until it cannot.
+- `tokenise(req)` (normalise, render, encode: the slow part, safe to run in a worker thread) and
+  `start_tokenised(t)` (plan and submit, on the event loop) split `start`; `prepare` is both.
+- Client text (system, user and tool content, tool schemas) is escaped before rendering
+  (`service/encode.py`): an added token written in it is plain text, never a control token.
+- Stop strings are bounded (`service/stops.py`: at most 16, of at most 512 characters, else
+  `RequestError`) and matched on the decoded text in linear time; text that may start a stop
+  string is held back until it cannot.
+- A temperature below `MIN_TEMPERATURE` samples greedily (what it means, without overflow).
 - Every request passes through the session manager (`freetoken_agent/sessions`): it is normalised
   before rendering, planned (client, session, ranked anchors, divergence) before `engine.submit`,
   and its turn is recorded when the generation ends.
@@ -36,18 +42,33 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams, TokenConstraint
-from freetoken_agent.service.types import ChatRequest, Chunk, Finish
+from freetoken_agent.service.encode import PromptEncoder
+from freetoken_agent.service.stops import StopMatcher, check_stops
+from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finish
 from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
 FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
 log = logging.getLogger("freetoken.service")
+MIN_TEMPERATURE = 1e-2
+ESCAPED_ROLES = ("system", "user", "tool")  # their content is the client's text, not the model's
 
 
 class ContextTooLong(RequestError):
     def __init__(self, prompt_tokens: int, limit: int) -> None:
         super().__init__(f"prompt is too long: {prompt_tokens} tokens > {limit} maximum")
         self.prompt_tokens, self.limit = prompt_tokens, limit
+
+
+@dataclass
+class Tokenised:
+    req: ChatRequest  # normalised
+    ids: list[int]
+    forced_prefix: str
+    constraint: TokenConstraint | None
+    thinking: bool
+    forced: list[int] | None
+    digest: str  # of ids and forced ids
 
 
 @dataclass
@@ -73,6 +94,7 @@ class ChatService:
         self.context_window = min(context_window or engine.max_model_len, engine.max_model_len,
                                   engine.opts.kv_tokens)
         self.max_output_tokens = min(max_output_tokens, self.context_window)
+        self.encoder = PromptEncoder(tokenizer)
         self._inflight: dict[str, GenerationStream] = {}
         # Called once per generation when it ends, however it ends (metrics hang here).
         self.on_finish: Callable[[GenerationStream, Finish], None] | None = None
@@ -86,7 +108,8 @@ class ChatService:
         if forced and not req.tools:
             raise RequestError("tool_choice requires a tool but no tools were given")
         thinking = req.enable_thinking and not forced
-        messages = [m.to_template() for m in req.messages]
+        messages = [self._escaped(m).to_template() for m in req.messages]
+        tools = self.encoder.escape_tree(tools) if tools else tools
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                       enable_thinking=thinking, tokenize=False)
@@ -103,14 +126,33 @@ class ChatService:
                                                           parallel_tool_calls=req.parallel_tool_calls)
             except ValueError as e:
                 raise RequestError(str(e)) from None
-        return self.tokenizer.encode(text + prefix), prefix, constraint, thinking
+        return self.encoder.encode(text + prefix), prefix, constraint, thinking
+
+    def _escaped(self, m: ChatMessage) -> ChatMessage:
+        if m.role not in ESCAPED_ROLES:
+            return m
+        return ChatMessage(role=m.role, content=self.encoder.escape(m.content), reasoning=m.reasoning,
+                           tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name)
 
     def count_tokens(self, req: ChatRequest) -> int:
         return len(self.render(self.sessions.normalise(req))[0])
 
-    def prepare(self, req: ChatRequest) -> Prepared:
+    def tokenise(self, req: ChatRequest) -> Tokenised:
+        """Checks, normalises, renders and encodes `req` (no engine or session state touched)."""
+        check_stops(req.stop)
         req = self.sessions.normalise(req)
         ids, prefix, constraint, thinking = self.render(req)
+        forced = self.encoder.encode_long(req.forced_output) if req.forced_output else None
+        digest = hashlib.sha256(json.dumps([ids, forced], separators=(",", ":")).encode()).hexdigest()
+        return Tokenised(req=req, ids=ids, forced_prefix=prefix, constraint=constraint, thinking=thinking,
+                         forced=forced, digest=digest)
+
+    def prepare(self, req: ChatRequest) -> Prepared:
+        return self.prepared(self.tokenise(req))
+
+    def prepared(self, t: Tokenised) -> Prepared:
+        req, ids, prefix, constraint, thinking, forced = t.req, t.ids, t.forced_prefix, t.constraint, t.thinking, \
+            t.forced
         room = self.context_window - len(ids)
         if room < 1:
             raise ContextTooLong(len(ids), self.context_window - 1)
@@ -118,14 +160,14 @@ class ChatService:
             raise RequestError(f"max_tokens {req.max_tokens} exceeds the model's context window "
                                f"of {self.context_window} tokens")
         max_tokens = min(req.max_tokens or self.max_output_tokens, room)
-        forced = self.tokenizer.encode(req.forced_output) if req.forced_output else None
         if forced is not None:  # the forced text is the whole reply: room for it and its end token
             max_tokens = min(max(max_tokens, len(forced) + 1), room)
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0,
+        temperature = req.temperature or 0.0
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                 seed=req.seed)
-        key_src = json.dumps([ids, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                              req.stop, prefix, req.parallel_tool_calls, forced], separators=(",", ":"))
+        key_src = json.dumps([t.digest, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
+                              req.stop, prefix, req.parallel_tool_calls], separators=(",", ":"))
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
                         starts_in_reasoning=thinking and self.family == "qwen3_5",
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
@@ -134,7 +176,11 @@ class ChatService:
 
     # ------------------------------------------------------------------ running
     def start(self, req: ChatRequest) -> GenerationStream:
-        prep = self.prepare(req)
+        return self.start_tokenised(self.tokenise(req))
+
+    def start_tokenised(self, t: Tokenised) -> GenerationStream:
+        prep = self.prepared(t)
+        req = t.req
         running = self._inflight.get(prep.key)
         if running is not None and not running.finished:
             running.joined += 1
@@ -152,13 +198,13 @@ class GenerationStream:
     def __init__(self, service: ChatService, prep: Prepared, stop: list[str]) -> None:
         self.service, self.prep = service, prep
         self.stop = [s for s in stop if s]
+        self._stops = StopMatcher(self.stop)
         self.log: list[Chunk | Finish] = []
         self.finished = False
         self.joined = 0
         self._subscribers: list[asyncio.Queue[Chunk | Finish]] = []
         self._loop = asyncio.get_running_loop()
         self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=True)
-        self._pending = ""
         self._stopped: str | None = None
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -180,40 +226,29 @@ class GenerationStream:
         if self.finished:
             return
         if token is None:
-            self._pending += self._decoder.flush()
-            self._end(self.handle.finish_reason or "stop")
+            self._release(self._decoder.flush())
+            if self._stopped is None:
+                self._end(self.handle.finish_reason or "stop")
             return
         if self._stopped is not None:
             return
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self._pending += self._decoder.feed(token)
-        self._release()
+        self._release(self._decoder.feed(token))
 
-    def _release(self) -> None:
-        text = self._pending
-        if self.stop:
-            hits = [(text.find(s), s) for s in self.stop if s in text]
-            if hits:
-                pos, seq = min(hits)
-                self._pending = ""
-                if pos:
-                    self._publish(Chunk(text[:pos]))
-                self._stopped = seq
-                self.handle.abort()
-                self._end("stop", stop_sequence=seq)
-                return
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        else:
-            hold = 0
-        emit, self._pending = text[:len(text) - hold], text[len(text) - hold:]
+    def _release(self, text: str) -> None:
+        emit, hit = self._stops.feed(text)
         if emit:
             self._publish(Chunk(emit))
+        if hit is not None:
+            self._stopped = hit
+            self.handle.abort()
+            self._end("stop", stop_sequence=hit)
 
     def _end(self, reason: str, stop_sequence: str | None = None) -> None:
-        if self._pending and self._stopped is None:
-            self._publish(Chunk(self._pending))
-            self._pending = ""
+        tail = self._stops.flush()
+        if tail and self._stopped is None:
+            self._publish(Chunk(tail))
         err = self.handle.error
         self._publish(Finish(reason=reason, prompt_tokens=self.prompt_tokens, cached_tokens=self.handle.cached_tokens,
                              completion_tokens=len(self.handle.output_ids), stop_sequence=stop_sequence,
