@@ -10,7 +10,7 @@ Contract, in order, for each request:
 - a POST must say `Content-Type: application/json` (415 otherwise: a cross-site form or
   `text/plain` POST cannot reach a handler), and its body is read here, whole, up to
   `Limits.max_request_bytes` (413 past it, also from `Content-Length` before any byte is read);
-  a client that closes mid-body is counted as status 499 with one log line and answered nothing;
+  a client that closes mid-body is counted as status 499 with one warning line and answered nothing;
 - responses are counted by route template (`/v1/models/{model_id:path}`, one `unmatched` label for
   paths no route serves), never by the raw path.
 Errors are answered in the caller's protocol shape (adapters/common.py).
@@ -107,7 +107,7 @@ class Guard:
                     return
                 if body is None:  # the client went away mid-body: nobody to answer
                     status = 499
-                    log.info("%s %s: client closed the request mid-body (%s)", scope["method"], path, rid)
+                    log.warning("%s %s: client closed the request mid-body (%s)", scope["method"], path, rid)
                     return
                 receive = _replay(body, receive)
             await self.app(scope, receive, tagged_send)

@@ -129,7 +129,9 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        state.metrics.running.set(state.service.engine.stats()["running"])
+        load = state.service.engine.stats()
+        state.metrics.running.set(load["running"])
+        state.metrics.kv_in_use.set(load["kv_tokens_used"])
         state.metrics.observe_engine(state.service.engine)
         return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")

@@ -62,7 +62,6 @@ class Metrics:
         """Sets the engine gauges from `memory_report()` (safe from any thread)."""
         report = engine.memory_report()
         self.kv_tokens.set(report["pools"]["kv_tokens"])
-        self.kv_in_use.set(engine.stats()["kv_tokens_used"])
         gpu = report["gpu_memory"]
         if gpu is None:
             return

@@ -19,7 +19,6 @@ Contract: `PromptEncoder(tokenizer)`:
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -34,14 +33,12 @@ _CUT = re.compile(r"(?<=\n)(?=[!-~])|(?<=[A-Za-z0-9])(?= [A-Za-z])")
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: ChatTokenizer, piece_chars: int = PIECE_CHARS) -> None:
+        self.tokenizer, self.piece_chars = tokenizer, piece_chars
         self.literals = [MARK, *sorted(tokenizer.special_ids, key=len, reverse=True)]
         self._index = {s: i for i, s in enumerate(self.literals)}
         self._find = re.compile("|".join(re.escape(s) for s in self.literals))
-        spec = json.loads(tokenizer.tokenizer.to_str())
-        spec["added_tokens"] = []
-        self._plain = Tokenizer.from_str(json.dumps(spec))
+        self._plain = [plain_ids(tokenizer.tokenizer, s) for s in self.literals]
         self._placeholder = re.compile(re.escape(MARK) + f"[{chr(BASE)}-{chr(BASE + len(self.literals) - 1)}]")
 
     def escape(self, text: str) -> str:
@@ -67,16 +64,23 @@ class PromptEncoder:
         pos = 0
         for m in self._placeholder.finditer(rendered):
             ids += self.encode_long(rendered[pos:m.start()])
-            literal = self.literals[ord(m.group()[1]) - BASE]
-            ids += self._plain.encode(literal, add_special_tokens=False).ids
+            ids += self._plain[ord(m.group()[1]) - BASE]
             pos = m.end()
         return ids + self.encode_long(rendered[pos:])
 
     def encode_long(self, text: str) -> list[int]:
         ids: list[int] = []
-        for piece in pieces(text):
+        for piece in pieces(text, self.piece_chars):
             ids += self.tokenizer.encode(piece)
         return ids
+
+
+def plain_ids(tok: Tokenizer, text: str) -> list[int]:
+    """Ids of `text` by the vocabulary alone: normaliser, pre-tokeniser and model, no added tokens."""
+    if tok.normalizer is not None:
+        text = tok.normalizer.normalize_str(text)
+    pre = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, (0, len(text)))]
+    return [t.id for piece, _ in pre for t in tok.model.tokenize(piece)]
 
 
 def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
@@ -85,6 +89,8 @@ def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
     start = 0
     while len(text) - start > size:
         m = _CUT.search(text, start + size, start + 4 * size)
+        if m is None and len(text) - start <= 4 * size:
+            break
         end = m.start() if m is not None else start + 4 * size
         if m is None:  # a hard cut, but never inside an added token written in the text
             near = text.rfind("<", end - 64, end)

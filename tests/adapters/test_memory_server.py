@@ -28,17 +28,20 @@ def test_post_resizes_the_pools_and_the_answers_stay(q3: ServerProcess) -> None:
         return str(r.json()["choices"][0]["message"]["content"])
 
     before = httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]
+    window = _window(q3)  # the smallest pool the server takes: the context window it advertises
     first = reply()
     try:  # the server is shared: its pools go back whatever happens here
-        r = httpx.post(q3.url("/v1/memory"), json={"kv_tokens": 4096}, timeout=60)
+        r = httpx.post(q3.url("/v1/memory"), json={"kv_tokens": window + 64}, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["pools"]["kv_tokens"] == 4096
+        assert r.json()["pools"]["kv_tokens"] == window + 64
         assert reply() == first
         for bad in ({"kv_tokens": 0}, {"kv_tokens": "many"}, {"checkpoint_slots": -1}, {"kv_tokens": 1.5},
                     {"kv_tokens": 10**13}):  # the last: more than the host holds
             err = assert_openai_error(httpx.post(q3.url("/v1/memory"), json=bad, timeout=30), 400)
             assert err["param"] == next(iter(bad)), err
-        assert httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]["kv_tokens"] == 4096
+        err = assert_openai_error(httpx.post(q3.url("/v1/memory"), json={"kv_tokens": window - 1}, timeout=30), 400)
+        assert str(window) in err["message"] and err["param"] == "kv_tokens", err
+        assert httpx.get(q3.url("/v1/memory"), timeout=30).json()["pools"]["kv_tokens"] == window + 64
     finally:
         r = httpx.post(q3.url("/v1/memory"), json={"kv_tokens": before["kv_tokens"]}, timeout=60)
     assert r.status_code == 200 and r.json()["pools"] == before
@@ -80,10 +83,15 @@ def test_pools_while_a_request_runs_are_a_409(endless: ServerProcess) -> None:
         deadline = time.monotonic() + 30
         while httpx.get(endless.url("/health"), timeout=30).json()["running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        err = assert_openai_error(httpx.post(endless.url("/v1/memory"), json={"kv_tokens": 1024}, timeout=60), 409)
+        pools = httpx.get(endless.url("/v1/memory"), timeout=30).json()["pools"]
+        err = assert_openai_error(httpx.post(endless.url("/v1/memory"), json={"kv_tokens": _window(endless) + 8},
+                                             timeout=60), 409)
         assert "while requests are queued or running" in err["message"] and err["code"] == "engine_busy"
-    before = httpx.get(endless.url("/v1/memory"), timeout=30).json()["pools"]
-    assert before["kv_tokens"] != 1024  # unchanged
+    assert httpx.get(endless.url("/v1/memory"), timeout=30).json()["pools"] == pools  # unchanged
+
+
+def _window(server: ServerProcess) -> int:
+    return int(httpx.get(server.url("/v1/models"), timeout=30).json()["data"][0]["context_window"])
 
 
 def _model(server: ServerProcess) -> str:
