@@ -107,7 +107,12 @@ async def pinged(stream: GenerationStream, interval: float,
     try:
         while True:
             left = drain.left() if drain is not None else None
-            if left == 0.0 and queue.empty():
+            if left == 0.0:  # the grace is over: what was generated, then the shutdown error
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    yield item
+                    if isinstance(item, Finish):
+                        return
                 yield Finish(reason="error", prompt_tokens=stream.prompt_tokens, cached_tokens=0,
                              completion_tokens=len(stream.handle.output_ids), error=SHUTTING_DOWN)
                 return
@@ -115,7 +120,7 @@ async def pinged(stream: GenerationStream, interval: float,
                 item = await asyncio.wait_for(queue.get(), timeout=interval if left is None else min(interval, left))
             except TimeoutError:
                 if drain is not None and drain.left() == 0.0:
-                    continue
+                    continue  # handled at the top of the loop
                 if task.done() and queue.empty():
                     task.result()  # surface a failure of the pump
                     return

@@ -52,6 +52,8 @@ class Metrics:
         self.kv_tokens = Gauge("freetoken_kv_pool_tokens", "Tokens the KV pool holds", registry=r)
         self.kv_in_use = Gauge("freetoken_kv_tokens_in_use", "KV pool tokens in use (running requests and the "
                                "prefix cache)", registry=r)
+        self.request_kv = Gauge("freetoken_request_kv_tokens", "Prompt and generated tokens of the generations "
+                                "in flight (0 when none runs)", registry=r)
         # with a GPU expert cache only (engine.gpu_report())
         self.gpu_bytes = Gauge("freetoken_gpu_memory_bytes", "The GPU cap, its split and the measured peak",
                                ["part"], registry=r)

@@ -189,6 +189,11 @@ class ChatService:
         self._inflight[prep.key] = stream
         return stream
 
+    def tokens_in_flight(self) -> int:
+        """Prompt plus generated tokens of the generations not finished yet (what their KV holds)."""
+        return sum(s.prompt_tokens + len(s.handle.output_ids) for s in list(self._inflight.values())
+                   if not s.finished)
+
     def _forget(self, stream: GenerationStream) -> None:
         if self._inflight.get(stream.prep.key) is stream:
             del self._inflight[stream.prep.key]

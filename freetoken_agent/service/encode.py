@@ -38,11 +38,12 @@ class PromptEncoder:
         self.literals = [MARK, *sorted(tokenizer.special_ids, key=len, reverse=True)]
         self._index = {s: i for i, s in enumerate(self.literals)}
         self._find = re.compile("|".join(re.escape(s) for s in self.literals))
+        self._firsts = frozenset(s[0] for s in self.literals)
         self._plain = [plain_ids(tokenizer.tokenizer, s) for s in self.literals]
         self._placeholder = re.compile(re.escape(MARK) + f"[{chr(BASE)}-{chr(BASE + len(self.literals) - 1)}]")
 
     def escape(self, text: str) -> str:
-        if MARK not in text and "<" not in text:
+        if not any(c in text for c in self._firsts):
             return text
         return self._find.sub(lambda m: MARK + chr(BASE + self._index[m.group()]), text)
 
