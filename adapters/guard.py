@@ -147,7 +147,7 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                return await _discard(receive, too_big)
+                return await _discard(receive, too_big) if message.get("more_body", False) else too_big
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)

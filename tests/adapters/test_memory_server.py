@@ -19,8 +19,8 @@ def test_get_reports_the_device_and_no_cache(q3: ServerProcess) -> None:
 
 
 def test_post_resizes_the_pools_and_the_answers_stay(q3: ServerProcess) -> None:
-    """A smaller KV pool, then the old size back: the same greedy reply each time; a count that is
-    not one is a 400, nothing changed."""
+    """Another KV pool size, then the old size back: the same greedy reply each time; a count that
+    is not one, or a pool below the advertised context window, is a 400, nothing changed."""
     def reply() -> str:
         r = httpx.post(q3.url("/v1/chat/completions"), timeout=120, json={
             "model": "freetoken-demo", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "count"}]})
