@@ -211,3 +211,13 @@ def test_text_without_added_tokens_encodes_as_before(service: ChatService) -> No
     req = ChatRequest(messages=[ChatMessage(role="user", content="a plain question\nwith lines and $ymbols")])
     text = service.tokenizer.apply_chat_template([m.to_template() for m in req.messages], tokenize=False)
     assert service.prepare(req).ids == service.tokenizer.encode(text)
+
+
+def test_allowed_hosts_follow_the_bind_address() -> None:
+    from adapters.guard import host_name
+    from freetoken_agent.serve import allowed_hosts
+
+    assert allowed_hosts("127.0.0.1", None) == LOOPBACK_HOSTS
+    assert allowed_hosts("0.0.0.0", None) is None  # exposed on purpose: any Host (use --api-key)
+    assert allowed_hosts("0.0.0.0", "box.lan, Box2:9000") == (*LOOPBACK_HOSTS, "box.lan", "box2")
+    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:1", "a.b", "::1")] == ["::1", "localhost", "a.b", "::1"]
