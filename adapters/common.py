@@ -49,10 +49,13 @@ class Drain:
 
 
 class ApiError(Exception):
+    """An error answered to the client; `detail` (for the log only) is never sent."""
+
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.detail = detail
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:

@@ -40,6 +40,11 @@ def request_id(request: Request) -> str:
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    if err.status >= 500 and "request id" not in err.message:
+        rid = request_id(request)
+        if err.detail:
+            log.error("%s on %s (%s): %s", err.message, request.url.path, rid, err.detail)
+        err = ApiError(err.status, f"{err.message} (request id {rid})", type=err.type, code=err.code, param=err.param)
     body = anthropic_error_body(err) if _is_anthropic(request) else openai_error_body(err)
     state: AppState | None = getattr(request.app.state, "ft", None)
     if state is not None:

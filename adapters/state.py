@@ -130,8 +130,9 @@ class AppState:
                 m.decode_rate.set((fin.completion_tokens - 1) / elapsed)
 
     def check_finish(self, fin: Finish) -> None:
+        """A failed generation: its cause goes to the log, the client gets a 500 with the request id."""
         if fin.error:
-            raise ApiError(500, f"generation failed: {fin.error}", type="server_error")
+            raise ApiError(500, "generation failed", type="server_error", detail=fin.error)
 
 
 MAX_DEPTH = 64  # nesting of objects and lists in a request body
