@@ -25,7 +25,15 @@ _FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "glm4_moe": "glm4_moe",
 }
+# Families whose config map lives in engine/families.py (MLA and the sigmoid-routed GLM / DeepSeek).
+_MAPPED_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+ATTENTION_KINDS = ("gqa", "mla")
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
@@ -130,6 +138,20 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Shared experts: a sigmoid gate on their output (Qwen) or none (DeepSeek, GLM).
+    shared_expert_gated: bool = True
+    # Full-attention layers: "gqa" (q/k/v heads, engine/model/attention.py) or "mla" (latent KV,
+    # engine/model/mla.py). qk_norm: per-head RMSNorm of q and k (GQA).
+    attention_kind: str = "gqa"
+    qk_norm: bool = True
+    # MLA sizes (zero when the family has none); q_lora_rank 0: q straight from the hidden state.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The rotary dims are stored as interleaved pairs (DeepSeek's layout), not as two halves.
+    rope_interleave: bool = False
     # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -157,6 +179,14 @@ class ModelConfig:
         """True when some layers carry recurrent state, so prefix reuse needs a state snapshot."""
         # Sliding-window layers keep their whole KV here, so only recurrent layers need snapshots.
         return bool(self.linear_attention_layer_ids)
+
+    @property
+    def kv_slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Per full-attention layer and KV slot, the (heads, dim) of the key and the value entry.
+        MLA keeps one latent row (the normed c_kv, then the rotated rope key) and no values."""
+        if self.attention_kind == "mla":
+            return (1, self.kv_lora_rank + self.qk_rope_head_dim), (1, 0)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     @property
     def linear_key_dim(self) -> int:
@@ -251,9 +281,11 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
     head_dim = int(g("head_dim", hidden // n_heads))
     if n_heads % n_kv:
         raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-    # transformers 5 saves qwen3_moe's expert count as num_local_experts; releases say num_experts.
-    num_experts = int(d["num_local_experts"] if d.get("num_experts") is None and d.get("num_local_experts")
-                      else g("num_experts"))
+    # transformers 5 saves qwen3_moe's expert count as num_local_experts; releases say num_experts;
+    # DeepSeek and GLM say n_routed_experts.
+    experts_key = next((k for k in ("num_experts", "n_routed_experts", "num_local_experts") if d.get(k) is not None),
+                       "num_experts")
+    num_experts = int(g(experts_key))
     common: dict[str, Any] = dict(
         vocab_size=int(g("vocab_size")),
         hidden_size=hidden,
@@ -296,7 +328,11 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             sliding_window=window,
             **common,
         )
-    else:
+    elif family in _MAPPED_FAMILIES:
+        from engine.families import family_fields  # imports this module: loaded on first use
+
+        cfg = ModelConfig(family=family, **{**common, **family_fields(family, d, common, source)})
+    else:  # the Gated DeltaNet hybrids: qwen3_5_moe, qwen3_next
         theta, partial, scaling = _rope(d, source, 0.25)
         interval = int(d.get("full_attention_interval", 4))
         layer_types = d.get("layer_types") or [
@@ -307,15 +343,19 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         for t in layer_types:
             if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
                 raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        step = int(g("decoder_sparse_step", 1))
+        mlp_only = set(g("mlp_only_layers", []) or [])
+        moe = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(n_layers))
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
             rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             layer_types=tuple(layer_types),
-            moe_layers=(True,) * n_layers,
-            norm_topk_prob=True,
-            dense_intermediate_size=0,
+            moe_layers=moe,
+            # Qwen3.5 always renormalises; Qwen3-Next reads norm_topk_prob
+            norm_topk_prob=family == "qwen3_5_moe" or bool(g("norm_topk_prob", True)),
+            dense_intermediate_size=int(g("intermediate_size", 0)) if not all(moe) else 0,
             shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0)),
             attn_output_gate=True,
             norm_zero_centered=True,
@@ -331,6 +371,8 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.top_k > cfg.num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} > num_experts {cfg.num_experts}")
+    if cfg.attention_kind not in ATTENTION_KINDS:
+        raise ConfigError(f"{source}: attention kind {cfg.attention_kind!r} unknown")
     if cfg.router_kind not in ROUTER_KINDS:
         raise ConfigError(f"{source}: router kind {cfg.router_kind!r} unknown (known: {', '.join(ROUTER_KINDS)})")
     if cfg.router_kind == "sigmoid_grouped":

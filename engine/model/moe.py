@@ -1,7 +1,8 @@
 """Sparse MoE block: router, routed experts through an executor, optional shared expert.
 
 Contract: `moe_block(x, w, cfg, executor, moe_index, captured)` -> [N, H], numerically the reference's
-(the router of `cfg.router_kind`, engine/model/router.py). The shared expert's gate, product and
+(the router of `cfg.router_kind`, engine/model/router.py). The shared expert (gated by a sigmoid
+where the family has a gate) is added to the routed output. The shared expert's gate, product and
 sum run as one Triton kernel with kernels.fused_shared on (opt-in: no gain measured). In a captured pass (`captured`)
 the routed experts run as the executor's graph step, and the shared expert is handed to its
 `with_side_work`, which may queue it inside the routed step where the GPU would otherwise wait for
@@ -29,13 +30,13 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
     if w.shared is None:
         return executor.graph_step(x, ids, weights, moe_index) if captured else executor(x, ids, weights, moe_index)
     sw, gate = w.shared, w.shared_gate
-    assert gate is not None
-    fused = x.is_cuda and fused_shared_enabled() and x.dim() == 2 and x.shape[-1] <= FUSED_NORM_MAX_DIM
+    fused = (gate is not None and x.is_cuda and fused_shared_enabled() and x.dim() == 2
+             and x.shape[-1] <= FUSED_NORM_MAX_DIM)
 
     def shared_expert() -> torch.Tensor:
         shared = swiglu_mlp(x, sw.gate_proj, sw.up_proj, sw.down_proj)
         # unfused, the gated product needs only x as well: the same ops the sum below would run
-        return shared if fused else torch.sigmoid(F.linear(x, gate)) * shared
+        return shared if fused or gate is None else torch.sigmoid(F.linear(x, gate)) * shared
 
     if captured:
         out, shared = executor.with_side_work(x, ids, weights, moe_index, shared_expert)
@@ -43,6 +44,7 @@ def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: Expert
         out = executor(x, ids, weights, moe_index)
         shared = shared_expert()
     if fused:
+        assert gate is not None
         from engine.model import fused_ops  # triton: imported where CUDA runs
 
         return fused_ops.shared_gated_add(out, x, gate, shared)
