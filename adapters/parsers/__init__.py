@@ -10,7 +10,10 @@ Families: "qwen3" (Qwen3 MoE; JSON tool calls `<tool_call>\\n{"name": ..., "argu
 </tool_call>`) and "qwen3_5" (Qwen3.5 / Qwen3.6; XML tool calls `<tool_call>\\n<function=NAME>\\n
 <parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, values typed by the tools'
 JSON schemas). Both families read both call forms (Qwen3-Coder is a Qwen3 MoE with XML calls):
-the body's first non-whitespace character picks the form.
+the body's first non-whitespace character picks the form. "glm4" (GLM-4.5 / 4.6 / 4.7,
+GLM-4.7-Flash; `<think>` reasoning, tool calls `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>
+VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML form:
+`adapters.parsers.glm`).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -55,10 +58,17 @@ from adapters.parsers.events import (
     ToolCallStart,
     merge_events,
 )
+from adapters.parsers.glm import GlmCallScanner
 from adapters.parsers.qwen3_5 import ParamTypes
-from adapters.parsers.stream import QwenOutputParser
+from adapters.parsers.stream import ChooseScanner, QwenOutputParser, qwen_scanner
 
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5")
+# family -> how a tool-call block's body is read
+_SCANNERS: dict[str, ChooseScanner] = {
+    "qwen3": qwen_scanner,
+    "qwen3_5": qwen_scanner,
+    "glm4": lambda types, first: GlmCallScanner(types),
+}
+FAMILIES: tuple[str, ...] = tuple(_SCANNERS)
 
 
 from adapters.parsers.settled import SettledParser  # noqa: E402
@@ -84,6 +94,7 @@ def create_parser(
         parse_reasoning=parse_reasoning,
         parse_tool_calls=parse_tool_calls and bool(tools),
         id_prefix=id_prefix,
+        choose=_SCANNERS[family],
     )
     return SettledParser(parser) if settle_tool_calls else parser
 

@@ -1,12 +1,13 @@
-"""The streaming state machine shared by the Qwen families: reasoning, then content and tool calls.
+"""The streaming state machine shared by the Qwen and GLM families: reasoning, then content and tool calls.
 
 Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
 - Reasoning first (`ThinkSplitter`, unless `parse_reasoning` is off, in which case everything is
   content and think tags are content text).
 - Then content, in which each `<tool_call>` opens a block when tool calls are parsed. The block
-  body is read by a scanner chosen by its first non-whitespace character: `{` the JSON form
-  (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`); anything else rejects the block at
-  once. Both families accept both forms.
+  body is read by a scanner the family's `choose` picks from its first non-whitespace character
+  (`qwen_scanner`: `{` the JSON form (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`),
+  anything else rejects the block at once; both Qwen families accept both forms. GLM's
+  `adapters.parsers.glm.GlmCallScanner` reads every body).
 - When the scanner commits to a function name the call is announced (`ToolCallStart`); from
   then on the arguments text the scanner settles is passed on as `ToolCallArgsDelta`s, and a
   valid block ends with a `ToolCallEnd` whose arguments are their concatenation. A
@@ -25,6 +26,8 @@ Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from adapters.parsers.base import (
     CallScanner,
@@ -49,10 +52,19 @@ from adapters.parsers.qwen3_5 import ParamTypes, XmlCallScanner
 from adapters.parsers.reasoning import ThinkSplitter
 
 TOOL_CALL_OPEN = "<tool_call>"
+ChooseScanner = Callable[[ParamTypes, str], CallScanner | None]  # (types, first character) -> scanner or reject
+
+
+def qwen_scanner(types: ParamTypes, first: str) -> CallScanner | None:
+    if first == "{":
+        return JsonCallScanner()
+    if first == "<":
+        return XmlCallScanner(types)
+    return None
 
 
 class QwenOutputParser(OutputParser):
-    """One request's incremental parser for Qwen3 / Qwen3.5 output."""
+    """One request's incremental parser for Qwen3 / Qwen3.5 / GLM output."""
 
     def __init__(
         self,
@@ -62,7 +74,9 @@ class QwenOutputParser(OutputParser):
         parse_reasoning: bool,
         parse_tool_calls: bool,
         id_prefix: str,
+        choose: ChooseScanner = qwen_scanner,
     ) -> None:
+        self._choose = choose
         self._think = ThinkSplitter(starts_inside=starts_in_reasoning) if parse_reasoning else None
         self._types = types
         self._parse_calls = parse_tool_calls
@@ -148,11 +162,8 @@ class QwenOutputParser(OutputParser):
             lead = skip_space(body, 0)
             if lead == len(body):
                 return ScanResult("more")
-            if body[lead] == "{":
-                self._scanner = JsonCallScanner()
-            elif body[lead] == "<":
-                self._scanner = XmlCallScanner(self._types)
-            else:
+            self._scanner = self._choose(self._types, body[lead])
+            if self._scanner is None:
                 return ScanResult("reject", lead)
         result = self._scanner.scan(body)
         name = self._scanner.name
