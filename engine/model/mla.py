@@ -12,6 +12,9 @@ same function (`mla_core`):
 - absorbed (decode): W_UK is folded into the query (q_nope W_UK: a query in the latent space) and
   W_UV applied after the mix, so the heads attend over the latent rows themselves as one shared
   key / value head (MQA over kv_lora_rank + qk_rope_head_dim) and nothing is expanded.
+On CUDA a decode-sized pass (its meta carries the device-side `decode` form) runs the absorbed form
+through the split-K kernel of engine/model/mla_decode.py instead, so the pass can be captured in a
+CUDA graph; `decode_kernel_serves(cfg)` says when it can (kv_lora_rank a power of two >= 16).
 `absorbs(cfg, new_tokens)` picks the form with fewer multiply-adds per head: absorbed while
 new_tokens x (2 kv_lora - nope - v) < kv_lora x (nope + v) (DeepSeek-V3: under 171 tokens).
 The softmax scale is (nope + rope)^-0.5 times YaRN's mscale(factor, mscale_all_dim) squared when the
@@ -43,6 +46,16 @@ def absorbs(cfg: ModelConfig, new_tokens: int) -> bool:
     """Whether `new_tokens` queries of one sequence attend in the absorbed form."""
     c, nope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
     return new_tokens * (2 * c - nope - v) < c * (nope + v)
+
+
+def decode_kernel_serves(cfg: ModelConfig) -> bool:
+    c = cfg.kv_lora_rank
+    return cfg.attention_kind == "mla" and c >= 16 and not c & (c - 1)
+
+
+def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor, nope: int) -> torch.Tensor:
+    """[L, heads, c + rope]: q_nope W_UK (the query in the latent space), then q_pe."""
+    return torch.cat((torch.einsum("lhn,hnc->lhc", q_nope, w_kv[:, :nope]), q_pe), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, positions: torch.Tensor, limit: int) -> torch.Tensor:
@@ -91,8 +104,7 @@ def mla_core(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, kv_b_
     scale = softmax_scale(cfg)
     w_kv = kv_b_proj.view(heads, nope + v_dim, c)
     if absorbed:
-        q_latent = torch.einsum("lhn,hnc->hlc", q_nope, w_kv[:, :nope])  # W_UK folded into the query
-        q = torch.cat((q_latent, q_pe.transpose(0, 1)), dim=-1)  # [heads, L, c + rope]
+        q = _absorbed_query(q_nope, q_pe, w_kv, nope).transpose(0, 1)  # [heads, L, c + rope]
         o_latent = _sdpa(q, rows[None], rows[None, :, :c], mask, scale)  # [L, heads, c]
         o = torch.einsum("lhc,hvc->lhv", o_latent, w_kv[:, nope:])  # W_UV after the mix
     else:
@@ -124,7 +136,15 @@ def mla_mix(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b
 def mla_attention(x: torch.Tensor, w: MlaWeights, cfg: ModelConfig, rotary: Rotary, meta: PassMeta,
                   cache: torch.Tensor) -> torch.Tensor:
     q_nope, q_pe, latent = mla_inputs(x, w, cfg, rotary, meta.positions, meta.limit)
-    if meta.batch is None:
-        raise RuntimeError("MLA attends per sequence: the pass must carry its batch (no captured decode form yet)")
-    o = mla_mix(q_nope, q_pe, latent, w.kv_b_proj, cfg, meta.batch, cache)
+    if meta.decode is not None:
+        from engine.model.mla_decode import mla_decode  # triton: CUDA only
+
+        heads, nope, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        w_kv = w.kv_b_proj.view(heads, nope + cfg.v_head_dim, c)
+        o_latent = mla_decode(_absorbed_query(q_nope, q_pe, w_kv, nope), latent, cache, meta.decode,
+                              softmax_scale(cfg), c)
+        o = torch.einsum("lhc,hvc->lhv", o_latent, w_kv[:, nope:]).reshape(x.shape[0], -1)
+    else:
+        assert meta.batch is not None
+        o = mla_mix(q_nope, q_pe, latent, w.kv_b_proj, cfg, meta.batch, cache)
     return F.linear(o, w.o_proj, w.o_bias)
