@@ -55,6 +55,9 @@ def _router_fields(family: str, g: Callable[..., Any], common: dict[str, Any]) -
 
 def family_fields(family: str, d: dict[str, Any], common: dict[str, Any], source: str) -> dict[str, Any]:
     g = lambda k, default=...: _get(d, k, source, default)  # noqa: E731
+    scoring = g("scoring_func", "sigmoid")
+    if scoring != "sigmoid":  # DeepSeek-V2's softmax routing shares these keys
+        raise ConfigError(f"{source}: scoring_func {scoring!r} is not supported for {family} (only 'sigmoid')")
     n_layers = common["num_layers"]
     dflt = _DEFAULTS[family]
     moe = _moe_layers(d, n_layers, int(g("first_k_dense_replace", dflt["first_k_dense_replace"])), source)

@@ -60,6 +60,7 @@ def test_form_choice_by_work() -> None:
     ({"n_group": 4}, "not a multiple of n_group"),
     ({"topk_group": 3}, "topk_group 3 must be within"),
     ({"mlp_layer_types": ["dense"]}, "mlp_layer_types must list"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"model_type": "glm4_moe", "rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "not supported"),
 ])
 def test_bad_family_configs(change: dict[str, Any], message: str) -> None:
