@@ -380,6 +380,9 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             raise ConfigError(f"{source}: n_routed_experts {cfg.num_experts} is not a multiple of n_group {cfg.n_group}")
         if not 1 <= cfg.topk_group <= cfg.n_group:
             raise ConfigError(f"{source}: topk_group {cfg.topk_group} must be within 1..n_group {cfg.n_group}")
+        if cfg.topk_group < cfg.n_group and cfg.num_experts // cfg.n_group < 2:
+            raise ConfigError(f"{source}: groups are scored by their two best experts: n_group {cfg.n_group} leaves "
+                              f"fewer than two of {cfg.num_experts} experts per group")
         if cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
             raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} exceeds the experts of topk_group groups")
     if cfg.rotary_dim % 2:

@@ -59,6 +59,7 @@ def test_form_choice_by_work() -> None:
     ({"qk_rope_head_dim": None}, "missing field 'qk_rope_head_dim'"),
     ({"n_group": 4}, "not a multiple of n_group"),
     ({"topk_group": 3}, "topk_group 3 must be within"),
+    ({"n_group": 6, "topk_group": 2}, "fewer than two of 6 experts per group"),
     ({"mlp_layer_types": ["dense"]}, "mlp_layer_types must list"),
     ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"model_type": "glm4_moe", "rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "not supported"),
