@@ -12,7 +12,10 @@ config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
   (Hugging Face stores them zero-centred: 1 + w), `ssm_a` is -exp(A_log), and a Gated DeltaNet
   value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
   heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
-  evals/peer/check_logits.py runs both programs on one file and compares their logits.
+  evals/peer/check_logits.py runs both programs on one file and compares their logits;
+- `glm4moe` (GLM-4.5 / 4.6 / 4.7): the tensors map one to one (NEOX partial rotary as Hugging
+  Face stores it); `block_count` counts the next-token-prediction layers, which are left out;
+  sigmoid routing (`expert_gating_func` 2) with `exp_probs_b` as the correction bias.
 Anything else (another architecture, a quantised tensor) raises `ConfigError` / `WeightError`
 naming it. Needs the `gguf` package (`pip install gguf`).
 
@@ -31,7 +34,7 @@ import torch
 
 from engine.errors import ConfigError, WeightError
 
-_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text"}
+_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "glm4moe": "glm4_moe"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,7 +71,17 @@ _NAMES_35 = {
     "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
     "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
 }
-_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35}
+_ATT = "model.layers.{i}.self_attn."
+_MLP = "model.layers.{i}.mlp."
+_NAMES_GLM = {
+    **{k: v for k, v in _NAMES.items() if not k.startswith("blk.{i}.ffn_norm")},
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.attn_{x}.bias": f"{_ATT}{x}_proj.bias" for x in "qkv"},
+    "blk.{i}.exp_probs_b.bias": _MLP + "gate.e_score_correction_bias",
+    **{f"blk.{{i}}.ffn_{x}_shexp.weight": f"{_MLP}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")},
+    **{f"blk.{{i}}.ffn_{x}.weight": f"{_MLP}{x}_proj.weight" for x in ("gate", "up", "down")},  # dense layers
+}
+_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "glm4moe": _NAMES_GLM}
 # Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
             "model.norm.weight")
@@ -155,6 +168,8 @@ class GgufReader:
                     "intermediate_size": int(v(f"{a}.feed_forward_length", 1)),
                     "norm_topk_prob": True,  # llama.cpp's qwen3moe graph normalises the top-k weights
                     "decoder_sparse_step": 1, "mlp_only_layers": []}
+        if a == "glm4moe":
+            return {**cfg, **self._glm4moe(cfg)}
         value_heads = int(v(f"{a}.ssm.time_step_rank"))
         return {**cfg, "architectures": ["Qwen3_5MoeForCausalLM"],
                 "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", head_dim)) / head_dim,
@@ -164,6 +179,25 @@ class GgufReader:
                 "linear_key_head_dim": int(v(f"{a}.ssm.state_size")),
                 "linear_value_head_dim": int(v(f"{a}.ssm.inner_size")) // value_heads,
                 "linear_conv_kernel_dim": int(v(f"{a}.ssm.conv_kernel"))}
+
+    def _glm4moe(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        a, v = self.arch, self._value
+        gating = int(v(f"{a}.expert_gating_func", 2))
+        if gating != 2:
+            raise ConfigError(f"{self.path}: {a} expert_gating_func {gating} is not supported (only 2, sigmoid)")
+        return {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "num_hidden_layers": cfg["num_hidden_layers"] - int(v(f"{a}.nextn_predict_layers", 0)),
+            "intermediate_size": int(v(f"{a}.feed_forward_length", 1)),
+            "first_k_dense_replace": int(v(f"{a}.leading_dense_block_count", 0)),
+            "n_shared_experts": int(v(f"{a}.expert_shared_count", 0)),
+            "routed_scaling_factor": float(v(f"{a}.expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(v(f"{a}.expert_weights_norm", False)),
+            "n_group": int(v(f"{a}.expert_group_count", 1)), "topk_group": int(v(f"{a}.expert_group_used_count", 1)),
+            "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"],
+            "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+        }
 
     def _grouped_heads(self) -> torch.Tensor:
         """For each value head in grouped order (Hugging Face's), its index in tiled order (llama.cpp's)."""
