@@ -13,7 +13,9 @@ JSON schemas). Both families read both call forms (Qwen3-Coder is a Qwen3 MoE wi
 the body's first non-whitespace character picks the form. "glm4" (GLM-4.5 / 4.6 / 4.7,
 GLM-4.7-Flash; `<think>` reasoning, tool calls `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>
 VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML form:
-`adapters.parsers.glm`).
+`adapters.parsers.glm`). "deepseek_v3" (DeepSeek-V3 / V3.1: `<think>` reasoning, calls between
+`<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` with JSON arguments, section markers dropped:
+`adapters.parsers.deepseek`).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapters.parsers import deepseek
 from adapters.parsers.base import OutputParser
 from adapters.parsers.events import (
     ContentDelta,
@@ -60,15 +63,16 @@ from adapters.parsers.events import (
 )
 from adapters.parsers.glm import GlmCallScanner
 from adapters.parsers.qwen3_5 import ParamTypes
-from adapters.parsers.stream import ChooseScanner, QwenOutputParser, qwen_scanner
+from adapters.parsers.stream import TOOL_CALL_OPEN, ChooseScanner, QwenOutputParser, qwen_scanner
 
-# family -> how a tool-call block's body is read
-_SCANNERS: dict[str, ChooseScanner] = {
-    "qwen3": qwen_scanner,
-    "qwen3_5": qwen_scanner,
-    "glm4": lambda types, first: GlmCallScanner(types),
+# family -> (the tag that opens a call block, how its body is read, tags dropped from content)
+_SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {
+    "qwen3": (TOOL_CALL_OPEN, qwen_scanner, ()),
+    "qwen3_5": (TOOL_CALL_OPEN, qwen_scanner, ()),
+    "glm4": (TOOL_CALL_OPEN, lambda types, first: GlmCallScanner(types), ()),
+    "deepseek_v3": (deepseek.CALL_OPEN, lambda types, first: deepseek.DeepSeekCallScanner(), deepseek.SECTION_TAGS),
 }
-FAMILIES: tuple[str, ...] = tuple(_SCANNERS)
+FAMILIES: tuple[str, ...] = tuple(_SYNTAX)
 
 
 from adapters.parsers.settled import SettledParser  # noqa: E402
@@ -94,7 +98,9 @@ def create_parser(
         parse_reasoning=parse_reasoning,
         parse_tool_calls=parse_tool_calls and bool(tools),
         id_prefix=id_prefix,
-        choose=_SCANNERS[family],
+        open_tag=_SYNTAX[family][0],
+        choose=_SYNTAX[family][1],
+        drop_tags=_SYNTAX[family][2],
     )
     return SettledParser(parser) if settle_tool_calls else parser
 

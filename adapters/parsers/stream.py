@@ -3,7 +3,9 @@
 Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
 - Reasoning first (`ThinkSplitter`, unless `parse_reasoning` is off, in which case everything is
   content and think tags are content text).
-- Then content, in which each `<tool_call>` opens a block when tool calls are parsed. The block
+- Then content, in which each `open_tag` (`<tool_call>`; DeepSeek: `<｜tool▁call▁begin｜>`) opens
+  a block when tool calls are parsed; the family's `drop_tags` (DeepSeek's section markers) are
+  removed from content then. The block
   body is read by a scanner the family's `choose` picks from its first non-whitespace character
   (`qwen_scanner`: `{` the JSON form (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`),
   anything else rejects the block at once; both Qwen families accept both forms. GLM's
@@ -21,7 +23,8 @@ Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
   between calls disappears while whitespace inside text, and around a rejected or abandoned
   block, stays (such a block is ordinary content text). Nothing reaches content while a block is
   open, so the whitespace held before it is dropped or kept only once the block is settled.
-- Held back at any time: at most a proper prefix of the next possible tag, trailing whitespace
+- Held back at any time: at most a proper prefix of the next possible tag (the open tag or a dropped
+  one), trailing whitespace
   of a segment, and the body of the open `<tool_call>` block.
 """
 
@@ -75,8 +78,12 @@ class QwenOutputParser(OutputParser):
         parse_tool_calls: bool,
         id_prefix: str,
         choose: ChooseScanner = qwen_scanner,
+        open_tag: str = TOOL_CALL_OPEN,
+        drop_tags: tuple[str, ...] = (),
     ) -> None:
         self._choose = choose
+        self._open = open_tag
+        self._drop = drop_tags
         self._think = ThinkSplitter(starts_inside=starts_in_reasoning) if parse_reasoning else None
         self._types = types
         self._parse_calls = parse_tool_calls
@@ -131,14 +138,14 @@ class QwenOutputParser(OutputParser):
                     self._emit_content(self._buf)
                     self._buf = ""
                     return
-                at = self._buf.find(TOOL_CALL_OPEN)
+                at = self._next_open()
                 if at < 0:
-                    keep = 0 if final else partial_tag_suffix(self._buf, TOOL_CALL_OPEN)
+                    keep = 0 if final else max(partial_tag_suffix(self._buf, t) for t in (self._open, *self._drop))
                     self._emit_content(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
                 self._emit_content(self._buf[:at])
-                self._body = self._buf[at + len(TOOL_CALL_OPEN) :]
+                self._body = self._buf[at + len(self._open) :]
                 self._buf = ""
                 self._scanner = None
                 self._started = None
@@ -156,6 +163,20 @@ class QwenOutputParser(OutputParser):
                 self._close_block(self._body[: result.end], self._body[result.end :])
             else:
                 self._complete(result)
+
+    def _next_open(self) -> int:
+        """Where the next open tag starts in the buffer (-1: none), dropping the dropped tags before
+        it (content up to each is emitted). Left to right: the tags start with their only `<`, so
+        occurrences never overlap and text joined around a dropped tag is not read again."""
+        while True:
+            hits = [(i, t) for i, t in ((self._buf.find(t), t) for t in (self._open, *self._drop)) if i >= 0]
+            if not hits:
+                return -1
+            at, tag = min(hits)
+            if tag == self._open:
+                return at
+            self._emit_content(self._buf[:at])
+            self._buf = self._buf[at + len(tag):]
 
     def _scan(self, body: str) -> ScanResult:
         if self._scanner is None:
@@ -194,7 +215,7 @@ class QwenOutputParser(OutputParser):
 
     def _close_block(self, text: str, rest: str) -> None:
         """The open block is not a call: its text is content, `rest` is read again."""
-        self._emit_content(TOOL_CALL_OPEN + text)
+        self._emit_content(self._open + text)
         self._buf = rest
         self._body = None
         self._scanner = None
