@@ -15,7 +15,9 @@ GLM-4.7-Flash; `<think>` reasoning, tool calls `<tool_call>NAME<arg_key>KEY</arg
 VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML form:
 `adapters.parsers.glm`). "deepseek_v3" (DeepSeek-V3 / V3.1: `<think>` reasoning, calls between
 `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` with JSON arguments, section markers dropped:
-`adapters.parsers.deepseek`).
+`adapters.parsers.deepseek`). "kimi_k2" (Kimi-K2: `<|tool_call_begin|>functions.NAME:INDEX
+<|tool_call_argument_begin|>ARGS<|tool_call_end|>` within `<|tool_calls_section_begin|>` ...
+`<|tool_calls_section_end|>`, markers dropped).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -71,6 +73,7 @@ _SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {
     "qwen3_5": (TOOL_CALL_OPEN, qwen_scanner, ()),
     "glm4": (TOOL_CALL_OPEN, lambda types, first: GlmCallScanner(types), ()),
     "deepseek_v3": (deepseek.CALL_OPEN, lambda types, first: deepseek.DeepSeekCallScanner(), deepseek.SECTION_TAGS),
+    "kimi_k2": (deepseek.KIMI_CALL_OPEN, lambda types, first: deepseek.KimiCallScanner(), deepseek.KIMI_SECTION_TAGS),
 }
 FAMILIES: tuple[str, ...] = tuple(_SYNTAX)
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / V3.1 tool calls: special-token delimited, JSON arguments.
+"""DeepSeek-V3 / V3.1 and Kimi-K2 tool calls: special-token delimited, JSON arguments.
 
 Contract: calls sit in a section `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`; each call is
 a block opened by `CALL_OPEN` (`<｜tool▁call▁begin｜>`) whose body `DeepSeekCallScanner` reads:
@@ -8,7 +8,8 @@ NAME is stripped, non-empty, without `<` or a newline; ARGS is a JSON object (wh
 allowed; in the V3 form the fence may be missing its language tag). The call is announced when
 NAME is complete; the arguments (compact JSON) come whole at `<｜tool▁call▁end｜>`. Anything else
 rejects the block at that point. `SECTION_TAGS` are dropped from content by the stream parser
-(`adapters.parsers.stream`), holding back only a proper prefix of one of them.
+(`adapters.parsers.stream`), holding back only a proper prefix of one of them. Kimi-K2's form
+(`KimiCallScanner`, `KIMI_*` tags) is described at its scanner.
 """
 
 from __future__ import annotations
@@ -94,3 +95,52 @@ class DeepSeekCallScanner:
             after = newline + 1
         self._name, self._args_at, self._fenced = name, after, fenced
         return "done", 0
+
+
+# Kimi-K2 (DeepSeek-V3's architecture, its own call tokens):
+#   <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGS
+#   <|tool_call_end|>...<|tool_calls_section_end|>
+KIMI_CALL_OPEN = "<|tool_call_begin|>"
+KIMI_CALL_CLOSE = "<|tool_call_end|>"
+KIMI_ARGS = "<|tool_call_argument_begin|>"
+KIMI_SECTION_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+
+
+class KimiCallScanner:
+    """Reads `functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>`: the call id's
+    NAME (without the `functions.` prefix and the `:INDEX` suffix, both optional) is announced when
+    the argument tag arrives; ARGS, a JSON object, comes whole at the close tag."""
+
+    def __init__(self) -> None:
+        self._name: str | None = None
+        self._args_at = 0
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    def scan(self, body: str) -> ScanResult:
+        if self._name is None:
+            stop = body.find(KIMI_ARGS)
+            limit = stop if stop >= 0 else len(body) - partial_tag_suffix(body, KIMI_ARGS)
+            bad = min((i for i in (body.find("<", 0, limit), body.find("\n", skip_space(body, 0), limit)) if i >= 0),
+                      default=-1)
+            if bad >= 0:
+                return ScanResult("reject", bad)
+            if stop < 0:
+                return ScanResult("more")
+            ident = body[:stop].strip().removeprefix("functions.")
+            name = ident.rsplit(":", 1)[0] if ident.rsplit(":", 1)[-1].isdigit() else ident
+            if not name:
+                return ScanResult("reject", stop)
+            self._name, self._args_at = name, stop + len(KIMI_ARGS)
+        close = body.find(KIMI_CALL_CLOSE, self._args_at)
+        if close < 0:
+            return ScanResult("more")
+        try:
+            args = loads_json(body[self._args_at:close])
+        except (ValueError, RecursionError):
+            return ScanResult("reject", close)
+        if not isinstance(args, dict):
+            return ScanResult("reject", close)
+        return ScanResult("done", close + len(KIMI_CALL_CLOSE), compact_json(args))

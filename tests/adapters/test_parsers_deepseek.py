@@ -1,4 +1,4 @@
-"""The "deepseek_v3" output parser: DeepSeek-V3 / V3.1 special-token tool calls.
+"""The "deepseek_v3" and "kimi_k2" output parsers: DeepSeek-V3 / V3.1 and Kimi-K2 special-token tool calls.
 
 Proves: calls as DeepSeek-V3's template writes them (`function<｜tool▁sep｜>NAME` and a ```json fence)
 and as V3.1's does (`NAME<｜tool▁sep｜>ARGS`) parse to their arguments, several in one section; the
@@ -99,3 +99,42 @@ def test_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
     whole = parse([text])
     assert norm(parse([text[a:b] for a, b in itertools.pairwise(points)])) == norm(whole)
     assert norm(parse(list(text))) == norm(whole)
+
+
+K_BEGIN, K_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_CALL, K_ARGS, K_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def kimi(name: str, args: dict[str, Any], index: int) -> str:
+    return f"{K_CALL}functions.{name}:{index}{K_ARGS}{json.dumps(args, ensure_ascii=False)}{K_CALL_END}"
+
+
+def parse_kimi(pieces: list[str]) -> list[Any]:
+    parser = create_parser("kimi_k2", TOOLS, settle_tool_calls=False)
+    return merge_events([e for p in pieces for e in parser.feed(p)] + parser.finish())
+
+
+def test_kimi_calls_round_trip() -> None:
+    text = "<think>hm</think>Sure." + K_BEGIN + kimi("get_weather", A, 0) + kimi("search", B, 1) + K_END
+    want = ("hm", "Sure.", [("get_weather", A), ("search", B)])
+    assert summary(parse_kimi([text])) == want and summary(parse_kimi(list(text))) == want
+    bad = K_BEGIN + f"{K_CALL}functions.x:0{K_ARGS}oops{K_CALL_END}" + K_END
+    assert summary(parse_kimi([bad]))[2] == []
+
+
+KIMI_FRAGMENTS = [K_BEGIN, K_END, K_CALL, K_ARGS, K_CALL_END, "functions.f:0", "get_weather", '{"a": 1}', "<", "x", "\n"]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.sampled_from(KIMI_FRAGMENTS), max_size=20), cuts=st.lists(st.integers(0, 300), max_size=10))
+def test_kimi_streaming_equals_whole_text(parts: list[str], cuts: list[int]) -> None:
+    text = "".join(parts)
+    points = sorted({c for c in cuts if c <= len(text)} | {0, len(text)})
+
+    def norm(events: list[Any]) -> list[Any]:
+        return [(type(e).__name__, getattr(e, "text", None), getattr(e, "name", None), getattr(e, "arguments", None))
+                for e in events]
+
+    whole = norm(parse_kimi([text]))
+    assert norm(parse_kimi([text[a:b] for a, b in itertools.pairwise(points)])) == whole
+    assert norm(parse_kimi(list(text))) == whole
