@@ -25,8 +25,74 @@ _FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "glm4_moe": "glm4_moe",
 }
+# Families whose config map lives in engine/families.py (MLA and the sigmoid-routed GLM / DeepSeek).
+_MAPPED_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+ATTENTION_KINDS = ("gqa", "mla")
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+# How a MoE layer picks its experts (engine/model/router.py holds one function per kind):
+# softmax_topk: softmax over the router logits, top-k, optional renormalisation (Qwen3 MoE).
+# sigmoid_grouped: sigmoid scores, plus a correction bias for the choice only, top-2 sum per group,
+#   the best `topk_group` groups, top-k inside them, optional renormalisation, times
+#   `routed_scaling_factor` (DeepSeek-V3, GLM-4.5+).
+ROUTER_KINDS = ("softmax_topk", "sigmoid_grouped")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The rotary scaling of `rope_scaling` / `rope_parameters` (engine/model/rope.py computes the
+    frequencies). `factor` None means: derived (yarn: max_position_embeddings / original)."""
+
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @classmethod
+    def from_dict(cls, rp: dict[str, Any], source: str) -> RopeScaling:
+        kind = rp.get("rope_type", rp.get("type")) or "default"
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"{source}: rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if kind == "default":
+            return cls()
+
+        def num(key: str) -> float | None:
+            v = rp.get(key)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{source}: rope parameter {key!r} must be a number, got {v!r}")
+            return float(v)
+
+        factor = num("factor")
+        if factor is None and kind != "yarn":
+            raise ConfigError(f"{source}: rope_type {kind!r} needs a 'factor'")
+        if factor is not None and factor <= 0:
+            raise ConfigError(f"{source}: rope 'factor' must be positive, got {factor}")
+        original = num("original_max_position_embeddings")
+        return cls(
+            rope_type=kind,
+            factor=factor,
+            original_max_position_embeddings=None if original is None else int(original),
+            beta_fast=num("beta_fast") or 32.0,
+            beta_slow=num("beta_slow") or 1.0,
+            mscale=num("mscale"),
+            mscale_all_dim=num("mscale_all_dim"),
+            truncate=bool(rp.get("truncate", True)),
+            attention_factor=num("attention_factor"),
+        )
 
 
 @dataclass(frozen=True)
@@ -66,6 +132,26 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Router (ROUTER_KINDS); the grouped fields matter to "sigmoid_grouped" only.
+    router_kind: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Shared experts: a sigmoid gate on their output (Qwen) or none (DeepSeek, GLM).
+    shared_expert_gated: bool = True
+    # Full-attention layers: "gqa" (q/k/v heads, engine/model/attention.py) or "mla" (latent KV,
+    # engine/model/mla.py). qk_norm: per-head RMSNorm of q and k (GQA).
+    attention_kind: str = "gqa"
+    qk_norm: bool = True
+    # MLA sizes (zero when the family has none); q_lora_rank 0: q straight from the hidden state.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The rotary dims are stored as interleaved pairs (DeepSeek's layout), not as two halves.
+    rope_interleave: bool = False
     # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -93,6 +179,14 @@ class ModelConfig:
         """True when some layers carry recurrent state, so prefix reuse needs a state snapshot."""
         # Sliding-window layers keep their whole KV here, so only recurrent layers need snapshots.
         return bool(self.linear_attention_layer_ids)
+
+    @property
+    def kv_slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Per full-attention layer and KV slot, the (heads, dim) of the key and the value entry.
+        MLA keeps one latent row (the normed c_kv, then the rotated rope key) and no values."""
+        if self.attention_kind == "mla":
+            return (1, self.kv_lora_rank + self.qk_rope_head_dim), (1, 0)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     @property
     def linear_key_dim(self) -> int:
@@ -154,14 +248,21 @@ def _get(d: dict[str, Any], key: str, source: str, default: Any = ...) -> Any:
     return default
 
 
-def _rope(d: dict[str, Any], source: str, default_partial: float) -> tuple[float, float]:
+def _rope(d: dict[str, Any], source: str, default_partial: float) -> tuple[float, float, RopeScaling]:
+    """(theta, partial rotary factor, scaling) from `rope_parameters` (transformers 5) or the older
+    `rope_scaling` plus top-level `rope_theta` / `partial_rotary_factor`."""
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+    if not isinstance(rp, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object")
     theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
     partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)))
-    return theta, partial
+    scaling = RopeScaling.from_dict(rp, source)
+    if scaling.rope_type == "yarn" and scaling.original_max_position_embeddings is None:
+        # transformers fills it from the top level, else from max_position_embeddings
+        original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+        if original is not None:
+            scaling = dataclasses.replace(scaling, original_max_position_embeddings=int(original))
+    return theta, partial, scaling
 
 
 def _eos(d: dict[str, Any]) -> tuple[int, ...]:
@@ -180,9 +281,11 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
     head_dim = int(g("head_dim", hidden // n_heads))
     if n_heads % n_kv:
         raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-    # transformers 5 saves qwen3_moe's expert count as num_local_experts; releases say num_experts.
-    num_experts = int(d["num_local_experts"] if d.get("num_experts") is None and d.get("num_local_experts")
-                      else g("num_experts"))
+    # transformers 5 saves qwen3_moe's expert count as num_local_experts; releases say num_experts;
+    # DeepSeek and GLM say n_routed_experts.
+    experts_key = next((k for k in ("num_experts", "n_routed_experts", "num_local_experts") if d.get(k) is not None),
+                       "num_experts")
+    num_experts = int(g(experts_key))
     common: dict[str, Any] = dict(
         vocab_size=int(g("vocab_size")),
         hidden_size=hidden,
@@ -203,7 +306,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         raw=outer,
     )
     if family == "qwen3_moe":
-        theta, partial = _rope(d, source, 1.0)
+        theta, partial, scaling = _rope(d, source, 1.0)
         step = int(g("decoder_sparse_step", 1))
         mlp_only = set(g("mlp_only_layers", []) or [])
         moe = tuple(
@@ -213,6 +316,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
+            rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             layer_types=(FULL_ATTENTION,) * n_layers,
             moe_layers=moe,
@@ -224,8 +328,12 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             sliding_window=window,
             **common,
         )
-    else:
-        theta, partial = _rope(d, source, 0.25)
+    elif family in _MAPPED_FAMILIES:
+        from engine.families import family_fields  # imports this module: loaded on first use
+
+        cfg = ModelConfig(family=family, **{**common, **family_fields(family, d, common, source)})
+    else:  # the Gated DeltaNet hybrids: qwen3_5_moe, qwen3_next
+        theta, partial, scaling = _rope(d, source, 0.25)
         interval = int(d.get("full_attention_interval", 4))
         layer_types = d.get("layer_types") or [
             LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)
@@ -235,14 +343,19 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         for t in layer_types:
             if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
                 raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        step = int(g("decoder_sparse_step", 1))
+        mlp_only = set(g("mlp_only_layers", []) or [])
+        moe = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(n_layers))
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
+            rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             layer_types=tuple(layer_types),
-            moe_layers=(True,) * n_layers,
-            norm_topk_prob=True,
-            dense_intermediate_size=0,
+            moe_layers=moe,
+            # Qwen3.5 always renormalises; Qwen3-Next reads norm_topk_prob
+            norm_topk_prob=family == "qwen3_5_moe" or bool(g("norm_topk_prob", True)),
+            dense_intermediate_size=int(g("intermediate_size", 0)) if not all(moe) else 0,
             shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0)),
             attn_output_gate=True,
             norm_zero_centered=True,
@@ -258,6 +371,20 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.top_k > cfg.num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} > num_experts {cfg.num_experts}")
+    if cfg.attention_kind not in ATTENTION_KINDS:
+        raise ConfigError(f"{source}: attention kind {cfg.attention_kind!r} unknown")
+    if cfg.router_kind not in ROUTER_KINDS:
+        raise ConfigError(f"{source}: router kind {cfg.router_kind!r} unknown (known: {', '.join(ROUTER_KINDS)})")
+    if cfg.router_kind == "sigmoid_grouped":
+        if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
+            raise ConfigError(f"{source}: n_routed_experts {cfg.num_experts} is not a multiple of n_group {cfg.n_group}")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            raise ConfigError(f"{source}: topk_group {cfg.topk_group} must be within 1..n_group {cfg.n_group}")
+        if cfg.topk_group < cfg.n_group and cfg.num_experts // cfg.n_group < 2:
+            raise ConfigError(f"{source}: groups are scored by their two best experts: n_group {cfg.n_group} leaves "
+                              f"fewer than two of {cfg.num_experts} experts per group")
+        if cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
+            raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} exceeds the experts of topk_group groups")
     if cfg.rotary_dim % 2:
         raise ConfigError(f"{source}: rotary dimension {cfg.rotary_dim} must be even")
     return cfg

@@ -2,7 +2,7 @@
 
 Contract: `write_demo_model(out_dir, arch)` writes `config.json`, `model.safetensors` (per-expert
 tensor names, as `save_pretrained` writes them) and the tokenizer files for `arch` in
-{"qwen3_5_moe", "qwen3_moe"}; weights come from a fixed seed, so every machine gets the same
+{"qwen3_5_moe", "qwen3_moe", "glm4_moe_lite"}; weights come from a fixed seed, so every machine gets the same
 model. Sized to decode at 20+ tokens/s on two CPU cores; it holds 131072 positions, so it can be
 served with the context window Claude Code needs (`serve --kv-tokens 131072`). `demo_model_dir(arch)` returns the copy
 in the user's cache directory, creating it on first use (atomically, so a crash never leaves half
@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHES = ("qwen3_5_moe", "qwen3_moe")
+    from freetoken_agent.tokenizer.build import Family
+
+ARCHES = ("qwen3_5_moe", "qwen3_moe", "glm4_moe_lite")
+# The chat format each demo speaks. No package ships GLM's tokenizer: the GLM-4.7-Flash-shaped demo
+# (multi-head latent attention, sigmoid grouped router, a dense first layer) carries Qwen3's.
+TOKENIZERS: dict[str, Family] = {"qwen3_5_moe": "qwen3_5", "qwen3_moe": "qwen3", "glm4_moe_lite": "qwen3"}
 DEMO_VERSION = 3
 SEED = 1234
 
@@ -36,6 +41,14 @@ def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
         "num_experts_per_tok": 4, "moe_intermediate_size": 128, "eos_token_id": eos, "pad_token_id": pad,
         "bos_token_id": None, "dtype": "float32",
     }
+    if arch == "glm4_moe_lite":
+        mla = {k: v for k, v in common.items() if k not in ("num_experts", "head_dim")}
+        return {**mla, "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+                "num_key_value_heads": 4, "n_routed_experts": 16, "n_shared_experts": 1, "n_group": 1,
+                "topk_group": 1, "routed_scaling_factor": 1.8, "norm_topk_prob": True, "intermediate_size": 256,
+                "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                "v_head_dim": 32, "rope_interleave": True, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
     if arch == "qwen3_moe":
         return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
@@ -64,7 +77,7 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
     def rand(name: str, *shape: int, scale: float = std) -> None:
         out[name] = torch.randn(*shape, generator=gen) * scale
 
-    qwen35 = cfg["model_type"] != "qwen3_moe"
+    qwen35 = cfg["model_type"] == "qwen3_5_moe_text"
     norm = (lambda n: torch.zeros(n)) if qwen35 else (lambda n: torch.ones(n))
     rand("model.embed_tokens.weight", cfg["vocab_size"], h, scale=0.5)
     # An untied random head: with tied embeddings a random model echoes its last input token forever.
@@ -73,12 +86,14 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
         out["lm_head.weight"][token_id] = 0.0
         out["lm_head.weight"][token_id, dim] = STOP_GAIN
     out["model.norm.weight"] = norm(h)
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    mla = cfg["model_type"] == "glm4_moe_lite"
     for li in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{li}."
         out[p + "input_layernorm.weight"] = norm(h)
         out[p + "post_attention_layernorm.weight"] = norm(h)
-        if qwen35 and cfg["layer_types"][li] == "linear_attention":
+        if mla:
+            _mla_attention(cfg, p + "self_attn.", rand, out)
+        elif qwen35 and cfg["layer_types"][li] == "linear_attention":
             kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
             vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
             hv = cfg["linear_num_value_heads"]
@@ -92,18 +107,29 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
             out[p + "linear_attn.norm.weight"] = torch.ones(cfg["linear_value_head_dim"])
             rand(p + "linear_attn.out_proj.weight", h, vd)
         else:
+            hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
             rand(p + "self_attn.q_proj.weight", nh * hd * (2 if qwen35 else 1), h)
             rand(p + "self_attn.k_proj.weight", nkv * hd, h)
             rand(p + "self_attn.v_proj.weight", nkv * hd, h)
             rand(p + "self_attn.o_proj.weight", h, nh * hd)
             out[p + "self_attn.q_norm.weight"] = norm(hd)
             out[p + "self_attn.k_norm.weight"] = norm(hd)
+        if mla and cfg["mlp_layer_types"][li] == "dense":
+            rand(p + "mlp.gate_proj.weight", cfg["intermediate_size"], h)
+            rand(p + "mlp.up_proj.weight", cfg["intermediate_size"], h)
+            rand(p + "mlp.down_proj.weight", h, cfg["intermediate_size"])
+            continue
         inter = cfg["moe_intermediate_size"]
-        rand(p + "mlp.gate.weight", cfg["num_experts"], h, scale=0.5)
-        for e in range(cfg["num_experts"]):
+        experts = cfg["n_routed_experts"] if mla else cfg["num_experts"]
+        rand(p + "mlp.gate.weight", experts, h, scale=0.5)
+        for e in range(experts):
             rand(f"{p}mlp.experts.{e}.gate_proj.weight", inter, h)
             rand(f"{p}mlp.experts.{e}.up_proj.weight", inter, h)
             rand(f"{p}mlp.experts.{e}.down_proj.weight", h, inter)
+        if mla:
+            rand(p + "mlp.gate.e_score_correction_bias", experts, scale=0.1)
+            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                rand(f"{p}mlp.shared_experts.{name}.weight", *shape)
         if qwen35:
             si = cfg["shared_expert_intermediate_size"]
             rand(p + "mlp.shared_expert.gate_proj.weight", si, h)
@@ -111,6 +137,21 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
             rand(p + "mlp.shared_expert.down_proj.weight", h, si)
             rand(p + "mlp.shared_expert_gate.weight", 1, h)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _mla_attention(cfg: dict[str, Any], ap: str, rand: Callable[..., None], out: dict[str, torch.Tensor]) -> None:
+    """GLM-4.7-Flash's attention tensors: q through its low-rank pair, the latent KV projection."""
+    import torch
+
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk, c = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+    rand(ap + "q_a_proj.weight", cfg["q_lora_rank"], h)
+    out[ap + "q_a_layernorm.weight"] = torch.ones(cfg["q_lora_rank"])
+    rand(ap + "q_b_proj.weight", nh * qk, cfg["q_lora_rank"])
+    rand(ap + "kv_a_proj_with_mqa.weight", c + cfg["qk_rope_head_dim"], h)
+    out[ap + "kv_a_layernorm.weight"] = torch.ones(c)
+    rand(ap + "kv_b_proj.weight", nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), c)
+    rand(ap + "o_proj.weight", h, nh * cfg["v_head_dim"])
 
 
 Progress = Callable[..., None]  # (done, total, label)
@@ -131,7 +172,7 @@ def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe", progress: P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     progress(0, len(STEPS), STEPS[0])
-    info = write_tokenizer(out, "qwen3_5" if arch == "qwen3_5_moe" else "qwen3")
+    info = write_tokenizer(out, TOKENIZERS[arch])
     cfg = _config(arch, info.vocab_size, info.eos_token_id, info.pad_token_id)
     stop_ids = (info.special_ids["</think>"], info.eos_token_id)
     progress(1, len(STEPS), STEPS[1])

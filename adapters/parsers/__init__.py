@@ -10,7 +10,14 @@ Families: "qwen3" (Qwen3 MoE; JSON tool calls `<tool_call>\\n{"name": ..., "argu
 </tool_call>`) and "qwen3_5" (Qwen3.5 / Qwen3.6; XML tool calls `<tool_call>\\n<function=NAME>\\n
 <parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, values typed by the tools'
 JSON schemas). Both families read both call forms (Qwen3-Coder is a Qwen3 MoE with XML calls):
-the body's first non-whitespace character picks the form.
+the body's first non-whitespace character picks the form. "glm4" (GLM-4.5 / 4.6 / 4.7,
+GLM-4.7-Flash; `<think>` reasoning, tool calls `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>
+VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML form:
+`adapters.parsers.glm`). "deepseek_v3" (DeepSeek-V3 / V3.1: `<think>` reasoning, calls between
+`<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` with JSON arguments, section markers dropped:
+`adapters.parsers.deepseek`). "kimi_k2" (Kimi-K2: `<|tool_call_begin|>functions.NAME:INDEX
+<|tool_call_argument_begin|>ARGS<|tool_call_end|>` within `<|tool_calls_section_begin|>` ...
+`<|tool_calls_section_end|>`, markers dropped).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapters.parsers import deepseek
 from adapters.parsers.base import OutputParser
 from adapters.parsers.events import (
     ContentDelta,
@@ -55,10 +63,19 @@ from adapters.parsers.events import (
     ToolCallStart,
     merge_events,
 )
+from adapters.parsers.glm import GlmCallScanner
 from adapters.parsers.qwen3_5 import ParamTypes
-from adapters.parsers.stream import QwenOutputParser
+from adapters.parsers.stream import TOOL_CALL_OPEN, ChooseScanner, QwenOutputParser, qwen_scanner
 
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5")
+# family -> (the tag that opens a call block, how its body is read, tags dropped from content)
+_SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {
+    "qwen3": (TOOL_CALL_OPEN, qwen_scanner, ()),
+    "qwen3_5": (TOOL_CALL_OPEN, qwen_scanner, ()),
+    "glm4": (TOOL_CALL_OPEN, lambda types, first: GlmCallScanner(types), ()),
+    "deepseek_v3": (deepseek.CALL_OPEN, lambda types, first: deepseek.DeepSeekCallScanner(), deepseek.SECTION_TAGS),
+    "kimi_k2": (deepseek.KIMI_CALL_OPEN, lambda types, first: deepseek.KimiCallScanner(), deepseek.KIMI_SECTION_TAGS),
+}
+FAMILIES: tuple[str, ...] = tuple(_SYNTAX)
 
 
 from adapters.parsers.settled import SettledParser  # noqa: E402
@@ -84,6 +101,9 @@ def create_parser(
         parse_reasoning=parse_reasoning,
         parse_tool_calls=parse_tool_calls and bool(tools),
         id_prefix=id_prefix,
+        open_tag=_SYNTAX[family][0],
+        choose=_SYNTAX[family][1],
+        drop_tags=_SYNTAX[family][2],
     )
     return SettledParser(parser) if settle_tool_calls else parser
 

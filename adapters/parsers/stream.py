@@ -1,12 +1,15 @@
-"""The streaming state machine shared by the Qwen families: reasoning, then content and tool calls.
+"""The streaming state machine shared by the Qwen and GLM families: reasoning, then content and tool calls.
 
 Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
 - Reasoning first (`ThinkSplitter`, unless `parse_reasoning` is off, in which case everything is
   content and think tags are content text).
-- Then content, in which each `<tool_call>` opens a block when tool calls are parsed. The block
-  body is read by a scanner chosen by its first non-whitespace character: `{` the JSON form
-  (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`); anything else rejects the block at
-  once. Both families accept both forms.
+- Then content, in which each `open_tag` (`<tool_call>`; DeepSeek: `<｜tool▁call▁begin｜>`) opens
+  a block when tool calls are parsed; the family's `drop_tags` (DeepSeek's section markers) are
+  removed from content then. The block
+  body is read by a scanner the family's `choose` picks from its first non-whitespace character
+  (`qwen_scanner`: `{` the JSON form (`JsonCallScanner`), `<` the XML form (`XmlCallScanner`),
+  anything else rejects the block at once; both Qwen families accept both forms. GLM's
+  `adapters.parsers.glm.GlmCallScanner` reads every body).
 - When the scanner commits to a function name the call is announced (`ToolCallStart`); from
   then on the arguments text the scanner settles is passed on as `ToolCallArgsDelta`s, and a
   valid block ends with a `ToolCallEnd` whose arguments are their concatenation. A
@@ -20,11 +23,14 @@ Contract (`QwenOutputParser`; see `adapters.parsers` for the whole rule set):
   between calls disappears while whitespace inside text, and around a rejected or abandoned
   block, stays (such a block is ordinary content text). Nothing reaches content while a block is
   open, so the whitespace held before it is dropped or kept only once the block is settled.
-- Held back at any time: at most a proper prefix of the next possible tag, trailing whitespace
+- Held back at any time: at most a proper prefix of the next possible tag (the open tag or a dropped
+  one), trailing whitespace
   of a segment, and the body of the open `<tool_call>` block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from adapters.parsers.base import (
     CallScanner,
@@ -49,10 +55,19 @@ from adapters.parsers.qwen3_5 import ParamTypes, XmlCallScanner
 from adapters.parsers.reasoning import ThinkSplitter
 
 TOOL_CALL_OPEN = "<tool_call>"
+ChooseScanner = Callable[[ParamTypes, str], CallScanner | None]  # (types, first character) -> scanner or reject
+
+
+def qwen_scanner(types: ParamTypes, first: str) -> CallScanner | None:
+    if first == "{":
+        return JsonCallScanner()
+    if first == "<":
+        return XmlCallScanner(types)
+    return None
 
 
 class QwenOutputParser(OutputParser):
-    """One request's incremental parser for Qwen3 / Qwen3.5 output."""
+    """One request's incremental parser for Qwen3 / Qwen3.5 / GLM output."""
 
     def __init__(
         self,
@@ -62,7 +77,13 @@ class QwenOutputParser(OutputParser):
         parse_reasoning: bool,
         parse_tool_calls: bool,
         id_prefix: str,
+        choose: ChooseScanner = qwen_scanner,
+        open_tag: str = TOOL_CALL_OPEN,
+        drop_tags: tuple[str, ...] = (),
     ) -> None:
+        self._choose = choose
+        self._open = open_tag
+        self._drop = drop_tags
         self._think = ThinkSplitter(starts_inside=starts_in_reasoning) if parse_reasoning else None
         self._types = types
         self._parse_calls = parse_tool_calls
@@ -117,14 +138,14 @@ class QwenOutputParser(OutputParser):
                     self._emit_content(self._buf)
                     self._buf = ""
                     return
-                at = self._buf.find(TOOL_CALL_OPEN)
+                at = self._next_open()
                 if at < 0:
-                    keep = 0 if final else partial_tag_suffix(self._buf, TOOL_CALL_OPEN)
+                    keep = 0 if final else max(partial_tag_suffix(self._buf, t) for t in (self._open, *self._drop))
                     self._emit_content(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
                 self._emit_content(self._buf[:at])
-                self._body = self._buf[at + len(TOOL_CALL_OPEN) :]
+                self._body = self._buf[at + len(self._open) :]
                 self._buf = ""
                 self._scanner = None
                 self._started = None
@@ -143,16 +164,27 @@ class QwenOutputParser(OutputParser):
             else:
                 self._complete(result)
 
+    def _next_open(self) -> int:
+        """Where the next open tag starts in the buffer (-1: none), dropping the dropped tags before
+        it (content up to each is emitted). Left to right: the tags start with their only `<`, so
+        occurrences never overlap and text joined around a dropped tag is not read again."""
+        while True:
+            hits = [(i, t) for i, t in ((self._buf.find(t), t) for t in (self._open, *self._drop)) if i >= 0]
+            if not hits:
+                return -1
+            at, tag = min(hits)
+            if tag == self._open:
+                return at
+            self._emit_content(self._buf[:at])
+            self._buf = self._buf[at + len(tag):]
+
     def _scan(self, body: str) -> ScanResult:
         if self._scanner is None:
             lead = skip_space(body, 0)
             if lead == len(body):
                 return ScanResult("more")
-            if body[lead] == "{":
-                self._scanner = JsonCallScanner()
-            elif body[lead] == "<":
-                self._scanner = XmlCallScanner(self._types)
-            else:
+            self._scanner = self._choose(self._types, body[lead])
+            if self._scanner is None:
                 return ScanResult("reject", lead)
         result = self._scanner.scan(body)
         name = self._scanner.name
@@ -183,7 +215,7 @@ class QwenOutputParser(OutputParser):
 
     def _close_block(self, text: str, rest: str) -> None:
         """The open block is not a call: its text is content, `rest` is read again."""
-        self._emit_content(TOOL_CALL_OPEN + text)
+        self._emit_content(self._open + text)
         self._buf = rest
         self._body = None
         self._scanner = None

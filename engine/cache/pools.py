@@ -1,8 +1,9 @@
 """Pre-allocated KV and recurrent-state pools.
 
 Contract:
-- `KVPool`: per full-attention layer, key and value tensors [num_slots, kv_heads, head_dim]; one
-  slot holds one token (page size 1, so the radix tree can share any prefix). `alloc(n)` returns n
+- `KVPool`: per full-attention layer, key and value tensors [num_slots, heads, dim] of the shapes
+  `cfg.kv_slot_shapes` gives (GQA: kv_heads x head_dim each; MLA: one latent row of kv_lora_rank +
+  qk_rope_head_dim as the key, an empty value); one slot holds one token (page size 1, so the radix tree can share any prefix). `alloc(n)` returns n
   free slot ids or None when the pool is short; `free(slots)` returns them.
 - `StatePool`: per Gated DeltaNet layer, conv windows [num_slots, C, K-1] (model dtype) and SSM
   states [num_slots, Hv, dk, dv] (float32). A slot is either a live request's working state or a
@@ -45,9 +46,9 @@ class _FreeList:
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         layers = len(cfg.full_attention_layer_ids)
-        shape = (layers, num_slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        k_shape, v_shape = cfg.kv_slot_shapes
+        self.k = torch.zeros((layers, num_slots, *k_shape), dtype=dtype, device=device)
+        self.v = torch.zeros((layers, num_slots, *v_shape), dtype=dtype, device=device)
         self._slots = _FreeList(num_slots)
         self.device = device
 
@@ -73,7 +74,8 @@ class KVPool:
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * len(cfg.full_attention_layer_ids) * cfg.num_kv_heads * cfg.head_dim * itemsize
+        k_shape, v_shape = cfg.kv_slot_shapes
+        return len(cfg.full_attention_layer_ids) * (math.prod(k_shape) + math.prod(v_shape)) * itemsize
 
 
 class _StateSlots:

@@ -32,9 +32,11 @@ def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rot
     if cfg.attn_output_gate:
         q, gate = q.view(n, cfg.num_heads, 2 * hd).chunk(2, dim=-1)
         gate = gate.reshape(n, cfg.num_heads * hd)
-    q = rms_norm(q.reshape(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
-    k = rms_norm(F.linear(x, w.k_proj, w.k_bias).view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps,
-                 cfg.norm_zero_centered)
+    q = q.reshape(n, cfg.num_heads, hd)
+    k = F.linear(x, w.k_proj, w.k_bias).view(n, cfg.num_kv_heads, hd)
+    if w.q_norm is not None and w.k_norm is not None:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
     v = F.linear(x, w.v_proj, w.v_bias).view(n, cfg.num_kv_heads, hd)
     return rotary.apply(q, positions, limit), rotary.apply(k, positions, limit), v, gate
 

@@ -28,6 +28,7 @@ from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.decode_graph import DecodeGraphs
 from engine.model.linear_attention import gated_deltanet
+from engine.model.mla import decode_kernel_serves, mla_attention
 from engine.model.moe import feed_forward
 from engine.model.ops import Rotary, embed_tokens, rms_norm
 from engine.moe.base import ExpertExecutor
@@ -42,11 +43,13 @@ class Decoder:
         self.weights = weights
         self._graphs: dict[int, DecodeGraphs] = {}
         self._executor = executor
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
         self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
         self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}
         self._recurrent = bool(cfg.linear_attention_layer_ids)
+        # MLA shapes the latent decode kernel does not take attend per sequence: no decode graphs
+        self._eager_only = cfg.attention_kind == "mla" and not decode_kernel_serves(cfg)
         # decode-sized passes through CUDA graphs (engine/model/decode_graph.py), when the engine
         # turns it on and the executor can be captured
         self.cuda_graphs = False
@@ -86,7 +89,7 @@ class Decoder:
 
     def _graph_for(self, batch: ForwardBatch) -> DecodeGraphs | None:
         n = batch.num_tokens
-        if not self.cuda_graphs or not 0 < n <= GRAPH_TOKENS:
+        if not self.cuda_graphs or self._eager_only or not 0 < n <= GRAPH_TOKENS:
             return None
         graph = self._graphs.get(n)
         if graph is None and self.executor.capturable(n):
@@ -99,7 +102,7 @@ class Decoder:
         for a decode-sized pass on CUDA, the state slots when every sequence has one new token."""
         dev = self.device
         decode = None
-        if dev.type == "cuda" and batch.num_tokens <= DECODE_ATTENTION_TOKENS and self._kv_index:
+        if dev.type == "cuda" and batch.num_tokens <= DECODE_ATTENTION_TOKENS and self._kv_index and not self._eager_only:
             from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
 
             decode = DecodeMeta.build(batch, dev)
@@ -116,9 +119,12 @@ class Decoder:
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)
             if cfg.layer_types[li] == FULL_ATTENTION:
-                assert lw.attention is not None
                 ki = self._kv_index[li]
-                x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki])
+                if lw.mla is not None:
+                    x = mla_attention(x, lw.mla, cfg, self.rotary, meta, kv.k[ki])
+                else:
+                    assert lw.attention is not None
+                    x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki])
             else:
                 assert lw.linear_attention is not None
                 si = self._state_index[li]

@@ -2,8 +2,9 @@
 
 Contract:
 - `shape_config_dict(shape, layers=None)`: the Hugging Face `config.json` dict a checkpoint of
-  `shape` (an engine/weights/shapes.py `MoeShape`) would carry, of its family (qwen3_moe, or
-  qwen3_5_moe_text for the Gated DeltaNet hybrid); `layers` overrides the layer count. bf16, no
+  `shape` (an engine/weights/shapes.py `MoeShape`) would carry, of its family (qwen3_moe,
+  qwen3_5_moe_text or qwen3_next for the Gated DeltaNet hybrids, glm4_moe_lite or deepseek_v3 for
+  MLA); `layers` overrides the layer count. bf16, no
   EOS token (a generation always runs to its max_tokens).
 - `dummy_config(shape, layers=None) -> ModelConfig`: that dict through `ModelConfig.from_dict`;
   `shape` may be a shape name. Unknown names, families the engine does not run and layers < 1
@@ -54,6 +55,7 @@ from engine.weights.layout import (
     ExpertBanks,
     LayerWeights,
     LinearAttentionWeights,
+    MlaWeights,
     MlpWeights,
     MoeWeights,
 )
@@ -82,8 +84,22 @@ def shape_config_dict(shape: MoeShape, layers: int | None = None) -> dict[str, A
         return {**common, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                 "intermediate_size": 4 * shape.hidden}
+    if shape.kv_lora:
+        mla = {k: v for k, v in common.items() if k not in ("num_experts", "head_dim")}
+        if shape.rope_scaling:
+            mla["rope_parameters"] = {**dict(shape.rope_scaling), "rope_theta": shape.rope_theta}
+        arch = "Glm4MoeLiteForCausalLM" if shape.family == "glm4_moe_lite" else "DeepseekV3ForCausalLM"
+        return {**mla, "model_type": shape.family, "architectures": [arch], "n_routed_experts": shape.experts,
+                "n_shared_experts": shape.shared_inter // shape.inter, "n_group": shape.n_group,
+                "topk_group": shape.topk_group, "routed_scaling_factor": shape.routed_scale, "norm_topk_prob": True,
+                "first_k_dense_replace": shape.first_dense, "intermediate_size": shape.dense_inter,
+                "q_lora_rank": shape.q_lora or None, "kv_lora_rank": shape.kv_lora, "qk_nope_head_dim": shape.qk_nope,
+                "qk_rope_head_dim": shape.qk_rope, "v_head_dim": shape.v_head, "rope_interleave": True}
     interval = shape.full_attention_interval
-    return {**common, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+    if shape.family == "qwen3_next":
+        common = {**common, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], **common,
             "layer_types": ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)],
             "linear_num_key_heads": shape.linear_key_heads, "linear_num_value_heads": shape.linear_value_heads,
             "linear_key_head_dim": shape.linear_head_dim, "linear_value_head_dim": shape.linear_head_dim,
@@ -195,6 +211,19 @@ def _attention(r: _Random, cfg: ModelConfig, neutral: float) -> AttentionWeights
                             q_norm=r.const(neutral, hd), k_norm=r.const(neutral, hd))
 
 
+def _mla(r: _Random, cfg: ModelConfig) -> MlaWeights:
+    h, heads, c, q_lora = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    w = MlaWeights(kv_a_proj=r.dense(c + cfg.qk_rope_head_dim, h), kv_a_norm=r.const(1.0, c),
+                   kv_b_proj=r.dense(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), c),
+                   o_proj=r.dense(h, heads * cfg.v_head_dim, std=r.out_std))
+    if q_lora:
+        w.q_a_proj, w.q_a_norm, w.q_b_proj = r.dense(q_lora, h), r.const(1.0, q_lora), r.dense(heads * qk, q_lora)
+    else:
+        w.q_proj = r.dense(heads * qk, h)
+    return w
+
+
 def _linear_attention(r: _Random, cfg: ModelConfig) -> LinearAttentionWeights:
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
     return LinearAttentionWeights(
@@ -214,16 +243,21 @@ def _layer(r: _Random, cfg: ModelConfig, li: int) -> LayerWeights:
     h = cfg.hidden_size
     neutral = 0.0 if cfg.norm_zero_centered else 1.0
     lw = LayerWeights(input_norm=r.const(neutral, h), post_norm=r.const(neutral, h))
-    if cfg.layer_types[li] == FULL_ATTENTION:
+    if cfg.layer_types[li] == FULL_ATTENTION and cfg.attention_kind == "mla":
+        lw.mla = _mla(r, cfg)
+    elif cfg.layer_types[li] == FULL_ATTENTION:
         lw.attention = _attention(r, cfg, neutral)
     else:
         lw.linear_attention = _linear_attention(r, cfg)
     if cfg.moe_layers[li]:
         lw.moe_index = cfg.moe_layer_ids.index(li)
         lw.moe = MoeWeights(router=r.dense(cfg.num_experts, h))
+        if cfg.router_kind == "sigmoid_grouped":  # routers are random: the bias stays neutral
+            lw.moe.score_bias = r.const(0.0, cfg.num_experts, dtype=torch.float32)
         if cfg.shared_expert_intermediate_size:
             lw.moe.shared = _mlp(r, h, cfg.shared_expert_intermediate_size)
-            lw.moe.shared_gate = r.dense(1, h)
+            if cfg.shared_expert_gated:
+                lw.moe.shared_gate = r.dense(1, h)
     else:
         lw.mlp = _mlp(r, h, cfg.dense_intermediate_size)
     return lw

@@ -12,7 +12,17 @@ config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
   (Hugging Face stores them zero-centred: 1 + w), `ssm_a` is -exp(A_log), and a Gated DeltaNet
   value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
   heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
-  evals/peer/check_logits.py runs both programs on one file and compares their logits.
+  evals/peer/check_logits.py runs both programs on one file and compares their logits;
+- `glm4moe` (GLM-4.5 / 4.6 / 4.7): the tensors map one to one (NEOX partial rotary as Hugging
+  Face stores it); `block_count` counts the next-token-prediction layers, which are left out;
+  sigmoid routing (`expert_gating_func` 2) with `exp_probs_b` as the correction bias;
+- `deepseek2` (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash: MLA): the same routing; the MLA sizes from
+  `key_length_mla` / `value_length_mla` (older files: `key_length` / `value_length`), YaRN from
+  `rope.scaling.*` (mscale = mscale_all_dim = yarn_log_multiplier / 0.1), rope dims interleaved as
+  in the checkpoint; `kv_b_proj` is `attn_kv_b`, or rebuilt from the split `attn_k_b` (per head
+  [kv_lora, nope], transposed) and `attn_v_b` ([v, kv_lora]) newer converters write.
+  These conventions are read from the gguf package's name map and llama.cpp's converter as
+  documented; no file written by llama.cpp itself was available to check them against.
 Anything else (another architecture, a quantised tensor) raises `ConfigError` / `WeightError`
 naming it. Needs the `gguf` package (`pip install gguf`).
 
@@ -31,7 +41,7 @@ import torch
 
 from engine.errors import ConfigError, WeightError
 
-_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text"}
+_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,7 +78,27 @@ _NAMES_35 = {
     "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
     "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
 }
-_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35}
+_ATT = "model.layers.{i}.self_attn."
+_MLP = "model.layers.{i}.mlp."
+_NAMES_GLM = {
+    **{k: v for k, v in _NAMES.items() if not k.startswith("blk.{i}.ffn_norm")},
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.attn_{x}.bias": f"{_ATT}{x}_proj.bias" for x in "qkv"},
+    "blk.{i}.exp_probs_b.bias": _MLP + "gate.e_score_correction_bias",
+    **{f"blk.{{i}}.ffn_{x}_shexp.weight": f"{_MLP}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")},
+    **{f"blk.{{i}}.ffn_{x}.weight": f"{_MLP}{x}_proj.weight" for x in ("gate", "up", "down")},  # dense layers
+}
+_MLA_NAMES = {"attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_layernorm", "attn_q_b": "q_b_proj", "attn_q": "q_proj",
+              "attn_kv_a_mqa": "kv_a_proj_with_mqa", "attn_kv_a_norm": "kv_a_layernorm", "attn_kv_b": "kv_b_proj",
+              "attn_k_b": "k_b_proj", "attn_v_b": "v_b_proj", "attn_output": "o_proj"}
+_NAMES_DS2 = {
+    **{k: v for k, v in _NAMES_GLM.items() if not k.startswith(("blk.{i}.attn_", "blk.{i}.post_attention_norm"))},
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.{g}.weight": f"{_ATT}{h}.weight" for g, h in _MLA_NAMES.items()},
+    "blk.{i}.attn_kv_a_mqa.bias": _ATT + "kv_a_proj_with_mqa.bias",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+}
+_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "glm4moe": _NAMES_GLM, "deepseek2": _NAMES_DS2}
 # Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
             "model.norm.weight")
@@ -155,6 +185,10 @@ class GgufReader:
                     "intermediate_size": int(v(f"{a}.feed_forward_length", 1)),
                     "norm_topk_prob": True,  # llama.cpp's qwen3moe graph normalises the top-k weights
                     "decoder_sparse_step": 1, "mlp_only_layers": []}
+        if a == "glm4moe":
+            return {**cfg, **self._glm4moe(cfg)}
+        if a == "deepseek2":
+            return {**cfg, **self._glm4moe(cfg), **self._deepseek2(cfg)}
         value_heads = int(v(f"{a}.ssm.time_step_rank"))
         return {**cfg, "architectures": ["Qwen3_5MoeForCausalLM"],
                 "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", head_dim)) / head_dim,
@@ -164,6 +198,58 @@ class GgufReader:
                 "linear_key_head_dim": int(v(f"{a}.ssm.state_size")),
                 "linear_value_head_dim": int(v(f"{a}.ssm.inner_size")) // value_heads,
                 "linear_conv_kernel_dim": int(v(f"{a}.ssm.conv_kernel"))}
+
+    def _glm4moe(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        a, v = self.arch, self._value
+        gating = int(v(f"{a}.expert_gating_func", 2))
+        if gating != 2:
+            raise ConfigError(f"{self.path}: {a} expert_gating_func {gating} is not supported (only 2, sigmoid)")
+        return {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "num_hidden_layers": cfg["num_hidden_layers"] - int(v(f"{a}.nextn_predict_layers", 0)),
+            "intermediate_size": int(v(f"{a}.feed_forward_length", 1)),
+            "first_k_dense_replace": int(v(f"{a}.leading_dense_block_count", 0)),
+            "n_shared_experts": int(v(f"{a}.expert_shared_count", 0)),
+            "routed_scaling_factor": float(v(f"{a}.expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(v(f"{a}.expert_weights_norm", False)),
+            "n_group": int(v(f"{a}.expert_group_count", 1)), "topk_group": int(v(f"{a}.expert_group_used_count", 1)),
+            "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"],
+            "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+        }
+
+    def _deepseek2(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        a, v = self.arch, self._value
+        rope = int(v(f"{a}.rope.dimension_count"))
+        mla = f"{a}.attention.key_length_mla" in self._reader.fields
+        key = int(v(f"{a}.attention.key_length_mla" if mla else f"{a}.attention.key_length"))
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV3ForCausalLM"], "partial_rotary_factor": 1.0, "use_qk_norm": False,
+            "num_key_value_heads": cfg["num_attention_heads"], "head_dim": key,
+            "q_lora_rank": int(v(f"{a}.attention.q_lora_rank", 0)) or None,
+            "kv_lora_rank": int(v(f"{a}.attention.kv_lora_rank")), "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": key - rope,
+            "v_head_dim": int(v(f"{a}.attention.value_length_mla" if mla else f"{a}.attention.value_length")),
+            "rope_interleave": True, "scoring_func": "sigmoid",
+            "attention_bias": "model.layers.0.self_attn.kv_a_proj_with_mqa.bias" in self._tensors,
+        }
+        if str(v(f"{a}.rope.scaling.type", "none")) == "yarn":
+            mscale = float(v(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": float(v(f"{a}.rope.scaling.factor")),
+                "original_max_position_embeddings": int(v(f"{a}.rope.scaling.original_context_length")),
+                "mscale": mscale or None, "mscale_all_dim": mscale or None, "rope_theta": cfg["rope_theta"]}
+        return out
+
+    def _kv_b(self, name: str) -> torch.Tensor:
+        """kv_b_proj [heads * (nope + v), kv_lora] from the split attn_k_b / attn_v_b."""
+        k_b = self.get(name.replace("kv_b_proj", "k_b_proj"))  # [heads, kv_lora, nope]
+        v_b = self.get(name.replace("kv_b_proj", "v_b_proj"))  # [heads, v, kv_lora]
+        return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+
+    def _split_kv_b(self, name: str) -> bool:
+        return (name.endswith("self_attn.kv_b_proj.weight") and name not in self._tensors
+                and name.replace("kv_b_proj", "k_b_proj") in self._tensors)
 
     def _grouped_heads(self) -> torch.Tensor:
         """For each value head in grouped order (Hugging Face's), its index in tiled order (llama.cpp's)."""
@@ -201,9 +287,12 @@ class GgufReader:
         return list(self._tensors)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or self._split_kv_b(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self._split_kv_b(name):
+            k_b, v_b = (self.shape(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
+            return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
         # GGUF lists dimensions fastest first; a row-major tensor's shape is the reverse
         shape = tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
         if name.endswith("linear_attn.conv1d.weight"):
@@ -216,6 +305,8 @@ class GgufReader:
         return self.path
 
     def nbytes(self, name: str) -> int:
+        if self._split_kv_b(name):
+            return sum(self.nbytes(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
         return int(self._tensors[name].n_bytes)
 
     def _tensor_dtype(self, t: Any) -> torch.dtype:
@@ -225,6 +316,8 @@ class GgufReader:
         return _FLOAT_TYPES[kind]
 
     def get(self, name: str) -> torch.Tensor:
+        if self._split_kv_b(name):
+            return self._kv_b(name)
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")

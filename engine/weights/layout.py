@@ -19,11 +19,29 @@ class AttentionWeights:
     k_proj: torch.Tensor
     v_proj: torch.Tensor
     o_proj: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # None without per-head q/k norms (cfg.qk_norm off)
+    k_norm: torch.Tensor | None
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class MlaWeights:
+    """Multi-head latent attention: q through a low-rank pair (or straight), the KV latent and the
+    shared rope key from one projection, per-head keys / values expanded by kv_b_proj."""
+
+    kv_a_proj: torch.Tensor  # [kv_lora + rope, hidden]
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    kv_b_proj: torch.Tensor  # [heads * (nope + v), kv_lora]: per head, nope key rows then value rows
+    o_proj: torch.Tensor  # [hidden, heads * v]
+    q_proj: torch.Tensor | None = None  # [heads * (nope + rope), hidden] when q_lora_rank is 0
+    q_a_proj: torch.Tensor | None = None  # [q_lora, hidden]
+    q_a_norm: torch.Tensor | None = None  # [q_lora]
+    q_b_proj: torch.Tensor | None = None  # [heads * (nope + rope), q_lora]
+    q_a_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
 
@@ -50,8 +68,9 @@ class MlpWeights:
 @dataclass
 class MoeWeights:
     router: torch.Tensor  # [E, hidden]
+    score_bias: torch.Tensor | None = None  # [E] e_score_correction_bias (sigmoid_grouped: the choice only)
     shared: MlpWeights | None = None
-    shared_gate: torch.Tensor | None = None  # [1, hidden]
+    shared_gate: torch.Tensor | None = None  # [1, hidden]; None: the shared expert is ungated
 
 
 @dataclass
@@ -59,6 +78,7 @@ class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     attention: AttentionWeights | None = None
+    mla: MlaWeights | None = None
     linear_attention: LinearAttentionWeights | None = None
     moe: MoeWeights | None = None
     mlp: MlpWeights | None = None

@@ -4,7 +4,11 @@ Contract: `load_weights(cfg, reader, device, dtype, progress)` reads every tenso
 implies, checks its shape (a mismatch raises `WeightError` naming tensor and file), accepts routed
 experts stored per expert (`experts.{e}.gate_proj.weight`, ...), fused (`experts.gate_up_proj`
 [E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), and
-ignores tensors of other towers (vision, MTP). `progress(done, total)` is called as layers load.
+ignores tensors of other towers (vision, MTP). Family name maps: MLA attention (`self_attn.q_a_proj`,
+`kv_a_proj_with_mqa`, `kv_b_proj`, ...: DeepSeek-V3, GLM-4.7-Flash), the router's
+`gate.e_score_correction_bias`, shared experts as `shared_expert` (+ `shared_expert_gate`, Qwen)
+or `shared_experts` (DeepSeek, GLM), and Qwen3-Next's fused Gated DeltaNet projections
+(`in_proj_qkvz`, `in_proj_ba`, grouped per key head) split into Qwen3.5's four. `progress(done, total)` is called as layers load.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from engine.weights.layout import (
     ExpertBanks,
     LayerWeights,
     LinearAttentionWeights,
+    MlaWeights,
     MlpWeights,
     MoeWeights,
 )
@@ -76,7 +81,9 @@ def load_weights(
         lp = f"{p}layers.{li}."
         lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h),
                           post_norm=f.dense(lp + "post_attention_layernorm.weight", h))
-        if cfg.layer_types[li] == FULL_ATTENTION:
+        if cfg.layer_types[li] == FULL_ATTENTION and cfg.attention_kind == "mla":
+            lw.mla = _mla(f, cfg, lp + "self_attn.")
+        elif cfg.layer_types[li] == FULL_ATTENTION:
             lw.attention = _attention(f, cfg, lp + "self_attn.")
         else:
             lw.linear_attention = _linear_attention(f, cfg, lp + "linear_attn.")
@@ -110,8 +117,8 @@ def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:
         k_proj=f.dense(ap + "k_proj.weight", kv_out, h),
         v_proj=f.dense(ap + "v_proj.weight", kv_out, h),
         o_proj=f.dense(ap + "o_proj.weight", h, cfg.num_heads * hd),
-        q_norm=f.dense(ap + "q_norm.weight", hd),
-        k_norm=f.dense(ap + "k_norm.weight", hd),
+        q_norm=f.dense(ap + "q_norm.weight", hd) if cfg.qk_norm else None,
+        k_norm=f.dense(ap + "k_norm.weight", hd) if cfg.qk_norm else None,
     )
     if cfg.attention_bias:
         w.q_bias = f.dense(ap + "q_proj.bias", q_out)
@@ -121,14 +128,56 @@ def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:
     return w
 
 
+def _mla(f: _Fetch, cfg: ModelConfig, ap: str) -> MlaWeights:
+    h, heads, c = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    qk, rope, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    w = MlaWeights(
+        kv_a_proj=f.dense(ap + "kv_a_proj_with_mqa.weight", c + rope, h),
+        kv_a_norm=f.dense(ap + "kv_a_layernorm.weight", c),
+        kv_b_proj=f.dense(ap + "kv_b_proj.weight", heads * (cfg.qk_nope_head_dim + v), c),
+        o_proj=f.dense(ap + "o_proj.weight", h, heads * v),
+    )
+    if cfg.q_lora_rank:
+        w.q_a_proj = f.dense(ap + "q_a_proj.weight", cfg.q_lora_rank, h)
+        w.q_a_norm = f.dense(ap + "q_a_layernorm.weight", cfg.q_lora_rank)
+        w.q_b_proj = f.dense(ap + "q_b_proj.weight", heads * qk, cfg.q_lora_rank)
+    else:
+        w.q_proj = f.dense(ap + "q_proj.weight", heads * qk, h)
+    if cfg.attention_bias:
+        w.q_a_bias = f.optional(ap + "q_a_proj.bias", cfg.q_lora_rank) if cfg.q_lora_rank else None
+        w.kv_a_bias = f.dense(ap + "kv_a_proj_with_mqa.bias", c + rope)
+        w.o_bias = f.optional(ap + "o_proj.bias", h)
+    return w
+
+
+def _gdn_projections(f: _Fetch, cfg: ModelConfig, lp: str) -> tuple[torch.Tensor, ...]:
+    """(in_proj_qkv, in_proj_z, in_proj_a, in_proj_b) in Qwen3.5's layout, from Qwen3.5's four
+    tensors or Qwen3-Next's two, whose rows run per key head: q, k, then that head's values and z
+    (in_proj_qkvz), its b then its a (in_proj_ba)."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    if not f.reader.has(lp + "in_proj_qkvz.weight"):
+        return (f.dense(lp + "in_proj_qkv.weight", cfg.linear_conv_dim, h),
+                f.dense(lp + "in_proj_z.weight", cfg.linear_value_dim, h),
+                f.dense(lp + "in_proj_a.weight", hv, h), f.dense(lp + "in_proj_b.weight", hv, h))
+    kh, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per = hv // kh  # value heads per key head
+    qkvz = f.dense(lp + "in_proj_qkvz.weight", 2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim, h)
+    q, k, v, z = qkvz.view(kh, 2 * dk + 2 * per * dv, h).split([dk, dk, per * dv, per * dv], dim=1)
+    ba = f.dense(lp + "in_proj_ba.weight", 2 * hv, h).view(kh, 2 * per, h)
+    qkv = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+    return (qkv.contiguous(), z.reshape(-1, h).contiguous(), ba[:, per:].reshape(-1, h).contiguous(),
+            ba[:, :per].reshape(-1, h).contiguous())
+
+
 def _linear_attention(f: _Fetch, cfg: ModelConfig, lp: str) -> LinearAttentionWeights:
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
     conv = f.dense(lp + "conv1d.weight", cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim)
+    qkv, z, a, b = _gdn_projections(f, cfg, lp)
     return LinearAttentionWeights(
-        in_proj_qkv=f.dense(lp + "in_proj_qkv.weight", cfg.linear_conv_dim, h),
-        in_proj_z=f.dense(lp + "in_proj_z.weight", cfg.linear_value_dim, h),
-        in_proj_a=f.dense(lp + "in_proj_a.weight", hv, h),
-        in_proj_b=f.dense(lp + "in_proj_b.weight", hv, h),
+        in_proj_qkv=qkv,
+        in_proj_z=z,
+        in_proj_a=a,
+        in_proj_b=b,
         conv=conv[:, 0, :].contiguous(),
         a_log=f.dense(lp + "A_log", hv, dtype=torch.float32),
         dt_bias=f.dense(lp + "dt_bias", hv, dtype=torch.float32),
@@ -140,14 +189,18 @@ def _linear_attention(f: _Fetch, cfg: ModelConfig, lp: str) -> LinearAttentionWe
 def _moe(f: _Fetch, cfg: ModelConfig, mp: str) -> MoeWeights:
     h = cfg.hidden_size
     w = MoeWeights(router=f.dense(mp + "gate.weight", cfg.num_experts, h))
+    if cfg.router_kind == "sigmoid_grouped":
+        w.score_bias = f.dense(mp + "gate.e_score_correction_bias", cfg.num_experts, dtype=torch.float32)
     si = cfg.shared_expert_intermediate_size
     if si:
+        sp = mp + ("shared_expert." if cfg.shared_expert_gated else "shared_experts.")
         w.shared = MlpWeights(
-            f.dense(mp + "shared_expert.gate_proj.weight", si, h),
-            f.dense(mp + "shared_expert.up_proj.weight", si, h),
-            f.dense(mp + "shared_expert.down_proj.weight", h, si),
+            f.dense(sp + "gate_proj.weight", si, h),
+            f.dense(sp + "up_proj.weight", si, h),
+            f.dense(sp + "down_proj.weight", h, si),
         )
-        w.shared_gate = f.dense(mp + "shared_expert_gate.weight", 1, h)
+        if cfg.shared_expert_gated:
+            w.shared_gate = f.dense(mp + "shared_expert_gate.weight", 1, h)
     return w
 
 

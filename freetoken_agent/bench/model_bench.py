@@ -264,6 +264,7 @@ class ModelBench:
     def facts(self) -> dict[str, Any]:
         import torch
 
+        from engine.cache.pools import KVPool
         from engine.gpu.budget import dense_bytes
 
         cuda = self.device.type == "cuda"
@@ -283,6 +284,8 @@ class ModelBench:
             "gpu_budget": dataclasses.asdict(self.engine.gpu_budget) if self.engine.gpu_budget else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
             "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.expert_bytes * banks.w13.shape[0],
+            # per token over every layer: MLA's latent row, else the K and V heads (engine/cache/pools.py)
+            "kv_bytes_per_token": KVPool.bytes_per_slot(self.cfg, self.dtype),
             "dense_bytes": dense_bytes(self.engine.decoder.weights, self.device), "load_s": round(self.load_s, 3),
             "calibration": cal.to_json() if cal is not None else None,
         }

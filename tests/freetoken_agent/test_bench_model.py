@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ("tiny-qwen3", "tiny-hybrid")
 FACT_KEYS = {"bench", "weights", "seed", "shape", "family", "layers", "experts", "top_k", "hidden", "expert_inter",
              "dtype", "device", "gpu", "cpu", "cpu_threads", "executor", "gpu_memory", "gpu_budget",
-             "peak_gpu_bytes", "expert_bytes", "expert_bank_bytes", "dense_bytes", "load_s", "calibration",
+             "peak_gpu_bytes", "expert_bytes", "expert_bank_bytes", "kv_bytes_per_token", "dense_bytes", "load_s", "calibration",
              "bandwidth_gbps", "bound_note"}
 DECODE_KEYS = FACT_KEYS | {"prompt_tokens", "tokens", "reps", "temperature", "tok_s", "tok_s_reps", "ms_per_token", "distinct_tokens",
                            "hit_rate", "hits_per_token", "misses_per_token", "fetched_per_token",
@@ -270,6 +270,8 @@ def test_bench_decode_and_prefill_json(tmp_path: Path) -> None:
     assert len(r["dense_ms_reps"]) == 2 and r["dense_ms"] == statistics.median(r["dense_ms_reps"])
     assert r["misses_per_token"] == 2 * 3 and r["hit_rate"] is None  # no expert cache: every expert from host
     assert r["gpu_memory"] is None and r["peak_gpu_bytes"] is None and r["cpu_threads"] == 1
+    item = 4 if r["dtype"] == "float32" else 2
+    assert r["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * item  # layers x (K, V) x KV heads x head dim
     if native:
         assert r["bandwidth_gbps"] == 2.0 and r["bound_ms"] > r["dense_ms"] and r["measured_over_bound"] > 0
     else:
