@@ -10,7 +10,8 @@ Families: "qwen3" (Qwen3 MoE; JSON tool calls `<tool_call>\\n{"name": ..., "argu
 </tool_call>`) and "qwen3_5" (Qwen3.5 / Qwen3.6; XML tool calls `<tool_call>\\n<function=NAME>\\n
 <parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, values typed by the tools'
 JSON schemas). Both families read both call forms (Qwen3-Coder is a Qwen3 MoE with XML calls):
-the body's first non-whitespace character picks the form.
+the body's first non-whitespace character picks the form. "harmony" (gpt-oss): channels and
+`to=functions.NAME` calls, see `adapters.parsers.harmony` (the Qwen rules below are not its rules).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -55,10 +56,11 @@ from adapters.parsers.events import (
     ToolCallStart,
     merge_events,
 )
+from adapters.parsers.harmony import HarmonyOutputParser
 from adapters.parsers.qwen3_5 import ParamTypes
 from adapters.parsers.stream import QwenOutputParser
 
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5")
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_5", "harmony")
 
 
 from adapters.parsers.settled import SettledParser  # noqa: E402
@@ -78,6 +80,9 @@ def create_parser(
     `settle_tool_calls` (the default) a call is announced only when complete (`SettledParser`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown parser family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "harmony":  # calls are announced whole: nothing to settle
+        return HarmonyOutputParser(parse_reasoning=parse_reasoning, parse_tool_calls=parse_tool_calls and bool(tools),
+                                   id_prefix=id_prefix)
     parser = QwenOutputParser(
         types=ParamTypes(tools),
         starts_in_reasoning=starts_in_reasoning,
