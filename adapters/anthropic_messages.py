@@ -41,7 +41,7 @@ from adapters.parsers import (
     ToolCallStart,
 )
 from adapters.state import AppState, read_json
-from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall, effort_level
 from freetoken_agent.sessions.normalise import strip_billing_header as _strip_billing
 
 router = APIRouter()
@@ -186,6 +186,8 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
                        top_k=top_k if isinstance(top_k, int) and top_k > 0 else None, stop=stop,
                        enable_thinking=isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"),
+                       reasoning_effort=effort_level(budget_tokens=thinking.get("budget_tokens"))
+                       if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None,
                        headers=headers, forced_output=forced_output_of(body))
 
 

@@ -38,7 +38,7 @@ from adapters.parsers import (
     ToolCallStart,
 )
 from adapters.state import AppState, read_json
-from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall, effort_level
 
 router = APIRouter()
 
@@ -136,7 +136,8 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 1e-9, 1.0),
         top_k=_int(body, "top_k", 0), seed=_seed(body), stop=stop or [],
-        enable_thinking=bool(thinking), parallel_tool_calls=parallel, headers=headers,
+        enable_thinking=bool(thinking), reasoning_effort=effort_level(body.get("reasoning_effort")),
+        parallel_tool_calls=parallel, headers=headers,
         forced_output=forced_output_of(body))
 
 

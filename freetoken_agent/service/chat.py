@@ -40,7 +40,7 @@ from freetoken_agent.service.types import ChatRequest, Chunk, Finish
 from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
-FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
+FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony"}
 log = logging.getLogger("freetoken.service")
 
 
@@ -89,7 +89,8 @@ class ChatService:
         messages = [m.to_template() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                      enable_thinking=thinking, tokenize=False)
+                                                      enable_thinking=thinking, tokenize=False,
+                                                      reasoning_effort=req.reasoning_effort)
         except jinja2.TemplateError as e:
             raise RequestError(f"the conversation cannot be rendered by the chat template: {e}") from None
         assert isinstance(text, str)
@@ -157,7 +158,8 @@ class GenerationStream:
         self.joined = 0
         self._subscribers: list[asyncio.Queue[Chunk | Finish]] = []
         self._loop = asyncio.get_running_loop()
-        self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=True)
+        # harmony's structure is special tokens: its parser reads them
+        self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=service.family != "harmony")
         self._pending = ""
         self._stopped: str | None = None
         self.started_at = time.monotonic()

@@ -177,3 +177,11 @@ def test_unknown_tool_result_is_a_template_error() -> None:
     with pytest.raises(jinja2.TemplateError, match="tool message"):
         template.render(messages=[{"role": "tool", "tool_call_id": "nope", "content": "x"}], tools=None,
                         add_generation_prompt=True)
+
+
+def test_effort_from_each_protocol() -> None:
+    from freetoken_agent.service import effort_level
+
+    assert [effort_level(e) for e in ("minimal", "low", "medium", "high", "bogus")] == ["low", "low", "medium",
+                                                                                        "high", None]
+    assert [effort_level(budget_tokens=b) for b in (1024, 8000, 32000, None)] == ["low", "medium", "high", None]
