@@ -28,6 +28,64 @@ _FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+# How a MoE layer picks its experts (engine/model/router.py holds one function per kind):
+# softmax_topk: softmax over the router logits, top-k, optional renormalisation (Qwen3 MoE).
+# sigmoid_grouped: sigmoid scores, plus a correction bias for the choice only, top-2 sum per group,
+#   the best `topk_group` groups, top-k inside them, optional renormalisation, times
+#   `routed_scaling_factor` (DeepSeek-V3, GLM-4.5+).
+ROUTER_KINDS = ("softmax_topk", "sigmoid_grouped")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The rotary scaling of `rope_scaling` / `rope_parameters` (engine/model/rope.py computes the
+    frequencies). `factor` None means: derived (yarn: max_position_embeddings / original)."""
+
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @classmethod
+    def from_dict(cls, rp: dict[str, Any], source: str) -> RopeScaling:
+        kind = rp.get("rope_type", rp.get("type")) or "default"
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"{source}: rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if kind == "default":
+            return cls()
+
+        def num(key: str) -> float | None:
+            v = rp.get(key)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{source}: rope parameter {key!r} must be a number, got {v!r}")
+            return float(v)
+
+        factor = num("factor")
+        if factor is None and kind != "yarn":
+            raise ConfigError(f"{source}: rope_type {kind!r} needs a 'factor'")
+        if factor is not None and factor <= 0:
+            raise ConfigError(f"{source}: rope 'factor' must be positive, got {factor}")
+        original = num("original_max_position_embeddings")
+        return cls(
+            rope_type=kind,
+            factor=factor,
+            original_max_position_embeddings=None if original is None else int(original),
+            beta_fast=num("beta_fast") or 32.0,
+            beta_slow=num("beta_slow") or 1.0,
+            mscale=num("mscale"),
+            mscale_all_dim=num("mscale_all_dim"),
+            truncate=bool(rp.get("truncate", True)),
+            attention_factor=num("attention_factor"),
+        )
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -66,6 +124,12 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Router (ROUTER_KINDS); the grouped fields matter to "sigmoid_grouped" only.
+    router_kind: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -154,14 +218,21 @@ def _get(d: dict[str, Any], key: str, source: str, default: Any = ...) -> Any:
     return default
 
 
-def _rope(d: dict[str, Any], source: str, default_partial: float) -> tuple[float, float]:
+def _rope(d: dict[str, Any], source: str, default_partial: float) -> tuple[float, float, RopeScaling]:
+    """(theta, partial rotary factor, scaling) from `rope_parameters` (transformers 5) or the older
+    `rope_scaling` plus top-level `rope_theta` / `partial_rotary_factor`."""
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+    if not isinstance(rp, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object")
     theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
     partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)))
-    return theta, partial
+    scaling = RopeScaling.from_dict(rp, source)
+    if scaling.rope_type == "yarn" and scaling.original_max_position_embeddings is None:
+        # transformers fills it from the top level, else from max_position_embeddings
+        original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+        if original is not None:
+            scaling = dataclasses.replace(scaling, original_max_position_embeddings=int(original))
+    return theta, partial, scaling
 
 
 def _eos(d: dict[str, Any]) -> tuple[int, ...]:
@@ -203,7 +274,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         raw=outer,
     )
     if family == "qwen3_moe":
-        theta, partial = _rope(d, source, 1.0)
+        theta, partial, scaling = _rope(d, source, 1.0)
         step = int(g("decoder_sparse_step", 1))
         mlp_only = set(g("mlp_only_layers", []) or [])
         moe = tuple(
@@ -213,6 +284,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
+            rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             layer_types=(FULL_ATTENTION,) * n_layers,
             moe_layers=moe,
@@ -225,7 +297,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             **common,
         )
     else:
-        theta, partial = _rope(d, source, 0.25)
+        theta, partial, scaling = _rope(d, source, 0.25)
         interval = int(d.get("full_attention_interval", 4))
         layer_types = d.get("layer_types") or [
             LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)
@@ -238,6 +310,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
+            rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             layer_types=tuple(layer_types),
             moe_layers=(True,) * n_layers,
@@ -258,6 +331,15 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.top_k > cfg.num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} > num_experts {cfg.num_experts}")
+    if cfg.router_kind not in ROUTER_KINDS:
+        raise ConfigError(f"{source}: router kind {cfg.router_kind!r} unknown (known: {', '.join(ROUTER_KINDS)})")
+    if cfg.router_kind == "sigmoid_grouped":
+        if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
+            raise ConfigError(f"{source}: n_routed_experts {cfg.num_experts} is not a multiple of n_group {cfg.n_group}")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            raise ConfigError(f"{source}: topk_group {cfg.topk_group} must be within 1..n_group {cfg.n_group}")
+        if cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
+            raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} exceeds the experts of topk_group groups")
     if cfg.rotary_dim % 2:
         raise ConfigError(f"{source}: rotary dimension {cfg.rotary_dim} must be even")
     return cfg

@@ -42,7 +42,7 @@ class Decoder:
         self.weights = weights
         self._graphs: dict[int, DecodeGraphs] = {}
         self._executor = executor
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
         self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
         self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}

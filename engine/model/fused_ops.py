@@ -172,7 +172,7 @@ def _topk_kernel(logits_ptr, ids_ptr, w_ptr, experts, row_stride,
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.model.moe.route` after its router matmul, in one launch: logits [T, E] (the sizes
+    """`engine.model.router.softmax_topk` after its router matmul, in one launch: logits [T, E] (the sizes
     `kernel_limits.fused_router_serves` accepts: E <= 4096, top_k a power of two <= E) -> (ids
     int64 [T, top_k], weights [T, top_k] in logits' dtype): the float32 softmax's top_k in descending order (the lowest index first among equal ones; torch.topk
     leaves that order open), renormalised to sum to one if asked. Only the softmax's and the

@@ -1,9 +1,7 @@
-"""Sparse MoE block: softmax top-k router, routed experts through an executor, optional shared expert.
+"""Sparse MoE block: router, routed experts through an executor, optional shared expert.
 
 Contract: `moe_block(x, w, cfg, executor, moe_index, captured)` -> [N, H], numerically the reference's
-(router softmax in float32, top-k, optional renormalisation, weights cast back to x's dtype; on
-CUDA all but the router matmul in one Triton kernel, engine/model/fused_ops.py `route_topk`;
-the option kernels.fused_router off keeps the torch ops). The shared expert's gate, product and
+(the router of `cfg.router_kind`, engine/model/router.py). The shared expert's gate, product and
 sum run as one Triton kernel with kernels.fused_shared on (opt-in: no gain measured). In a captured pass (`captured`)
 the routed experts run as the executor's graph step, and the shared expert is handed to its
 `with_side_work`, which may queue it inside the routed step where the GPU would otherwise wait for
@@ -18,28 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.kernel_limits import FUSED_NORM_MAX_DIM, fused_router_serves
-from engine.model.ops import fused_router_enabled, fused_shared_enabled, rms_norm, swiglu_mlp
+from engine.model.kernel_limits import FUSED_NORM_MAX_DIM
+from engine.model.ops import fused_shared_enabled, rms_norm, swiglu_mlp
+from engine.model.router import route
 from engine.moe.base import ExpertExecutor
 from engine.weights.layout import LayerWeights, MoeWeights
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(x, router)
-    if logits.is_cuda and fused_router_enabled() and fused_router_serves(logits.shape[-1], top_k):
-        from engine.model import fused_ops  # triton: imported where CUDA runs
-
-        return fused_ops.route_topk(logits, top_k, renormalize)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    top_w, top_i = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return top_i, top_w.to(logits.dtype)
-
-
 def moe_block(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig, executor: ExpertExecutor, moe_index: int,
               captured: bool = False) -> torch.Tensor:
-    ids, weights = route(x, w.router, cfg.top_k, cfg.norm_topk_prob)
+    ids, weights = route(x, w, cfg)
     if w.shared is None:
         return executor.graph_step(x, ids, weights, moe_index) if captured else executor(x, ids, weights, moe_index)
     sw, gate = w.shared, w.shared_gate

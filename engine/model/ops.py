@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.config import RopeScaling
 from engine.model.kernel_limits import FUSED_NORM_MAX_DIM
+from engine.model.rope import rope_frequencies
 from engine.options import KernelOptions
 
 _kernels = KernelOptions()  # the process's kernel choices: the engine sets them at start
@@ -98,12 +100,15 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
 class Rotary:
     """Rotary position embedding over the first `rotary_dim` dims of each head (partial rotary).
 
-    cos/sin tables grow on demand and are cached per device and dtype.
+    Frequencies and the cos / sin scale by the rope type (engine/model/rope.py). cos/sin tables grow
+    on demand and are cached per device and dtype.
     """
 
-    def __init__(self, rotary_dim: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None,
+                 max_position_embeddings: int = 0) -> None:
         self.rotary_dim = rotary_dim
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.inv_freq, self.attention_scaling = rope_frequencies(scaling or RopeScaling(), rotary_dim, theta,
+                                                                 max_position_embeddings)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._builds = 0
@@ -128,8 +133,8 @@ class Rotary:
             pos = torch.arange(size, dtype=torch.float)
             freqs = pos[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = emb.cos().to(device=device, dtype=dtype)
-            self._sin = emb.sin().to(device=device, dtype=dtype)
+            self._cos = (emb.cos() * self.attention_scaling).to(device=device, dtype=dtype)
+            self._sin = (emb.sin() * self.attention_scaling).to(device=device, dtype=dtype)
             self._builds += 1
         assert self._cos is not None and self._sin is not None
         return self._cos, self._sin

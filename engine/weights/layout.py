@@ -50,6 +50,7 @@ class MlpWeights:
 @dataclass
 class MoeWeights:
     router: torch.Tensor  # [E, hidden]
+    score_bias: torch.Tensor | None = None  # [E] e_score_correction_bias (sigmoid_grouped: the choice only)
     shared: MlpWeights | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]
 

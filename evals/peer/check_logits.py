@@ -68,7 +68,7 @@ def build_dumper(src: Path, build: Path, out: Path) -> Path:
 def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Our logits [n, vocab], and per position the smallest gap over the layers between the k-th
     and (k+1)-th routing probability (a near tie may route the other way under other rounding)."""
-    import engine.model.moe as moe
+    import engine.model.router as routers
     from engine.cache.pools import KVPool, StatePool
     from engine.model.batch import ForwardBatch, SeqEntry
     from engine.model.load import load_decoder
@@ -82,7 +82,7 @@ def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np
     states = StatePool(dec.cfg, 1, torch.float32, torch.device("cpu"))
     batch = ForwardBatch(torch.tensor(ids), torch.arange(n), [SeqEntry(0, n, 0, torch.arange(n), state_slot=0)])
     gaps = torch.full((n,), float("inf"))
-    route = moe.route
+    route = routers.softmax_topk
 
     def measured_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):  # type: ignore[no-untyped-def]
         nonlocal gaps
@@ -90,11 +90,11 @@ def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np
         gaps = torch.minimum(gaps, probs[:, top_k - 1] - probs[:, top_k])
         return route(x, router, top_k, renormalize)
 
-    moe.route = measured_route
+    routers.softmax_topk = measured_route
     try:
         logits = dec.logits(dec.forward(batch, kv, states)).numpy()
     finally:
-        moe.route = route
+        routers.softmax_topk = route
     return logits, gaps.numpy()
 
 
