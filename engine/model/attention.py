@@ -1,8 +1,10 @@
-"""Full (softmax) attention over the paged KV cache: GQA, q/k norm, partial rotary, output gate.
+"""Softmax attention over the paged KV cache: GQA, q/k norm, partial rotary, output gate, sinks.
 
-Contract: `full_attention(x, w, cfg, rotary, meta, k_cache, v_cache)` writes the new tokens' keys
-and values into their cache slots, attends each sequence's new queries over all its cached and new
-keys (causal, optional sliding window), and returns the o_proj output [N, H]. It is three parts:
+Contract: `full_attention(x, w, cfg, rotary, meta, k_cache, v_cache, window)` writes the new tokens'
+keys and values into their cache slots, attends each sequence's new queries over all its cached and
+new keys (causal; with `window`, only the last `window` keys, the query's own included), and
+returns the o_proj output [N, H]. With sinks (`w.sinks`, one logit per head) each head's softmax
+also counts exp(sink) in its denominator, as if over one more key whose value is zero. It is three parts:
 `attention_inputs` (projections, norms, rotary), the mix across tokens, `attention_output` (gate,
 o_proj). The mix is the split-K decode kernel when the pass meta carries its device-side lengths
 (`meta.decode`: decode-sized passes on CUDA, captured or not, so a step computes the same either
@@ -32,15 +34,18 @@ def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rot
     if cfg.attn_output_gate:
         q, gate = q.view(n, cfg.num_heads, 2 * hd).chunk(2, dim=-1)
         gate = gate.reshape(n, cfg.num_heads * hd)
-    q = rms_norm(q.reshape(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
-    k = rms_norm(F.linear(x, w.k_proj, w.k_bias).view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps,
-                 cfg.norm_zero_centered)
+    q = q.reshape(n, cfg.num_heads, hd)
+    k = F.linear(x, w.k_proj, w.k_bias).view(n, cfg.num_kv_heads, hd)
+    if w.q_norm is not None and w.k_norm is not None:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, cfg.norm_zero_centered)
     v = F.linear(x, w.v_proj, w.v_bias).view(n, cfg.num_kv_heads, hd)
     return rotary.apply(q, positions, limit), rotary.apply(k, positions, limit), v, gate
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, batch: ForwardBatch,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The mix across tokens, per sequence: writes the new keys/values into the cache and attends
     each sequence's queries over its cached and new keys; returns [n, heads * hd]."""
     n, hd = q.shape[0], cfg.head_dim
@@ -56,9 +61,12 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
         qpos = torch.arange(s.cached_len, total, device=q.device)[:, None]
         kpos = torch.arange(total, device=q.device)[None, :]
         mask = kpos <= qpos
-        if cfg.sliding_window is not None:
-            mask &= kpos > qpos - cfg.sliding_window
-        if q.is_cuda:
+        if window is not None:
+            mask &= kpos > qpos - window
+        if sinks is not None:
+            o = _attend_with_sinks(q[s.start:s.end].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                   mask, sinks, hd**-0.5)
+        elif q.is_cuda:
             # an additive mask and contiguous [1, heads, L, hd] operands let SDPA pick its
             # memory-efficient kernel on long prompts; a bool mask sent it to the math path, which
             # materialises heads x L x L scores (gigabytes at 8k tokens, over any --gpu-memory cap)
@@ -76,6 +84,16 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
     return out.reshape(n, cfg.num_heads * hd)
 
 
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [heads, L, hd], k / v [heads, S, hd], mask [L, S] -> [heads, L, hd]; scores in float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 def attention_output(o: torch.Tensor, gate: torch.Tensor | None, w: AttentionWeights) -> torch.Tensor:
     if gate is not None:
         o = o * torch.sigmoid(gate)
@@ -90,13 +108,14 @@ def full_attention(
     meta: PassMeta,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     q, k, v, gate = attention_inputs(x, w, cfg, rotary, meta.positions, meta.limit)
     if meta.decode is not None:
         from engine.model.decode_attention import decode_attention  # triton: CUDA only
 
-        o = decode_attention(q, k, v, k_cache, v_cache, meta.decode, cfg.sliding_window, cfg.head_dim**-0.5)
+        o = decode_attention(q, k, v, k_cache, v_cache, meta.decode, window, cfg.head_dim**-0.5, w.sinks)
     else:
         assert meta.batch is not None
-        o = attention_core(q, k, v, cfg, meta.batch, k_cache, v_cache)
+        o = attention_core(q, k, v, cfg, meta.batch, k_cache, v_cache, window, w.sinks)
     return attention_output(o, gate, w)

@@ -3,8 +3,9 @@
 Contract: `load_weights(cfg, reader, device, dtype, progress)` reads every tensor the config
 implies, checks its shape (a mismatch raises `WeightError` naming tensor and file), accepts routed
 experts stored per expert (`experts.{e}.gate_proj.weight`, ...), fused (`experts.gate_up_proj`
-[E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), and
-ignores tensors of other towers (vision, MTP). `progress(done, total)` is called as layers load.
+[E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), or in
+gpt-oss's layout (`cfg.expert_layout == "gpt_oss"`: engine/weights/gpt_oss.py), and ignores tensors
+of other towers (vision, MTP). The router is `mlp.gate` or `mlp.router` (with its bias). `progress(done, total)` is called as layers load.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import FULL_ATTENTION, ModelConfig
+from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.errors import WeightError
 from engine.weights.gguf_reader import GgufReader
+from engine.weights.gpt_oss import gpt_oss_experts
 from engine.weights.layout import (
     AttentionWeights,
     DecoderWeights,
@@ -68,7 +70,11 @@ def load_weights(
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     w13 = torch.empty(cfg.num_moe_layers * e, 2 * i, h, dtype=dtype)
     w2 = torch.empty(cfg.num_moe_layers * e, h, i, dtype=dtype)
-    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e)
+    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
+                        limit=cfg.swiglu_limit)
+    if cfg.expert_bias:
+        banks.b13 = torch.zeros(cfg.num_moe_layers * e, 2 * i, dtype=dtype)
+        banks.b2 = torch.zeros(cfg.num_moe_layers * e, h, dtype=dtype)
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
     layers = []
     total = cfg.num_layers + 1
@@ -76,14 +82,17 @@ def load_weights(
         lp = f"{p}layers.{li}."
         lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h),
                           post_norm=f.dense(lp + "post_attention_layernorm.weight", h))
-        if cfg.layer_types[li] == FULL_ATTENTION:
+        if cfg.layer_types[li] != LINEAR_ATTENTION:
             lw.attention = _attention(f, cfg, lp + "self_attn.")
         else:
             lw.linear_attention = _linear_attention(f, cfg, lp + "linear_attn.")
         if cfg.moe_layers[li]:
             lw.moe_index = cfg.moe_layer_ids.index(li)
             lw.moe = _moe(f, cfg, lp + "mlp.")
-            _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
+            if cfg.expert_layout == "gpt_oss":
+                gpt_oss_experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
+            else:
+                _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
         else:
             di = cfg.dense_intermediate_size
             lw.mlp = MlpWeights(f.dense(lp + "mlp.gate_proj.weight", di, h), f.dense(lp + "mlp.up_proj.weight", di, h),
@@ -110,8 +119,9 @@ def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:
         k_proj=f.dense(ap + "k_proj.weight", kv_out, h),
         v_proj=f.dense(ap + "v_proj.weight", kv_out, h),
         o_proj=f.dense(ap + "o_proj.weight", h, cfg.num_heads * hd),
-        q_norm=f.dense(ap + "q_norm.weight", hd),
-        k_norm=f.dense(ap + "k_norm.weight", hd),
+        q_norm=f.dense(ap + "q_norm.weight", hd) if cfg.qk_norm else None,
+        k_norm=f.dense(ap + "k_norm.weight", hd) if cfg.qk_norm else None,
+        sinks=f.dense(ap + "sinks", cfg.num_heads, dtype=torch.float32) if cfg.attention_sinks else None,
     )
     if cfg.attention_bias:
         w.q_bias = f.dense(ap + "q_proj.bias", q_out)
@@ -139,7 +149,11 @@ def _linear_attention(f: _Fetch, cfg: ModelConfig, lp: str) -> LinearAttentionWe
 
 def _moe(f: _Fetch, cfg: ModelConfig, mp: str) -> MoeWeights:
     h = cfg.hidden_size
-    w = MoeWeights(router=f.dense(mp + "gate.weight", cfg.num_experts, h))
+    if f.reader.has(mp + "router.weight"):  # gpt-oss
+        w = MoeWeights(router=f.dense(mp + "router.weight", cfg.num_experts, h),
+                       router_bias=f.optional(mp + "router.bias", cfg.num_experts))
+    else:
+        w = MoeWeights(router=f.dense(mp + "gate.weight", cfg.num_experts, h))
     si = cfg.shared_expert_intermediate_size
     if si:
         w.shared = MlpWeights(
