@@ -1,7 +1,7 @@
 """Real MoE shapes for benchmarks with random weights (no checkpoints can be downloaded here).
 
 Contract: `SHAPES[name]` is a frozen `MoeShape`; names are those of docs/benchmarks.md, plus
-two tiny test shapes (`tiny-qwen3`, `tiny-hybrid`) small enough to run on a CPU in tests. A shape
+tiny test shapes (`tiny-qwen3`, `tiny-hybrid`, `tiny-gpt-oss`) small enough to run on a CPU in tests. A shape
 carries every size a full model config needs (engine/weights/dummy.py turns it into one); defaults
 are Qwen3-30B-A3B's. `MODEL_SHAPES` lists the shapes of families the engine runs (`runnable`).
 `expert_bytes(itemsize)` is one routed expert's weight bytes (gate, up and down projections) and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ENGINE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+ENGINE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class MoeShape:
     hidden: int
     inter: int  # one routed expert's intermediate size
     expert_format: str = "bf16"  # the released checkpoint's expert format
-    family: str = "qwen3_moe"  # qwen3_moe | qwen3_5_moe (Gated DeltaNet hybrid) | gpt_oss (not run by the engine)
+    family: str = "qwen3_moe"  # qwen3_moe | qwen3_5_moe (Gated DeltaNet hybrid) | gpt_oss (sliding/full, sinks)
     vocab: int = 151936
     heads: int = 32  # full-attention query heads
     kv_heads: int = 4
@@ -62,20 +62,29 @@ def _hybrid(name: str, **kw: Any) -> MoeShape:
     return MoeShape(name, **{**_QWEN35, **kw})
 
 
+def _gpt_oss(name: str, **kw: Any) -> MoeShape:
+    """A gpt-oss shape (both releases share all but layers and experts; experts ship as MXFP4)."""
+    base: dict[str, Any] = dict(top_k=4, hidden=2880, inter=2880, expert_format="mxfp4", family="gpt_oss",
+                                vocab=201088, heads=64, kv_heads=8, head_dim=64, rope_theta=150000.0, rms_eps=1e-5,
+                                max_positions=131072)
+    return MoeShape(name, **{**base, **kw})
+
+
 SHAPES = {s.name: s for s in (
     MoeShape("qwen3-30b-a3b", layers=48, experts=128, top_k=8, hidden=2048, inter=768),
     # Qwen3.5-35B-A3B's published shape (Qwen3.6-35B-A3B keeps it): 248320-token vocabulary
     _hybrid("qwen3.6-35b-a3b", layers=40, experts=256, top_k=8, hidden=2048, inter=512, vocab=248320,
             shared_inter=512),
-    MoeShape("gpt-oss-120b", layers=36, experts=128, top_k=4, hidden=2880, inter=2880, expert_format="mxfp4",
-             family="gpt_oss", vocab=201088, heads=64, kv_heads=8, head_dim=64, rope_theta=150000.0,
-             max_positions=131072),
+    _gpt_oss("gpt-oss-120b", layers=36, experts=128),
+    _gpt_oss("gpt-oss-20b", layers=24, experts=32),
     # test shapes: a few layers of small dims, one per engine family
     MoeShape("tiny-qwen3", layers=3, experts=8, top_k=2, hidden=64, inter=32, vocab=512, heads=4, kv_heads=2,
              head_dim=16, max_positions=4096),
     _hybrid("tiny-hybrid", layers=4, experts=8, top_k=2, hidden=64, inter=32, vocab=512, shared_inter=32, heads=4,
             kv_heads=2, head_dim=16, max_positions=4096, linear_key_heads=2, linear_value_heads=4,
             linear_head_dim=16),
+    _gpt_oss("tiny-gpt-oss", layers=2, experts=8, hidden=64, inter=32, vocab=512, heads=4, kv_heads=2, head_dim=16,
+             max_positions=4096),
 )}
 
 MODEL_SHAPES = tuple(sorted(name for name, s in SHAPES.items() if s.runnable))

@@ -89,6 +89,19 @@ def test_config_map() -> None:
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.truncate is False
 
 
+def test_bench_shapes() -> None:
+    from engine.weights.dummy import dummy_config, dummy_decoder
+
+    small = dummy_config("gpt-oss-20b")
+    assert (small.num_layers, small.num_experts, small.top_k, small.moe_intermediate_size, small.num_heads,
+            small.num_kv_heads, small.head_dim, small.vocab_size) == (24, 32, 4, 2880, 64, 8, 64, 201088)
+    assert small.layer_types[:2] == ("sliding_attention", "full_attention") and small.rope_scaling.factor == 32.0
+    dec = dummy_decoder(dummy_config("tiny-gpt-oss"), "cpu", torch.float32, 0, executor="torch")
+    kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
+    logits = decoder_pass(dec, kv, [(list(range(10)), 0, kv.alloc(10))])
+    assert logits.shape == (10, 512) and torch.isfinite(logits).all()
+
+
 def test_prefill_logits_every_position(tiny: tuple[Path, torch.nn.Module]) -> None:
     path, model = tiny
     dec = load_decoder(path)
