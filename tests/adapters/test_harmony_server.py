@@ -106,3 +106,23 @@ def test_responses_reasoning_item_and_function_call(oss: ServerProcess) -> None:
     assert kinds == ["reasoning", "function_call"]
     call = r.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Paris"}  # type: ignore[union-attr]
+
+
+def test_session_anchors_use_harmony_boundaries(demo_cache: Path) -> None:
+    from freetoken_agent.service import ChatMessage
+    from freetoken_agent.sessions import AnchorPlanner, AnchorPolicy
+    from freetoken_agent.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(build_demo_models(demo_cache, ("gpt_oss",))["gpt_oss"])
+    planner = AnchorPlanner(tok)
+    decode = {(d.kind, d.token_id) for d in planner.decode_anchors(AnchorPolicy.SEMANTIC, lambda kind: 1)}
+    ids = {name: tok.token_to_id(name) for name in ("<|end|>", "<|return|>", "<|call|>", "<|start|>")}
+    assert decode == {("thinking_end", ids["<|end|>"]), ("message_end", ids["<|return|>"]),
+                      ("message_end", ids["<|call|>"])}
+    messages = [ChatMessage("user", "hi"), ChatMessage("assistant", "hello", reasoning="think"),
+                ChatMessage("user", "again")]
+    prompt = tok.apply_chat_template([m.to_template() for m in messages], tokenize=True)
+    assert planner.message_starts(prompt, messages, False) is None
+    anchors = planner.plan(AnchorPolicy.SEMANTIC, messages, prompt, None, lambda kind: 1)
+    starts = [i for i, t in enumerate(prompt) if t == ids["<|start|>"]]
+    assert [a.position for a in anchors if a.kind == "turn_start"] == starts[1:]  # every message boundary
