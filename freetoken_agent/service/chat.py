@@ -95,7 +95,14 @@ class ChatService:
             raise RequestError(f"the conversation cannot be rendered by the chat template: {e}") from None
         assert isinstance(text, str)
         prefix, constraint = "", None
-        if forced:
+        if forced and self.family == "harmony":
+            from freetoken_agent.constrain.harmony import harmony_call_prefix
+
+            try:
+                prefix = harmony_call_prefix(req.tools, choice)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        elif forced:
             from freetoken_agent.constrain import tool_call_constraint
 
             try:

@@ -76,6 +76,27 @@ def test_openai_chat_reasoning_and_tool_call(oss: ServerProcess) -> None:
     assert r2.usage is not None and r.usage is not None and r2.usage.prompt_tokens > r.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_choice_opens_the_call(oss: ServerProcess, choice: str) -> None:
+    import httpx
+
+    tools = [*TOOLS, {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    tool_choice: Any = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    forced = '{"location": "Oslo"}<|call|>'
+    if choice == "required":  # the model writes the name after the prefix `to=functions.`
+        forced = "get_weather <|constrain|>json<|message|>" + forced
+    r = openai_client(oss).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Oslo?"}], tools=tools,  # type: ignore[arg-type]
+        tool_choice=tool_choice, extra_body={FORCED: forced})
+    calls = r.choices[0].message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+        ("get_weather", {"location": "Oslo"})]
+    bad = httpx.post(oss.url("/v1/chat/completions"), json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "missing"}}})
+    assert bad.status_code == 400 and "missing" in bad.text
+
+
 def test_anthropic_thinking_and_tool_use(oss: ServerProcess) -> None:
     client = anthropic_client(oss)
     tools = [{"name": "get_weather", "description": "Weather of a city.",
