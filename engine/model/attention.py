@@ -63,35 +63,41 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
+        qs = q[s.start:s.end]
         if sinks is not None:
-            o = _attend_with_sinks(q[s.start:s.end].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                                   mask, sinks, hd**-0.5)
-        elif q.is_cuda:
+            qs, keys, vals, mask = _sink_as_key(qs, keys, vals, mask, sinks, hd**-0.5)
+        if q.is_cuda:
             # an additive mask and contiguous [1, heads, L, hd] operands let SDPA pick its
             # memory-efficient kernel on long prompts; a bool mask sent it to the math path, which
             # materialises heads x L x L scores (gigabytes at 8k tokens, over any --gpu-memory cap)
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             o = F.scaled_dot_product_attention(
-                q[s.start:s.end].transpose(0, 1).contiguous()[None], keys.transpose(0, 1).contiguous()[None],
+                qs.transpose(0, 1).contiguous()[None], keys.transpose(0, 1).contiguous()[None],
                 vals.transpose(0, 1).contiguous()[None], attn_mask=bias[None, None], scale=hd**-0.5,
             )[0]
         else:
             o = F.scaled_dot_product_attention(
-                q[s.start:s.end].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                qs.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                 attn_mask=mask, scale=hd**-0.5,
             )
-        out[s.start:s.end] = o.transpose(0, 1)
+        out[s.start:s.end] = o.transpose(0, 1)[..., :hd]
     return out.reshape(n, cfg.num_heads * hd)
 
 
-def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """q [heads, L, hd], k / v [heads, S, hd], mask [L, S] -> [heads, L, hd]; scores in float32."""
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs, v.float()).to(q.dtype)
+def _sink_as_key(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sinks as one more key that every query sees, with score sink[h] and a zero value, so the
+    same SDPA kernels run: the head dim grows by 8 (zeros but one: 1 in the queries, sink / scale
+    in that key); the caller drops the extra output dims. q [L, heads, hd], keys / vals [S, heads, hd]."""
+    length, heads, hd = q.shape
+    qx = F.pad(q, (0, 8))
+    qx[..., hd] = 1
+    sink_key = torch.zeros(1, heads, hd + 8, dtype=keys.dtype, device=keys.device)
+    sink_key[0, :, hd] = sinks.to(keys.dtype) / scale
+    kx = torch.cat([F.pad(keys, (0, 8)), sink_key])
+    vx = torch.cat([F.pad(vals, (0, 8)), torch.zeros_like(sink_key)])
+    mx = torch.cat([mask, torch.ones(length, 1, dtype=torch.bool, device=mask.device)], dim=1)
+    return qx, kx, vx, mx
 
 
 def attention_output(o: torch.Tensor, gate: torch.Tensor | None, w: AttentionWeights) -> torch.Tensor:
