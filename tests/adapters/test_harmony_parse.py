@@ -117,7 +117,7 @@ FRAGMENTS = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "comm
              " ", "\n", "text", "<|", "|>", "ü"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=30), st.lists(st.integers(0, 200)),
        st.booleans())
 def test_fuzz_never_raises_and_streaming_equals_whole(parts: list[str], cuts: list[int], calls: bool) -> None:
