@@ -127,6 +127,12 @@ def test_responses_reasoning_item_and_function_call(oss: ServerProcess) -> None:
     assert kinds == ["reasoning", "function_call"]
     call = r.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Paris"}  # type: ignore[union-attr]
+    echo: list[Any] = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump() for item in r.output],
+                       {"type": "function_call_output", "call_id": call.call_id, "output": "21C"}]  # type: ignore[union-attr]
+    follow = client.responses.create(model=MODEL, input=echo, tools=tools,  # type: ignore[arg-type]
+                                     extra_body={FORCED: FINAL})
+    assert follow.output_text == "It is 21C."
+    assert follow.usage is not None and r.usage is not None and follow.usage.input_tokens > r.usage.input_tokens
 
 
 def test_session_anchors_use_harmony_boundaries(demo_cache: Path) -> None:
