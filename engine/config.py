@@ -148,6 +148,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_layout: str = "auto"
+    # RMSNorm weights kept in float32 whatever the model dtype (gpt-oss: scale in float32, round once).
+    norm_float32: bool = False
     # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -352,6 +354,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             swiglu_alpha=float(g("swiglu_alpha", 1.702)),
             swiglu_limit=float(g("swiglu_limit", 7.0)),
             expert_layout="gpt_oss",
+            norm_float32=True,
             **common,
         )
     else:

@@ -76,12 +76,13 @@ def load_weights(
         banks.b13 = torch.zeros(cfg.num_moe_layers * e, 2 * i, dtype=dtype)
         banks.b2 = torch.zeros(cfg.num_moe_layers * e, h, dtype=dtype)
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
+    norm_dtype = torch.float32 if cfg.norm_float32 else dtype
     layers = []
     total = cfg.num_layers + 1
     for li in range(cfg.num_layers):
         lp = f"{p}layers.{li}."
-        lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h),
-                          post_norm=f.dense(lp + "post_attention_layernorm.weight", h))
+        lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h, dtype=norm_dtype),
+                          post_norm=f.dense(lp + "post_attention_layernorm.weight", h, dtype=norm_dtype))
         if cfg.layer_types[li] != LINEAR_ATTENTION:
             lw.attention = _attention(f, cfg, lp + "self_attn.")
         else:
@@ -100,7 +101,7 @@ def load_weights(
         layers.append(lw)
         if progress:
             progress(li + 1, total)
-    final_norm = f.dense(f"{p}norm.weight", h)
+    final_norm = f.dense(f"{p}norm.weight", h, dtype=norm_dtype)
     if cfg.tie_word_embeddings and not reader.has("lm_head.weight"):
         lm_head = embed
     else:

@@ -89,6 +89,21 @@ def test_config_map() -> None:
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.truncate is False
 
 
+def test_bf16_norm_scales_in_float32_like_transformers() -> None:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from engine.model.ops import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    ref = GptOssRMSNorm(64, eps=1e-5)  # transformers keeps gpt-oss's norms in float32
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.3 * torch.randn(64, generator=g))
+    x = (torch.randn(32, 64, generator=g) * 3).to(torch.bfloat16)
+    got = rms_norm(x, ref.weight.detach(), 1e-5, False)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref(x))
+    assert not torch.equal(rms_norm(x, ref.weight.detach().to(torch.bfloat16), 1e-5, False), ref(x))
+
+
 def test_bench_shapes() -> None:
     from engine.weights.dummy import dummy_config, dummy_decoder
 
