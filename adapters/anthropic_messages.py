@@ -44,7 +44,7 @@ from adapters.parsers import (
     ToolCallStart,
 )
 from adapters.state import AppState, read_json
-from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall, effort_level
 from freetoken_agent.sessions.normalise import strip_billing_header as _strip_billing
 
 router = APIRouter()
@@ -182,6 +182,8 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
                        tool_choice=_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                        enable_thinking=isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"),
+                       reasoning_effort=effort_level(budget_tokens=thinking.get("budget_tokens"))
+                       if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None,
                        headers=headers, forced_output=forced_output_of(body))
 
 

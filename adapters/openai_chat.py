@@ -40,7 +40,7 @@ from adapters.parsers import (
     ToolCallStart,
 )
 from adapters.state import AppState, read_json
-from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall, effort_level
 
 router = APIRouter()
 
@@ -121,7 +121,8 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
         messages=parse_messages(body.get("messages")), tools=tools,
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools), max_tokens=max_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=_seed(body), stop=stop or [],
-        enable_thinking=bool(thinking), parallel_tool_calls=parallel, headers=headers,
+        enable_thinking=bool(thinking), reasoning_effort=effort_level(body.get("reasoning_effort")),
+        parallel_tool_calls=parallel, headers=headers,
         forced_output=forced_output_of(body))
 
 

@@ -44,7 +44,7 @@ from adapters.parsers import (
     ToolCallStart,
 )
 from adapters.state import AppState, read_json
-from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall
+from freetoken_agent.service import ChatMessage, ChatRequest, Finish, ToolCall, effort_level
 
 router = APIRouter()
 
@@ -142,7 +142,8 @@ def to_chat_request(body: dict[str, Any], headers: dict[str, str]) -> ChatReques
     return ChatRequest(messages=parse_input(body.get("instructions"), body.get("input")), tools=tools,
                        tool_choice=parse_tool_choice(choice, tools), max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k,
-                       enable_thinking=effort not in ("none", "minimal"), parallel_tool_calls=parallel,
+                       enable_thinking=effort not in ("none", "minimal"), reasoning_effort=effort_level(effort),
+                       parallel_tool_calls=parallel,
                        headers=headers, forced_output=forced_output_of(body))
 
 

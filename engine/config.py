@@ -2,8 +2,8 @@
 
 Contract: `ModelConfig.from_dict(raw)` accepts the text-only config of each supported family and
 the vision-language wrapper (`text_config`), and returns a complete, validated description of the
-decoder: per-layer mixer kind (full attention or Gated DeltaNet), per-layer MLP kind (routed MoE or
-dense), and every size the engine needs. Unknown families or missing fields raise `ConfigError`
+decoder: per-layer mixer kind (full attention, sliding-window attention or Gated DeltaNet), per-layer
+MLP kind (routed MoE or dense), and every size the engine needs. Unknown families or missing fields raise `ConfigError`
 naming the field. Nothing here imports torch.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from engine.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"  # attends the last `sliding_window` keys only
 LINEAR_ATTENTION = "linear_attention"
 
 # model_type -> family. The wrapper types carry a nested text_config.
@@ -30,6 +31,7 @@ _FAMILIES = {
     "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "glm4_moe_lite",
     "glm4_moe": "glm4_moe",
+    "gpt_oss": "gpt_oss",
 }
 # Families whose config map lives in engine/families.py (MLA and the sigmoid-routed GLM / DeepSeek).
 _MAPPED_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
@@ -42,7 +44,11 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 # sigmoid_grouped: sigmoid scores, plus a correction bias for the choice only, top-2 sum per group,
 #   the best `topk_group` groups, top-k inside them, optional renormalisation, times
 #   `routed_scaling_factor` (DeepSeek-V3, GLM-4.5+).
-ROUTER_KINDS = ("softmax_topk", "sigmoid_grouped")
+# topk_softmax: top-k of the router logits (router bias added), softmax over the k chosen (gpt-oss).
+ROUTER_KINDS = ("softmax_topk", "sigmoid_grouped", "topk_softmax")
+# The gated activation of the experts: silu(gate) * up, or gpt-oss's clamped form
+# (gate clamped above at `swiglu_limit`, up to +-limit, gate * sigmoid(alpha * gate) * (up + 1)).
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    # Per layer: "full_attention" or "linear_attention".
+    # Per layer: "full_attention", "sliding_attention" (window `sliding_window`) or "linear_attention".
     layer_types: tuple[str, ...]
     # Per layer: True where the MLP is a routed MoE block.
     moe_layers: tuple[bool, ...]
@@ -152,6 +158,19 @@ class ModelConfig:
     v_head_dim: int = 0
     # The rotary dims are stored as interleaved pairs (DeepSeek's layout), not as two halves.
     rope_interleave: bool = False
+    # Attention traits: a learned sink logit per head (gpt-oss).
+    attention_sinks: bool = False
+    # Expert traits: biases on the expert projections, the gated activation (EXPERT_ACTIVATIONS),
+    # and the checkpoint layout of the expert tensors ("auto": engine/weights/loader.py tells the
+    # Qwen forms apart; "gpt_oss": fused gate_up [E, H, 2I] with gate/up interleaved by column,
+    # down [E, I, H], biases, bf16 or MXFP4 `_blocks`/`_scales`).
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_layout: str = "auto"
+    # RMSNorm weights kept in float32 whatever the model dtype (gpt-oss: scale in float32, round once).
+    norm_float32: bool = False
     # Checkpoint prefix of the text decoder ("model." or "model.language_model.").
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -168,7 +187,12 @@ class ModelConfig:
 
     @property
     def full_attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+        """The layers with a KV cache: full and sliding-window attention (the window is a mask here)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (FULL_ATTENTION, SLIDING_ATTENTION))
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: it attends every earlier key)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     @property
     def linear_attention_layer_ids(self) -> tuple[int, ...]:
@@ -296,10 +320,11 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(g("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(g("tie_word_embeddings", False)),
-        attention_bias=bool(g("attention_bias", False)),
+        attention_bias=bool(g("attention_bias", family == "gpt_oss")),
         num_experts=num_experts,
         top_k=int(g("num_experts_per_tok")),
-        moe_intermediate_size=int(g("moe_intermediate_size")),
+        # gpt-oss names its expert size intermediate_size (it has no dense MLP)
+        moe_intermediate_size=int(g("intermediate_size" if family == "gpt_oss" else "moe_intermediate_size")),
         eos_token_ids=_eos(d) or _eos(outer),
         torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or outer.get("dtype") or "float32"),
         weight_prefix=prefix,
@@ -318,7 +343,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             rope_theta=theta,
             rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
-            layer_types=(FULL_ATTENTION,) * n_layers,
+            layer_types=(FULL_ATTENTION if window is None else SLIDING_ATTENTION,) * n_layers,
             moe_layers=moe,
             norm_topk_prob=bool(g("norm_topk_prob", False)),
             dense_intermediate_size=int(g("intermediate_size", 0)) if not all(moe) else 0,
@@ -332,6 +357,41 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
         from engine.families import family_fields  # imports this module: loaded on first use
 
         cfg = ModelConfig(family=family, **{**common, **family_fields(family, d, common, source)})
+    elif family == "gpt_oss":
+        theta, partial, scaling = _rope(d, source, 1.0)
+        window = int(g("sliding_window", 128))
+        layer_types = d.get("layer_types") or [
+            SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n_layers)
+        ]
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+        for t in layer_types:
+            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        cfg = ModelConfig(
+            family=family,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rotary_dim=int(head_dim * partial),
+            layer_types=tuple(layer_types),
+            moe_layers=(True,) * n_layers,
+            norm_topk_prob=False,
+            dense_intermediate_size=0,
+            shared_expert_intermediate_size=0,
+            attn_output_gate=False,
+            norm_zero_centered=False,
+            sliding_window=window,
+            router_kind="topk_softmax",
+            qk_norm=False,
+            attention_sinks=True,
+            expert_bias=True,
+            expert_activation="swiglu_clamped",
+            swiglu_alpha=float(g("swiglu_alpha", 1.702)),
+            swiglu_limit=float(g("swiglu_limit", 7.0)),
+            expert_layout="gpt_oss",
+            norm_float32=True,
+            **common,
+        )
     else:  # the Gated DeltaNet hybrids: qwen3_5_moe, qwen3_next
         theta, partial, scaling = _rope(d, source, 0.25)
         interval = int(d.get("full_attention_interval", 4))

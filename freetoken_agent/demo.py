@@ -1,9 +1,11 @@
-"""The built-in demo model: a small random MoE in the Hugging Face layout with a real Qwen tokenizer.
+"""The built-in demo model: a small random MoE in the Hugging Face layout with a real tokenizer.
 
 Contract: `write_demo_model(out_dir, arch)` writes `config.json`, `model.safetensors` (per-expert
-tensor names, as `save_pretrained` writes them) and the tokenizer files for `arch` in
-{"qwen3_5_moe", "qwen3_moe", "glm4_moe_lite"}; weights come from a fixed seed, so every machine gets the same
-model. Sized to decode at 20+ tokens/s on two CPU cores; it holds 131072 positions, so it can be
+tensor names, as `save_pretrained` writes them; for "gpt_oss" the experts as gpt-oss ships them,
+MXFP4 `_blocks` / `_scales` with bf16-free biases) and the tokenizer files for `arch` in
+{"qwen3_5_moe", "qwen3_moe", "glm4_moe_lite", "gpt_oss"} (gpt_oss: o200k_harmony and the harmony
+template); weights come from a fixed seed, so every machine gets the same model. Sized to decode at
+20+ tokens/s on two CPU cores; it holds 131072 positions, so it can be
 served with the context window Claude Code needs (`serve --kv-tokens 131072`). `demo_model_dir(arch)` returns the copy
 in the user's cache directory, creating it on first use (atomically, so a crash never leaves half
 a model behind) with a progress display on a terminal. Both take an optional `progress(done, total,
@@ -25,10 +27,11 @@ if TYPE_CHECKING:
 
     from freetoken_agent.tokenizer.build import Family
 
-ARCHES = ("qwen3_5_moe", "qwen3_moe", "glm4_moe_lite")
+ARCHES = ("qwen3_5_moe", "qwen3_moe", "glm4_moe_lite", "gpt_oss")
 # The chat format each demo speaks. No package ships GLM's tokenizer: the GLM-4.7-Flash-shaped demo
 # (multi-head latent attention, sigmoid grouped router, a dense first layer) carries Qwen3's.
-TOKENIZERS: dict[str, Family] = {"qwen3_5_moe": "qwen3_5", "qwen3_moe": "qwen3", "glm4_moe_lite": "qwen3"}
+TOKENIZERS: dict[str, Family] = {"qwen3_5_moe": "qwen3_5", "qwen3_moe": "qwen3", "glm4_moe_lite": "qwen3",
+                                 "gpt_oss": "gpt_oss"}
 DEMO_VERSION = 3
 SEED = 1234
 
@@ -49,6 +52,15 @@ def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
                 "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
                 "v_head_dim": 32, "rope_interleave": True, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    if arch == "gpt_oss":
+        rest = {k: v for k, v in common.items() if k not in ("num_experts", "moe_intermediate_size")}
+        return {**rest, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+                "num_local_experts": common["num_experts"], "intermediate_size": common["moe_intermediate_size"],
+                "sliding_window": 128, "rms_norm_eps": 1e-5, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096,
+                                    "rope_theta": 150000.0}}
     if arch == "qwen3_moe":
         return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
@@ -65,6 +77,25 @@ def _config(arch: str, vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
 # coordinate of the normalised final hidden state is large (a few percent of positions). Without it
 # every reply runs into max_tokens, which Claude Code and Codex report as an error.
 STOP_GAIN = 16.0
+
+
+def _gpt_oss_layer(out: dict[str, torch.Tensor], p: str, cfg: dict[str, Any], gen: torch.Generator) -> None:
+    """Attention with biases and sinks, a biased router, MXFP4 experts (values of about 0.05)."""
+    import torch
+
+    h, hd, nh, nkv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    e, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    shapes = {"self_attn.q_proj": (nh * hd, h), "self_attn.k_proj": (nkv * hd, h), "self_attn.v_proj": (nkv * hd, h),
+              "self_attn.o_proj": (h, nh * hd), "mlp.router": (e, h)}
+    for name, shape in shapes.items():
+        out[f"{p}{name}.weight"] = torch.randn(*shape, generator=gen) * (0.5 if "router" in name else 0.05)
+        out[f"{p}{name}.bias"] = torch.randn(shape[0], generator=gen) * 0.01
+    out[p + "self_attn.sinks"] = torch.zeros(nh)
+    for name, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+        out[f"{p}mlp.experts.{name}_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen,
+                                                             dtype=torch.uint8)
+        out[f"{p}mlp.experts.{name}_scales"] = torch.full((e, rows, cols // 32), 122, dtype=torch.uint8)  # 2^-5
+        out[f"{p}mlp.experts.{name}_bias"] = torch.zeros(e, rows)
 
 
 def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -91,6 +122,9 @@ def _weights(cfg: dict[str, Any], stop_ids: tuple[int, int]) -> dict[str, torch.
         p = f"model.layers.{li}."
         out[p + "input_layernorm.weight"] = norm(h)
         out[p + "post_attention_layernorm.weight"] = norm(h)
+        if cfg["model_type"] == "gpt_oss":
+            _gpt_oss_layer(out, p, cfg, gen)
+            continue
         if mla:
             _mla_attention(cfg, p + "self_attn.", rand, out)
         elif qwen35 and cfg["layer_types"][li] == "linear_attention":
@@ -155,7 +189,7 @@ def _mla_attention(cfg: dict[str, Any], ap: str, rand: Callable[..., None], out:
 
 
 Progress = Callable[..., None]  # (done, total, label)
-STEPS = ("tokenizer from the Qwen vocabulary", "random weights", "model.safetensors")
+STEPS = ("tokenizer from the real vocabulary", "random weights", "model.safetensors")
 
 
 def _no_progress(done: int, total: int, label: str | None = None) -> None:
@@ -174,15 +208,18 @@ def write_demo_model(out_dir: Path | str, arch: str = "qwen3_5_moe", progress: P
     progress(0, len(STEPS), STEPS[0])
     info = write_tokenizer(out, TOKENIZERS[arch])
     cfg = _config(arch, info.vocab_size, info.eos_token_id, info.pad_token_id)
-    stop_ids = (info.special_ids["</think>"], info.eos_token_id)
+    # the rows that end reasoning and the turn: harmony's <|end|> closes the analysis message
+    stop_ids = (info.special_ids["<|end|>" if arch == "gpt_oss" else "</think>"], info.eos_token_id)
     progress(1, len(STEPS), STEPS[1])
     weights = _weights(cfg, stop_ids)
     progress(2, len(STEPS), STEPS[2])
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     progress(3, len(STEPS), None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [info.eos_token_id, info.pad_token_id], "do_sample": False}, indent=2) + "\n")
+    eos = [info.eos_token_id, info.pad_token_id]
+    if arch == "gpt_oss":  # a turn also stops at a tool call
+        eos.append(info.special_ids["<|call|>"])
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n")
     return out
 
 

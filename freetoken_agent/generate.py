@@ -91,7 +91,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
     out_ids: list[int] = []
-    decoder = StreamDecoder(tok, skip_special_tokens=not args.raw)
+    # harmony's structure is special tokens: its parser reads them
+    decoder = StreamDecoder(tok, skip_special_tokens=not args.raw and engine.cfg.family != "gpt_oss")
     try:
         for token in engine.generate(ids, params):
             out_ids.append(token)

@@ -17,7 +17,8 @@ VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML for
 `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` with JSON arguments, section markers dropped:
 `adapters.parsers.deepseek`). "kimi_k2" (Kimi-K2: `<|tool_call_begin|>functions.NAME:INDEX
 <|tool_call_argument_begin|>ARGS<|tool_call_end|>` within `<|tool_calls_section_begin|>` ...
-`<|tool_calls_section_end|>`, markers dropped).
+`<|tool_calls_section_end|>`, markers dropped). "harmony" (gpt-oss): channels and
+`to=functions.NAME` calls, see `adapters.parsers.harmony` (the Qwen rules below are not its rules).
 
 Rules:
 - Reasoning (`parse_reasoning=True`): with `starts_in_reasoning` the text starts inside the think
@@ -64,6 +65,7 @@ from adapters.parsers.events import (
     merge_events,
 )
 from adapters.parsers.glm import GlmCallScanner
+from adapters.parsers.harmony import HarmonyOutputParser
 from adapters.parsers.qwen3_5 import ParamTypes
 from adapters.parsers.stream import TOOL_CALL_OPEN, ChooseScanner, QwenOutputParser, qwen_scanner
 
@@ -75,7 +77,7 @@ _SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {
     "deepseek_v3": (deepseek.CALL_OPEN, lambda types, first: deepseek.DeepSeekCallScanner(), deepseek.SECTION_TAGS),
     "kimi_k2": (deepseek.KIMI_CALL_OPEN, lambda types, first: deepseek.KimiCallScanner(), deepseek.KIMI_SECTION_TAGS),
 }
-FAMILIES: tuple[str, ...] = tuple(_SYNTAX)
+FAMILIES: tuple[str, ...] = (*_SYNTAX, "harmony")
 
 
 from adapters.parsers.settled import SettledParser  # noqa: E402
@@ -95,6 +97,9 @@ def create_parser(
     `settle_tool_calls` (the default) a call is announced only when complete (`SettledParser`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown parser family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "harmony":  # calls are announced whole: nothing to settle
+        return HarmonyOutputParser(parse_reasoning=parse_reasoning, parse_tool_calls=parse_tool_calls and bool(tools),
+                                   id_prefix=id_prefix)
     parser = QwenOutputParser(
         types=ParamTypes(tools),
         starts_in_reasoning=starts_in_reasoning,

@@ -105,6 +105,9 @@ def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtyp
     if device.type != "cuda":
         raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
     banks = decoder.weights.experts
+    if banks.b13 is not None or banks.activation != "silu":
+        raise ConfigError(f"the GPU expert cache runs silu experts without biases; these have biases and "
+                          f"{banks.activation} (gpt-oss): run with --gpu-memory off")
     freed = host_embedding(decoder) if opts.gpu.host_embed else 0
     if freed:
         log.info("token embedding in page-locked host memory: %.2f GiB more for expert slots", freed / 2**30)

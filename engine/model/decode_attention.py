@@ -3,9 +3,10 @@
 Contract: `DecodeMeta.build(batch, capacity, device)` lays out, for the batch's n query tokens, the
 KV slot of each new token (`new_slots` [n]), each token's sequence's KV slots in position order
 (`table` [n, capacity] int32) and how many keys each token attends (`lengths` [n] int32: its
-position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale)` writes the new
-keys and values into the cache slots and returns every query's causal attention over its
-sequence's keys (GQA; with `window`, only the last `window` keys) as [n, heads * head_dim].
+position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale, sinks=None)` writes
+the new keys and values into the cache slots and returns every query's causal attention over its
+sequence's keys (GQA; with `window`, only the last `window` keys; with `sinks` [heads], each head's
+softmax denominator also counts exp(sink)) as [n, heads * head_dim].
 
 Nothing in `decode_attention` depends on a host value that changes between steps (the grid is fixed
 by n, the heads and the split count; the kernel loops up to the lengths it loads), so it can be
@@ -88,7 +89,8 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_p
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, HEADS: tl.constexpr, D: tl.constexpr,
+                  SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
     row = tl.program_id(0)  # token * heads + head
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -96,8 +98,13 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.co
     l_ = tl.load(l_ptr + row * SPLITS + s)
     acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
     top = tl.max(m, axis=0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + row % HEADS).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
     total = tl.sum(w * l_, axis=0)
+    if HAS_SINK:
+        total += tl.exp(sink - top)
     out = tl.sum(acc * w[:, None], axis=0) / total
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -136,7 +143,8 @@ class DecodeMeta:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: DecodeMeta, window: int | None, scale: float) -> torch.Tensor:
+                     meta: DecodeMeta, window: int | None, scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, heads, D], k / v [n, kv_heads, D]; caches [slots, kv_heads, D]. Returns [n, heads * D]."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -155,5 +163,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         window or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups, G_PAD=max(16, triton.next_power_of_2(groups)), D=dim,
         SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
     out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
-    _merge_kernel[(n * heads,)](m, l_, acc, out, D=dim, SPLITS=splits, num_warps=4)
+    _merge_kernel[(n * heads,)](m, l_, acc, out, m if sinks is None else sinks, HEADS=heads, D=dim, SPLITS=splits,
+                                HAS_SINK=sinks is not None, num_warps=4)
     return out.reshape(n, heads * dim)

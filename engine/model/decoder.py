@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.pools import KVPool, StatePool
-from engine.config import FULL_ATTENTION, ModelConfig
+from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.decode_graph import DecodeGraphs
@@ -118,13 +118,14 @@ class Decoder:
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)
-            if cfg.layer_types[li] == FULL_ATTENTION:
+            if cfg.layer_types[li] != LINEAR_ATTENTION:
                 ki = self._kv_index[li]
                 if lw.mla is not None:
                     x = mla_attention(x, lw.mla, cfg, self.rotary, meta, kv.k[ki])
                 else:
                     assert lw.attention is not None
-                    x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki])
+                    x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki],
+                                       cfg.window_of(li))
             else:
                 assert lw.linear_attention is not None
                 si = self._state_index[li]

@@ -67,7 +67,12 @@ def embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it."""
+    """RMSNorm over the last dim. `zero_centered` scales by (1 + weight), as Qwen3.5 stores it. A
+    float32 weight on lower-precision x scales in float32 and rounds once (gpt-oss keeps its norms
+    in float32); otherwise x is rounded to its dtype first and then scaled (Qwen)."""
+    if weight.dtype != x.dtype and not zero_centered:
+        xf = x.float()
+        return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
     if x.is_cuda and fused_ops_enabled() and x.shape[-1] <= FUSED_NORM_MAX_DIM:
         from engine.model import fused_ops  # triton: imported where CUDA runs
 

@@ -11,6 +11,8 @@ from `MoeWeights`. Numerics follow the reference: scores in float32, weights cas
   the `topk_group` groups whose two best biased scores sum highest, and takes the top-k biased
   scores inside them; the weights are the unbiased scores of the chosen experts, renormalised
   (sum + 1e-20) when `norm_topk_prob`, times `routed_scaling_factor`.
+- topk_softmax: logits x @ router^T + `router_bias` in x's dtype, the top-k logits, softmax over
+  those k (in the logits' dtype, as the reference).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def sigmoid_grouped(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> tuple[t
     return ids, (weights * cfg.routed_scaling_factor).to(x.dtype)
 
 
+def topk_softmax(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(x, w.router, w.router_bias)
+    top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+    return ids, torch.softmax(top, dim=-1).to(x.dtype)
+
+
 def _softmax_topk(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return softmax_topk(x, w.router, cfg.top_k, cfg.norm_topk_prob)
 
@@ -67,6 +75,7 @@ def _softmax_topk(x: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> tuple[tor
 ROUTERS: dict[str, Router] = {
     "softmax_topk": _softmax_topk,
     "sigmoid_grouped": sigmoid_grouped,
+    "topk_softmax": topk_softmax,
 }
 
 

@@ -23,6 +23,15 @@ from engine.weights.layout import ExpertBanks
 log = logging.getLogger("freetoken.engine")
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, banks: ExpertBanks) -> torch.Tensor:
+    """The experts' gated activation (engine/config.py EXPERT_ACTIVATIONS)."""
+    if banks.activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=banks.limit)
+    up = up.clamp(min=-banks.limit, max=banks.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * banks.alpha))
+
+
 class TorchExpertExecutor(ExpertExecutor):
     def __init__(self, banks: ExpertBanks) -> None:
         self.banks = banks
@@ -44,8 +53,11 @@ class TorchExpertExecutor(ExpertExecutor):
             rows = token_of[start:start + count]
             w13 = self.banks.w13[base + expert].to(x.device, non_blocking=True)
             w2 = self.banks.w2[base + expert].to(x.device, non_blocking=True)
-            gate, up = F.linear(x[rows], w13).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2) * flat_w[start:start + count, None]
+            b13, b2 = self.banks.b13, self.banks.b2
+            gu = F.linear(x[rows], w13, None if b13 is None else b13[base + expert].to(x.device))
+            gate, up = gu.chunk(2, dim=-1)
+            y = F.linear(gated(gate, up, self.banks), w2, None if b2 is None else b2[base + expert].to(x.device))
+            y = y * flat_w[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         return out

@@ -63,6 +63,8 @@ def native_unsupported(banks: ExpertBanks, device: torch.device | str) -> str | 
         return f"it runs experts on the CPU, but the engine computes on {device}"
     if banks.w13.dtype not in FORMAT_OF_DTYPE:
         return f"expert weights are {banks.w13.dtype}; it reads bfloat16 or float32"
+    if banks.b13 is not None or banks.activation != "silu":
+        return f"its kernels compute silu experts without biases; these have biases and {banks.activation}"
     try:
         load_native()
     except ConfigError as exc:

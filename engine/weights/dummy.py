@@ -4,7 +4,9 @@ Contract:
 - `shape_config_dict(shape, layers=None)`: the Hugging Face `config.json` dict a checkpoint of
   `shape` (an engine/weights/shapes.py `MoeShape`) would carry, of its family (qwen3_moe,
   qwen3_5_moe_text or qwen3_next for the Gated DeltaNet hybrids, glm4_moe_lite or deepseek_v3 for
-  MLA); `layers` overrides the layer count. bf16, no
+  MLA, or gpt_oss: alternating sliding (128) and full layers, YaRN as released); `layers` overrides
+  the layer count. gpt-oss's experts are bf16 banks (the dequantized form its MXFP4 experts load
+  to), its biases and sinks zero. bf16, no
   EOS token (a generation always runs to its max_tokens).
 - `dummy_config(shape, layers=None) -> ModelConfig`: that dict through `ModelConfig.from_dict`;
   `shape` may be a shape name. Unknown names, families the engine does not run and layers < 1
@@ -44,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.config import FULL_ATTENTION, ModelConfig
+from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.errors import ConfigError
 from engine.model.decoder import Decoder
 from engine.model.load import parse_dtype
@@ -80,6 +82,14 @@ def shape_config_dict(shape: MoeShape, layers: int | None = None) -> dict[str, A
         "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta,
                             "partial_rotary_factor": shape.partial_rotary},
     }
+    if shape.family == "gpt_oss":
+        rest = {k: v for k, v in common.items() if k not in ("num_experts", "moe_intermediate_size")}
+        return {**rest, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "attention_bias": True,
+                "num_local_experts": shape.experts, "intermediate_size": shape.inter, "sliding_window": 128,
+                "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096,
+                                    "rope_theta": shape.rope_theta}}
     if shape.family == "qwen3_moe":
         return {**common, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -206,9 +216,15 @@ def _available_bytes() -> int | None:
 def _attention(r: _Random, cfg: ModelConfig, neutral: float) -> AttentionWeights:
     h, hd = cfg.hidden_size, cfg.head_dim
     q_out = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)
-    return AttentionWeights(q_proj=r.dense(q_out, h), k_proj=r.dense(cfg.num_kv_heads * hd, h),
-                            v_proj=r.dense(cfg.num_kv_heads * hd, h), o_proj=r.dense(h, cfg.num_heads * hd, std=r.out_std),
-                            q_norm=r.const(neutral, hd), k_norm=r.const(neutral, hd))
+    w = AttentionWeights(q_proj=r.dense(q_out, h), k_proj=r.dense(cfg.num_kv_heads * hd, h),
+                         v_proj=r.dense(cfg.num_kv_heads * hd, h), o_proj=r.dense(h, cfg.num_heads * hd, std=r.out_std),
+                         q_norm=r.const(neutral, hd) if cfg.qk_norm else None,
+                         k_norm=r.const(neutral, hd) if cfg.qk_norm else None,
+                         sinks=r.const(0.0, cfg.num_heads, dtype=torch.float32) if cfg.attention_sinks else None)
+    if cfg.attention_bias:
+        w.q_bias, w.k_bias = r.const(0.0, q_out), r.const(0.0, cfg.num_kv_heads * hd)
+        w.v_bias, w.o_bias = r.const(0.0, cfg.num_kv_heads * hd), r.const(0.0, h)
+    return w
 
 
 def _mla(r: _Random, cfg: ModelConfig) -> MlaWeights:
@@ -243,9 +259,9 @@ def _layer(r: _Random, cfg: ModelConfig, li: int) -> LayerWeights:
     h = cfg.hidden_size
     neutral = 0.0 if cfg.norm_zero_centered else 1.0
     lw = LayerWeights(input_norm=r.const(neutral, h), post_norm=r.const(neutral, h))
-    if cfg.layer_types[li] == FULL_ATTENTION and cfg.attention_kind == "mla":
+    if cfg.layer_types[li] != LINEAR_ATTENTION and cfg.attention_kind == "mla":
         lw.mla = _mla(r, cfg)
-    elif cfg.layer_types[li] == FULL_ATTENTION:
+    elif cfg.layer_types[li] != LINEAR_ATTENTION:
         lw.attention = _attention(r, cfg, neutral)
     else:
         lw.linear_attention = _linear_attention(r, cfg)
@@ -254,6 +270,8 @@ def _layer(r: _Random, cfg: ModelConfig, li: int) -> LayerWeights:
         lw.moe = MoeWeights(router=r.dense(cfg.num_experts, h))
         if cfg.router_kind == "sigmoid_grouped":  # routers are random: the bias stays neutral
             lw.moe.score_bias = r.const(0.0, cfg.num_experts, dtype=torch.float32)
+        if cfg.router_kind == "topk_softmax":
+            lw.moe.router_bias = r.const(0.0, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             lw.moe.shared = _mlp(r, h, cfg.shared_expert_intermediate_size)
             if cfg.shared_expert_gated:
@@ -278,7 +296,10 @@ def dummy_weights(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: t
     torch.set_num_threads(1)  # the workers run in parallel; torch's own threads would oversubscribe
     r = _Random(seed, torch.device(device), dtype, workers, cfg.num_layers)
     try:
-        banks = ExpertBanks(w13=r.host(rows, 2 * i, h), w2=r.host(rows, h, i, std=r.out_std), num_experts=e)
+        banks = ExpertBanks(w13=r.host(rows, 2 * i, h), w2=r.host(rows, h, i, std=r.out_std), num_experts=e,
+                            activation=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        if cfg.expert_bias:
+            banks.b13, banks.b2 = torch.zeros(rows, 2 * i, dtype=dtype), torch.zeros(rows, h, dtype=dtype)
         embed = r.dense(cfg.vocab_size, h, std=EMBED_STD)
         layers = [_layer(r, cfg, li) for li in range(cfg.num_layers)]
         final_norm = r.const(0.0 if cfg.norm_zero_centered else 1.0, h)

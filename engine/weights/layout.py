@@ -19,8 +19,9 @@ class AttentionWeights:
     k_proj: torch.Tensor
     v_proj: torch.Tensor
     o_proj: torch.Tensor
-    q_norm: torch.Tensor | None  # None without per-head q/k norms (cfg.qk_norm off)
+    q_norm: torch.Tensor | None  # [head_dim]; None without per-head q/k norms (cfg.qk_norm off)
     k_norm: torch.Tensor | None
+    sinks: torch.Tensor | None = None  # [heads] float32: a learned logit per head that takes softmax mass
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -69,6 +70,7 @@ class MlpWeights:
 class MoeWeights:
     router: torch.Tensor  # [E, hidden]
     score_bias: torch.Tensor | None = None  # [E] e_score_correction_bias (sigmoid_grouped: the choice only)
+    router_bias: torch.Tensor | None = None  # [E] added to the router logits (topk_softmax)
     shared: MlpWeights | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]; None: the shared expert is ungated
 
@@ -90,6 +92,11 @@ class ExpertBanks:
     w13: torch.Tensor  # [L_moe * E, 2 * I, hidden]: gate rows then up rows
     w2: torch.Tensor  # [L_moe * E, hidden, I]
     num_experts: int
+    b13: torch.Tensor | None = None  # [L_moe * E, 2 * I] biases of the gate and up rows (gpt-oss)
+    b2: torch.Tensor | None = None  # [L_moe * E, hidden]
+    activation: str = "silu"  # engine/config.py EXPERT_ACTIVATIONS
+    alpha: float = 1.702  # swiglu_clamped only
+    limit: float = 7.0
 
     def flat_id(self, moe_index: int, expert: int) -> int:
         return moe_index * self.num_experts + expert

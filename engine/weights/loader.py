@@ -3,12 +3,14 @@
 Contract: `load_weights(cfg, reader, device, dtype, progress)` reads every tensor the config
 implies, checks its shape (a mismatch raises `WeightError` naming tensor and file), accepts routed
 experts stored per expert (`experts.{e}.gate_proj.weight`, ...), fused (`experts.gate_up_proj`
-[E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), and
-ignores tensors of other towers (vision, MTP). Family name maps: MLA attention (`self_attn.q_a_proj`,
-`kv_a_proj_with_mqa`, `kv_b_proj`, ...: DeepSeek-V3, GLM-4.7-Flash), the router's
-`gate.e_score_correction_bias`, shared experts as `shared_expert` (+ `shared_expert_gate`, Qwen)
-or `shared_experts` (DeepSeek, GLM), and Qwen3-Next's fused Gated DeltaNet projections
-(`in_proj_qkvz`, `in_proj_ba`, grouped per key head) split into Qwen3.5's four. `progress(done, total)` is called as layers load.
+[E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), or in
+gpt-oss's layout (`cfg.expert_layout == "gpt_oss"`: engine/weights/gpt_oss.py), and ignores tensors
+of other towers (vision, MTP). Family name maps: MLA attention (`self_attn.q_a_proj`,
+`kv_a_proj_with_mqa`, `kv_b_proj`, ...: DeepSeek-V3, GLM-4.7-Flash), the router as `mlp.gate` (with
+`gate.e_score_correction_bias` for sigmoid routers) or `mlp.router` (with its bias: gpt-oss), shared
+experts as `shared_expert` (+ `shared_expert_gate`, Qwen) or `shared_experts` (DeepSeek, GLM), and
+Qwen3-Next's fused Gated DeltaNet projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head)
+split into Qwen3.5's four. `progress(done, total)` is called as layers load.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import FULL_ATTENTION, ModelConfig
+from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.errors import WeightError
 from engine.weights.gguf_reader import GgufReader
+from engine.weights.gpt_oss import gpt_oss_experts
 from engine.weights.layout import (
     AttentionWeights,
     DecoderWeights,
@@ -73,24 +76,32 @@ def load_weights(
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     w13 = torch.empty(cfg.num_moe_layers * e, 2 * i, h, dtype=dtype)
     w2 = torch.empty(cfg.num_moe_layers * e, h, i, dtype=dtype)
-    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e)
+    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
+                        limit=cfg.swiglu_limit)
+    if cfg.expert_bias:
+        banks.b13 = torch.zeros(cfg.num_moe_layers * e, 2 * i, dtype=dtype)
+        banks.b2 = torch.zeros(cfg.num_moe_layers * e, h, dtype=dtype)
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
+    norm_dtype = torch.float32 if cfg.norm_float32 else dtype
     layers = []
     total = cfg.num_layers + 1
     for li in range(cfg.num_layers):
         lp = f"{p}layers.{li}."
-        lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h),
-                          post_norm=f.dense(lp + "post_attention_layernorm.weight", h))
-        if cfg.layer_types[li] == FULL_ATTENTION and cfg.attention_kind == "mla":
+        lw = LayerWeights(input_norm=f.dense(lp + "input_layernorm.weight", h, dtype=norm_dtype),
+                          post_norm=f.dense(lp + "post_attention_layernorm.weight", h, dtype=norm_dtype))
+        if cfg.layer_types[li] != LINEAR_ATTENTION and cfg.attention_kind == "mla":
             lw.mla = _mla(f, cfg, lp + "self_attn.")
-        elif cfg.layer_types[li] == FULL_ATTENTION:
+        elif cfg.layer_types[li] != LINEAR_ATTENTION:
             lw.attention = _attention(f, cfg, lp + "self_attn.")
         else:
             lw.linear_attention = _linear_attention(f, cfg, lp + "linear_attn.")
         if cfg.moe_layers[li]:
             lw.moe_index = cfg.moe_layer_ids.index(li)
             lw.moe = _moe(f, cfg, lp + "mlp.")
-            _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
+            if cfg.expert_layout == "gpt_oss":
+                gpt_oss_experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
+            else:
+                _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
         else:
             di = cfg.dense_intermediate_size
             lw.mlp = MlpWeights(f.dense(lp + "mlp.gate_proj.weight", di, h), f.dense(lp + "mlp.up_proj.weight", di, h),
@@ -98,7 +109,7 @@ def load_weights(
         layers.append(lw)
         if progress:
             progress(li + 1, total)
-    final_norm = f.dense(f"{p}norm.weight", h)
+    final_norm = f.dense(f"{p}norm.weight", h, dtype=norm_dtype)
     if cfg.tie_word_embeddings and not reader.has("lm_head.weight"):
         lm_head = embed
     else:
@@ -119,6 +130,7 @@ def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:
         o_proj=f.dense(ap + "o_proj.weight", h, cfg.num_heads * hd),
         q_norm=f.dense(ap + "q_norm.weight", hd) if cfg.qk_norm else None,
         k_norm=f.dense(ap + "k_norm.weight", hd) if cfg.qk_norm else None,
+        sinks=f.dense(ap + "sinks", cfg.num_heads, dtype=torch.float32) if cfg.attention_sinks else None,
     )
     if cfg.attention_bias:
         w.q_bias = f.dense(ap + "q_proj.bias", q_out)
@@ -188,7 +200,11 @@ def _linear_attention(f: _Fetch, cfg: ModelConfig, lp: str) -> LinearAttentionWe
 
 def _moe(f: _Fetch, cfg: ModelConfig, mp: str) -> MoeWeights:
     h = cfg.hidden_size
-    w = MoeWeights(router=f.dense(mp + "gate.weight", cfg.num_experts, h))
+    if f.reader.has(mp + "router.weight"):  # gpt-oss
+        w = MoeWeights(router=f.dense(mp + "router.weight", cfg.num_experts, h),
+                       router_bias=f.optional(mp + "router.bias", cfg.num_experts))
+    else:
+        w = MoeWeights(router=f.dense(mp + "gate.weight", cfg.num_experts, h))
     if cfg.router_kind == "sigmoid_grouped":
         w.score_bias = f.dense(mp + "gate.e_score_correction_bias", cfg.num_experts, dtype=torch.float32)
     si = cfg.shared_expert_intermediate_size

@@ -1,7 +1,7 @@
 """Real MoE shapes for benchmarks with random weights (no checkpoints can be downloaded here).
 
 Contract: `SHAPES[name]` is a frozen `MoeShape`; names are those of docs/benchmarks.md, plus
-tiny test shapes (`tiny-qwen3`, `tiny-hybrid`, `tiny-mla`) small enough to run on a CPU in tests. A shape
+tiny test shapes (`tiny-qwen3`, `tiny-hybrid`, `tiny-mla`, `tiny-gpt-oss`) small enough to run on a CPU in tests. A shape
 carries every size a full model config needs (engine/weights/dummy.py turns it into one); defaults
 are Qwen3-30B-A3B's. `MODEL_SHAPES` lists the shapes of families the engine runs (`runnable`).
 `expert_bytes(itemsize)` is one routed expert's weight bytes (gate, up and down projections) and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ENGINE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v3")
+ENGINE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v3", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class MoeShape:
     inter: int  # one routed expert's intermediate size
     expert_format: str = "bf16"  # the released checkpoint's expert format
     # qwen3_moe | qwen3_5_moe, qwen3_next (Gated DeltaNet hybrids) | glm4_moe_lite, deepseek_v3 (MLA,
-    # sigmoid grouped router) | gpt_oss (not run by the engine)
+    # sigmoid grouped router) | gpt_oss (sliding/full, sinks)
     family: str = "qwen3_moe"
     vocab: int = 151936
     heads: int = 32  # full-attention query heads
@@ -87,6 +87,14 @@ def _mla(name: str, **kw: Any) -> MoeShape:
     return MoeShape(name, **{**_GLM_FLASH, **kw})
 
 
+def _gpt_oss(name: str, **kw: Any) -> MoeShape:
+    """A gpt-oss shape (both releases share all but layers and experts; experts ship as MXFP4)."""
+    base: dict[str, Any] = dict(top_k=4, hidden=2880, inter=2880, expert_format="mxfp4", family="gpt_oss",
+                                vocab=201088, heads=64, kv_heads=8, head_dim=64, rope_theta=150000.0, rms_eps=1e-5,
+                                max_positions=131072)
+    return MoeShape(name, **{**base, **kw})
+
+
 SHAPES = {s.name: s for s in (
     MoeShape("qwen3-30b-a3b", layers=48, experts=128, top_k=8, hidden=2048, inter=768),
     # Qwen3.5-35B-A3B's published shape (Qwen3.6-35B-A3B keeps it): 248320-token vocabulary
@@ -104,9 +112,8 @@ SHAPES = {s.name: s for s in (
          routed_scale=2.5, rope_theta=10000.0, rms_eps=1e-6, max_positions=163840,
          rope_scaling=(("rope_type", "yarn"), ("factor", 40.0), ("original_max_position_embeddings", 4096),
                        ("beta_fast", 32), ("beta_slow", 1), ("mscale", 1.0), ("mscale_all_dim", 1.0))),
-    MoeShape("gpt-oss-120b", layers=36, experts=128, top_k=4, hidden=2880, inter=2880, expert_format="mxfp4",
-             family="gpt_oss", vocab=201088, heads=64, kv_heads=8, head_dim=64, rope_theta=150000.0,
-             max_positions=131072),
+    _gpt_oss("gpt-oss-120b", layers=36, experts=128),
+    _gpt_oss("gpt-oss-20b", layers=24, experts=32),
     # test shapes: a few layers of small dims, one per engine family
     MoeShape("tiny-qwen3", layers=3, experts=8, top_k=2, hidden=64, inter=32, vocab=512, heads=4, kv_heads=2,
              head_dim=16, max_positions=4096),
@@ -116,6 +123,8 @@ SHAPES = {s.name: s for s in (
     _mla("tiny-mla", layers=3, experts=8, top_k=2, hidden=64, inter=32, vocab=512, heads=4, kv_heads=4,
          head_dim=24, q_lora=32, kv_lora=32, qk_nope=16, qk_rope=8, v_head=16, dense_inter=64, shared_inter=32,
          n_group=2, topk_group=1, max_positions=4096, family="deepseek_v3"),
+    _gpt_oss("tiny-gpt-oss", layers=2, experts=8, hidden=64, inter=32, vocab=512, heads=4, kv_heads=2, head_dim=16,
+             max_positions=4096),
 )}
 
 MODEL_SHAPES = tuple(sorted(name for name, s in SHAPES.items() if s.runnable))

@@ -6,10 +6,10 @@ service uses) needs the types first: `import freetoken_agent.sessions` must work
 
 from typing import Any
 
-from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finish, ToolCall
+from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finish, ToolCall, effort_level
 
 __all__ = ["ChatMessage", "ChatRequest", "ChatService", "Chunk", "ContextTooLong", "Finish", "GenerationStream",
-           "ToolCall"]
+           "ToolCall", "effort_level"]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finis
 from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
-FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}
+FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony"}
 log = logging.getLogger("freetoken.service")
 MIN_TEMPERATURE = 1e-2
 ESCAPED_ROLES = ("system", "user", "tool")  # their content is the client's text, not the model's
@@ -112,12 +112,20 @@ class ChatService:
         tools = self.encoder.escape_tree(tools) if tools else tools
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                      enable_thinking=thinking, tokenize=False)
+                                                      enable_thinking=thinking, tokenize=False,
+                                                      reasoning_effort=req.reasoning_effort)
         except jinja2.TemplateError as e:
             raise RequestError(f"the conversation cannot be rendered by the chat template: {e}") from None
         assert isinstance(text, str)
         prefix, constraint = "", None
-        if forced:
+        if forced and self.family == "harmony":
+            from freetoken_agent.constrain.harmony import harmony_call_prefix
+
+            try:
+                prefix = harmony_call_prefix(req.tools, choice)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        elif forced:
             from freetoken_agent.constrain import tool_call_constraint
 
             try:
@@ -209,7 +217,8 @@ class GenerationStream:
         self.joined = 0
         self._subscribers: list[asyncio.Queue[Chunk | Finish]] = []
         self._loop = asyncio.get_running_loop()
-        self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=True)
+        # harmony's structure is special tokens: its parser reads them
+        self._decoder = StreamDecoder(service.tokenizer, skip_special_tokens=service.family != "harmony")
         self._stopped: str | None = None
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None

@@ -54,6 +54,7 @@ class ChatRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     enable_thinking: bool = True
+    reasoning_effort: str | None = None  # low | medium | high, for templates that take one (harmony)
     parallel_tool_calls: bool = True
     headers: dict[str, str] = field(default_factory=dict)
     # Benchmark only: text the engine emits instead of sampling (trace replay, scripted capture).
@@ -65,6 +66,17 @@ class ChatRequest:
             fn = self.tool_choice.get("function") or {}
             return fn.get("name") or self.tool_choice.get("name")
         return None
+
+
+def effort_level(effort: Any = None, budget_tokens: Any = None) -> str | None:
+    """A request's reasoning effort as low | medium | high (None: the template's default), from an
+    OpenAI effort name or an Anthropic thinking budget in tokens."""
+    if isinstance(effort, str):
+        return {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                "xhigh": "high"}.get(effort)
+    if isinstance(budget_tokens, int) and not isinstance(budget_tokens, bool):
+        return "low" if budget_tokens < 4096 else "medium" if budget_tokens < 16384 else "high"
+    return None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ logits), so that is the deepest state a resend of the same prompt can start from
 `decode_anchors(priority_of)` gives `</think>` (thinking_end), `<tool_call>` (tool_call_start; also
 the opener of the Qwen3.5 XML format) and `<|im_end|>` (message_end); every policy keeps
 `message_end`, the request's true end, which the next turn of an append-only client extends.
+
+The harmony format (gpt-oss) has its own boundary tokens: turns open with `<|start|>` (one per
+harmony message, so an assistant turn may hold several and the positions of messages are not
+derived: anchors fall back to every `<|start|>`, which also puts one before each analysis message
+that harmony drops once a final message follows); `<|end|>` ends the analysis (thinking_end, and
+right before a tool call's header), `<|return|>` and `<|call|>` end the reply (message_end).
 """
 
 from __future__ import annotations
@@ -75,19 +81,28 @@ def message_anchors(messages: Sequence[ChatMessage]) -> list[MessageAnchor]:
     return out
 
 
+# Boundary tokens per chat format: turn start, then (decode anchor kind, token) pairs.
+_CHATML = ("<|im_start|>", (("thinking_end", "</think>"), ("tool_call_start", "<tool_call>"),
+                            ("message_end", "<|im_end|>")))
+_HARMONY = ("<|start|>", (("thinking_end", "<|end|>"), ("message_end", "<|return|>"), ("message_end", "<|call|>")))
+
+
 class AnchorPlanner:
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.turn = tokenizer.token_to_id("<|im_start|>")
+        self.structured = tokenizer.token_to_id(_CHATML[0]) is not None or tokenizer.token_to_id(_HARMONY[0]) is None
+        turn, tokens = _CHATML if self.structured else _HARMONY
+        self.turn = tokenizer.token_to_id(turn)
         self.tool_response = tokenizer.token_to_id("<tool_response>")
-        self.decode_ids = {kind: tokenizer.token_to_id(tok) for kind, tok in
-                           (("thinking_end", "</think>"), ("tool_call_start", "<tool_call>"),
-                            ("message_end", "<|im_end|>"))}
+        self.decode_tokens = [(kind, tokenizer.token_to_id(tok)) for kind, tok in tokens]
+        self.decode_ids: dict[str, int | None] = {}
+        for kind, tid in self.decode_tokens:
+            self.decode_ids.setdefault(kind, tid)
 
     def message_starts(self, ids: Sequence[int], messages: Sequence[ChatMessage],
                        has_tools: bool) -> list[int] | None:
         """Start position of each message, then of the generation prompt (len(messages) + 1 items)."""
-        if self.turn is None:
+        if self.turn is None or not self.structured:
             return None
         blocks = [i for i, t in enumerate(ids) if t == self.turn]
         responses = [i for i, t in enumerate(ids) if t == self.tool_response] if self.tool_response is not None else []
@@ -152,8 +167,8 @@ class AnchorPlanner:
     def decode_anchors(self, policy: AnchorPolicy, priority_of: Callable[[str], int]) -> list[DecodeAnchor]:
         kinds = ("thinking_end", "tool_call_start", "message_end") if policy is AnchorPolicy.SEMANTIC \
             else ("message_end",)
-        return [DecodeAnchor(token_id=self.decode_ids[k], kind=k, priority=priority_of(k))  # type: ignore[arg-type]
-                for k in kinds if self.decode_ids.get(k) is not None]
+        return [DecodeAnchor(token_id=tid, kind=k, priority=priority_of(k))
+                for k, tid in self.decode_tokens if k in kinds and tid is not None]
 
     def realised_decode_positions(self, prompt_len: int, output: Sequence[int],
                                   decode: Sequence[DecodeAnchor]) -> list[tuple[int, str]]:

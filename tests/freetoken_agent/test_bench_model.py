@@ -147,8 +147,9 @@ def test_real_shapes_give_the_released_configs() -> None:
     assert len(q36.full_attention_layer_ids) == 10 and q36.full_attention_layer_ids[0] == 3
     assert (q36.linear_num_key_heads, q36.linear_num_value_heads, q36.linear_key_head_dim) == (16, 32, 128)
     assert q36.rotary_dim == 64 and q36.shared_expert_intermediate_size == 512 and q36.linear_conv_kernel_dim == 4
-    with pytest.raises(ConfigError, match="gpt_oss"):
-        dummy_config("gpt-oss-120b")
+    oss = dummy_config("gpt-oss-120b")
+    assert (oss.num_layers, oss.num_experts, oss.top_k, oss.hidden_size, oss.window_of(0), oss.window_of(1)) == (
+        36, 128, 4, 2880, 128, None)
     with pytest.raises(ConfigError, match="unknown shape"):
         dummy_config("nope")
     with pytest.raises(ConfigError, match="layers"):
@@ -293,7 +294,6 @@ def test_bench_decode_and_prefill_json(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "nope"], "invalid choice"),
-    (["--shape", "gpt-oss-120b"], "invalid choice"),
     (["--gpu-memory", "8GiB", "--device", "cpu"], "--gpu-memory"),
     (["--gpu-memory", "lots", "--device", "cpu"], "not a size"),
     (["--tokens", "1", "--device", "cpu"], "--tokens"),
