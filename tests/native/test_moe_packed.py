@@ -150,3 +150,14 @@ def test_bad_arguments_name_the_argument(pk):
         with pytest.raises(ValueError, match=f"^{name.strip()}"):
             pk.moe_packed(**{**good, **change})
     pk.moe_packed(**good)  # and the good call still runs
+
+
+def test_bench_counts_packed_bytes(pk):
+    from native.packed_bench import bench_packed
+
+    r = bench_packed("q4_k", "q6_k", threads=1, hidden=256, inter=256, top_k=2, bank_gb=0.001, seconds=0.01,
+                     rounds=1)
+    per_expert = 2 * 256 * 144 + 256 * 210  # gate/up rows of one q4_k block, down rows of one q6_k block
+    assert r["bytes_per_call"] == 2 * per_expert
+    assert r["us_per_call"] > 0 and r["read_us"] > 0
+    assert abs(r["gbps"] - r["bytes_per_call"] / r["us_per_call"] / 1e3) < 0.01 + 0.01 * r["gbps"]
