@@ -161,3 +161,13 @@ def test_bench_counts_packed_bytes(pk):
     assert r["bytes_per_call"] == 2 * per_expert
     assert r["us_per_call"] > 0 and r["read_us"] > 0
     assert abs(r["gbps"] - r["bytes_per_call"] / r["us_per_call"] / 1e3) < 0.01 + 0.01 * r["gbps"]
+
+
+def test_all_skipped_leaves_out_unchanged(pk):
+    gen = torch.Generator().manual_seed(4)
+    gu, dn = pk.random_blocks("q4_0", (2, 64), 64, gen), pk.random_blocks("q4_0", (2, 64), 32, gen)
+    out = torch.randn(3, 64, generator=gen)
+    before = out.clone()
+    pk.moe_packed(torch.randn(3, 64), torch.full((3, 2), -1, dtype=torch.int32), torch.ones(3, 2), gu, "q4_0", dn,
+                  "q4_0", None, out)
+    assert torch.equal(out, before)
