@@ -32,6 +32,17 @@ inline __m128i bits16(uint32_t bits) {  // 0xff in byte i where bit i of the low
 }
 inline __m128i lut(__m128i idx, const int8_t* table) { return _mm_shuffle_epi8(ld16(reinterpret_cast<const uint8_t*>(table)), idx); }
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+// out[i] = mul * float(code i) for n (a multiple of 4) unsigned / signed byte codes, 4 lanes at a time
+inline void scale_u8(const uint8_t* codes, int n, float mul, float* out) {
+    for (int i = 0; i < n; i += 4)
+        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
+                                          _mm_set1_ps(mul)));
+}
+inline void scale_i8(const uint8_t* codes, int n, float mul, float* out) {
+    for (int i = 0; i < n; i += 4)
+        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
+                                          _mm_set1_ps(mul)));
+}
 // ---- formats: B values in `bytes` bytes, one scale d (and offset m) per kGroup values ----
 // scales(b, d, m): every group's d and m (value = code * d + m), once per block and row;
 // codes(b, j, q): the int8 codes of sub-block j (q[0]: values 0..15, q[1]: 16..31).
@@ -88,8 +99,12 @@ struct DQ2_K {
     static constexpr int kGroup = 16;
     static constexpr bool kOffset = true;
     static void scales(const uint8_t* b, float* d, float* m) {
-        const float dd = h2f(b + 80), dmin = h2f(b + 82);
-        for (int i = 0; i < 16; ++i) d[i] = dd * float(b[i] & 15), m[i] = -(dmin * float(b[i] >> 4));
+        const __m128i v = ld16(b);
+        alignas(16) uint8_t lo[16], hi[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lo), low4(v));
+        _mm_store_si128(reinterpret_cast<__m128i*>(hi), high4(v));
+        scale_u8(lo, 16, h2f(b + 80), d);
+        scale_u8(hi, 16, -h2f(b + 82), m);
     }
     static void codes(const uint8_t* b, int j, __m128i* q) {
         const uint8_t* qs = b + 16 + 32 * (j >> 2);
@@ -103,8 +118,7 @@ struct DQ3_K {
     static void scales(const uint8_t* b, float* d, float*) {
         int8_t sc[16];
         q3k_scales(b + 96, sc);
-        const float dd = h2f(b + 108);
-        for (int i = 0; i < 16; ++i) d[i] = dd * float(sc[i]);
+        scale_i8(reinterpret_cast<const uint8_t*>(sc), 16, h2f(b + 108), d);
     }
     static void codes(const uint8_t* b, int j, __m128i* q) {
         const uint8_t* qs = b + 32 + 32 * (j >> 2);
@@ -117,8 +131,8 @@ struct DQ3_K {
 inline void k45_scales(const uint8_t* b, float* d, float* m) {
     uint8_t sc[8], mn[8];
     kquant_scales_mins(b + 4, sc, mn);
-    const float dd = h2f(b), dmin = h2f(b + 2);
-    for (int i = 0; i < 8; ++i) d[i] = dd * float(sc[i]), m[i] = -(dmin * float(mn[i]));
+    scale_u8(sc, 8, h2f(b), d);
+    scale_u8(mn, 8, -h2f(b + 2), m);
 }
 inline void k45_codes(const uint8_t* qh, const uint8_t* qs, int j, __m128i* q) {
     const uint8_t* p = qs + 32 * (j >> 1);
@@ -149,8 +163,7 @@ struct DQ6_K {
     static constexpr int kGroup = 16;
     static constexpr bool kOffset = false;
     static void scales(const uint8_t* b, float* d, float*) {
-        const float dd = h2f(b + 208);
-        for (int i = 0; i < 16; ++i) d[i] = dd * float(static_cast<int8_t>(b[192 + i]));
+        scale_i8(b + 192, 16, h2f(b + 208), d);
     }
     static void codes(const uint8_t* b, int j, __m128i* q) {
         const int g = j >> 2, jj = j & 3;
