@@ -185,3 +185,24 @@ def test_all_skipped_leaves_out_unchanged(pk):
     pk.moe_packed(torch.randn(3, 64), torch.full((3, 2), -1, dtype=torch.int32), torch.ones(3, 2), gu, "q4_0", dn,
                   "q4_0", None, out)
     assert torch.equal(out, before)
+
+
+def test_host_task_overwrites_out_and_reports_failures(pk):
+    gen = torch.Generator().manual_seed(6)
+    T, H, inter, E, k = 3, 256, 64, 4, 2
+    gu, dn = pk.random_blocks("q4_k", (E, 2 * inter), H, gen), pk.random_blocks("q8_0", (E, H), inter, gen)
+    x, weights = torch.randn(T, H, generator=gen) * 0.05, torch.rand(T, k, generator=gen)
+    ids = torch.tensor([[0, 3], [2, -1], [1, 1]], dtype=torch.int32)
+    want = torch.zeros(T, H)
+    pk.moe_packed(x, ids, weights, gu, "q4_k", dn, "q8_0", None, want)
+    out = torch.full((T, H), 7.0)
+    task = pk.PackedHostTask(x, ids, weights, gu, "q4_k", dn, "q8_0", None, out)
+    task.run()
+    task.run()  # overwritten, not added to
+    assert torch.equal(out, want) and (want != 0).any()
+    task.check()
+    ids[0, 0] = E  # a bad id at run time: counted, out zeroed, raised by check()
+    task.run()
+    assert not out.any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        task.check()
