@@ -45,6 +45,15 @@ def _mul(a, b):
 
 
 @triton.jit
+def silu(g):
+    """g * sigmoid(g) in float32 (libdevice's exp on a GPU: expf's accuracy, not the fast exp2)."""
+    if _GPU:
+        return g / (1.0 + libdevice.exp(-g))
+    else:
+        return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _u8(p, m):
     return tl.load(p, mask=m, other=0).to(tl.int32)
 
