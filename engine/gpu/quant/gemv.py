@@ -4,18 +4,19 @@ arithmetic (native/packed.py: f32 accumulation, h = silu(g) * u kept f32, no act
 
 Contract:
 - `packed_expert_rows(x [N, H] bf16/f16/f32, slot_ids [N, k], weights [N, k], slots: PackedSlots,
-  copy_dst=None, between=None) -> [N * k, H] float32`: entry e's weight * down(silu(gate x) * up x),
-  gate / up / down the slot's packed rows dequantised in registers (times the slot's gscale), zeros
+  fmt: ExpertFormat (the layer's), copy_dst=None, between=None) -> [N * k, H] float32`: entry e's
+  weight * down(silu(gate x) * up x), gate / up / down the slot's packed rows dequantised in registers (times the slot's gscale), zeros
   for entries without a slot (slot id < 0). With `copy_dst` (the slots a fetch is filling, -1
   padded) and `between` (what waits for it), the entries in other slots run first, then
   `between()`, then the fetched ones (engine/gpu/kernels.py's `_phase_slot`, shared): hits compute
   while the copies fly. The rows do not depend on which slot holds an expert.
-- `packed_slot_experts(x, ids, slot_ids, weights, slots, cpu=None) -> [N, H] float32`: those rows
+- `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None) -> [N, H] float32`: those rows
   summed per token in ascending expert id (`combine_experts`, shared), plus the CPU branch's part.
 
-How: one program per (entry, tile of 16 output rows; 128 under the interpreter); gate_up walks H in tiles of 128 columns,
-accumulating [16, 128] f32 products and reducing them once after the loop (the bf16 kernel's
-measured choice); down walks I in tiles of 256. The expert split (scratch slot) is not supported:
+How: one program per (entry, tile of 16 output rows; 128 under the interpreter); gate_up walks H in
+tiles of 128 columns, accumulating [16, 128] f32 products and reducing them once after the loop (the bf16 kernel's
+measured choice); down walks I in tiles of 256. A slot's gate_up rows start at its first byte, its down rows
+`fmt.gate_up_bytes` later (slots are `slots.stride` bytes apart). The expert split (scratch slot) is not supported:
 the executor enables it for bf16 / f32 banks only.
 """
 
@@ -30,7 +31,7 @@ import triton.language as tl
 from engine.gpu.kernels import _phase_slot, combine_experts
 from engine.gpu.quant.dequant import dequant, silu
 from engine.gpu.quant.formats import packed_format
-from engine.gpu.quant.slots import PackedSlots
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
 # gate_up: rows of I per program, H step; down: rows of H per program, I step. Triton's interpreter
@@ -41,7 +42,8 @@ _BLOCK_O, _BLOCK_K = (128, 256) if triton_interpreted() else (16, 256)
 
 @triton.jit
 def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, h_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                    K: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, RB: tl.constexpr,
+                    K: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr,
                     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr,
                     COPIES_P: tl.constexpr):
     e = tl.program_id(0)
@@ -53,7 +55,7 @@ def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, h_ptr, dst_ptr, H: tl.conste
             tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=rmask)
         else:
             t = e // K
-            base = w_ptr + s.to(tl.int64) * (2 * INTER * RB)
+            base = w_ptr + s.to(tl.int64) * STRIDE
             gg = tl.load(gs_ptr + s * 3)
             gu = tl.load(gs_ptr + s * 3 + 1)
             tile_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
@@ -74,7 +76,8 @@ def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, h_ptr, dst_ptr, H: tl.conste
 
 @triton.jit
 def _down_kernel(h_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                 FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, RB: tl.constexpr, BLOCK_O: tl.constexpr,
+                 FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_O: tl.constexpr,
                  BLOCK_K: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -84,7 +87,7 @@ def _down_kernel(h_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.c
         if s < 0:
             tl.store(y_ptr + e * H + rows, tl.zeros((BLOCK_O,), dtype=tl.float32), mask=rmask)
         else:
-            base = w_ptr + s.to(tl.int64) * (H * RB)
+            base = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF
             gd = tl.load(gs_ptr + s * 3 + 2)
             tile = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
@@ -97,22 +100,27 @@ def _down_kernel(h_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.c
             tl.store(y_ptr + e * H + rows, y, mask=rmask)
 
 
+def _check(x: torch.Tensor, slots: PackedSlots, fmt: ExpertFormat) -> None:
+    slots.check(fmt)
+    if x.shape[1] != fmt.hidden:
+        raise ValueError(f"x: hidden size {x.shape[1]}, the experts have {fmt.hidden}")
+
+
 def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: PackedSlots,
-                       copy_dst: torch.Tensor | None = None,
+                       fmt: ExpertFormat, copy_dst: torch.Tensor | None = None,
                        between: Callable[[], None] | None = None) -> torch.Tensor:
     """See the module docstring."""
+    _check(x, slots, fmt)
     n, hidden = x.shape
     k = slot_ids.shape[1]
-    inter = slots.inter
-    if hidden != slots.hidden:
-        raise ValueError(f"x: hidden size {hidden}, the slots hold experts of {slots.hidden}")
+    inter = fmt.inter
     entries = n * k
     y = torch.empty(entries, hidden, dtype=torch.float32, device=x.device)
     if slots.slots == 0 or entries == 0:
         if between is not None:
             between()
         return y.zero_()
-    fg, fd = packed_format(slots.fmt_gu), packed_format(slots.fmt_d)
+    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
     x = x.contiguous()
     slot_flat = slot_ids.reshape(-1).contiguous()
     w = weights.reshape(-1).to(torch.float32).contiguous()
@@ -120,24 +128,24 @@ def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.T
     phased = copy_dst is not None and between is not None
     dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
     copies = dst.numel() if phased else 1
-    common = {"PHASE": 0, "COPIES": copies, "COPIES_P": triton.next_power_of_2(copies), "num_warps": 4}
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "COPIES": copies,
+              "COPIES_P": triton.next_power_of_2(copies), "num_warps": 4}
     for phase in ((1, 2) if phased else (0,)):
         if phase == 2:
             assert between is not None
             between()
-        common["PHASE"] = phase
         _gate_up_kernel[(entries, triton.cdiv(inter, _BLOCK_I))](
-            x, slot_flat, slots.gate_up, slots.gscale, h, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
-            QBB=fg.block_bytes, RB=slots.gate_up.shape[2], BLOCK_I=_BLOCK_I, BLOCK_H=_BLOCK_H, **common)
+            x, slot_flat, slots.data, slots.gscale, h, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
+            QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_I=_BLOCK_I, BLOCK_H=_BLOCK_H, PHASE=phase, **common)
         _down_kernel[(entries, triton.cdiv(hidden, _BLOCK_O))](
-            h, slot_flat, slots.down, slots.gscale, w, y, dst, hidden, inter, FMT=fd.code, QB=fd.block,
-            QBB=fd.block_bytes, RB=slots.down.shape[2], BLOCK_O=_BLOCK_O, BLOCK_K=_BLOCK_K, **common)
+            h, slot_flat, slots.data, slots.gscale, w, y, dst, hidden, inter, FMT=fd.code, QB=fd.block,
+            QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_O=_BLOCK_O, BLOCK_K=_BLOCK_K, PHASE=phase, **common)
     return y
 
 
 def packed_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                        slots: PackedSlots, cpu: torch.Tensor | None = None) -> torch.Tensor:
+                        slots: PackedSlots, fmt: ExpertFormat, cpu: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    combine_experts(packed_expert_rows(x, slot_ids, weights, slots), ids, out, cpu)
+    combine_experts(packed_expert_rows(x, slot_ids, weights, slots, fmt), ids, out, cpu)
     return out

@@ -10,7 +10,8 @@ shape (H 2048, I 768) per format, with the GEMV's time against the HBM read boun
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -18,13 +19,14 @@ import torch
 from quant_reference import ALL, random_rows, reference_dequant, reference_moe
 from triton_interpreter import run_in_interpreter
 
-from engine.gpu.quant.formats import packed_format, row_bytes
+from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 
 
 def make_slots(fmt_gu: str, fmt_d: str, hidden: int, inter: int, slots: int, rng: np.random.Generator,
-               device: str) -> tuple[object, list[np.ndarray], list[np.ndarray]]:
-    """A PackedSlots of random valid experts and their reference float32 weights per slot."""
-    from engine.gpu.quant.slots import PackedSlots
+               device: str, spare: int = 0) -> tuple[PackedSlots, ExpertFormat, list[np.ndarray], list[np.ndarray]]:
+    """A PackedSlots of random valid experts (slot rows `spare` bytes longer than the expert, garbage
+    there: the pool's stride fits a larger layer) and their reference float32 weights per slot."""
 
     gu = np.stack([random_rows(fmt_gu, 2 * inter, hidden, rng) for _ in range(slots)])
     d = np.stack([random_rows(fmt_d, hidden, inter, rng) for _ in range(slots)])
@@ -36,9 +38,11 @@ def make_slots(fmt_gu: str, fmt_d: str, hidden: int, inter: int, slots: int, rng
     dense_gu = [np.concatenate([reference_dequant(gu[s, :inter], fmt_gu, hidden, gs[s, 0]),
                                 reference_dequant(gu[s, inter:], fmt_gu, hidden, gs[s, 1])]) for s in range(slots)]
     dense_d = [reference_dequant(d[s], fmt_d, inter, gs[s, 2]) for s in range(slots)]
-    pool = PackedSlots(torch.from_numpy(gu).to(device), torch.from_numpy(d).to(device),
-                       torch.from_numpy(gs).to(device), fmt_gu, fmt_d)
-    return pool, dense_gu, dense_d
+    fmt = ExpertFormat(fmt_gu, fmt_d, hidden, inter)
+    data = np.concatenate([gu.reshape(slots, -1), d.reshape(slots, -1),
+                           rng.integers(0, 256, (slots, spare), dtype=np.uint8)], axis=1)
+    pool = PackedSlots(torch.from_numpy(data).to(device), torch.from_numpy(gs).to(device))
+    return pool, fmt, dense_gu, dense_d
 
 
 def shape_for(fmt_gu: str, fmt_d: str) -> tuple[int, int]:
@@ -63,11 +67,11 @@ def check(device: str, pairs: list[tuple[str, str]]) -> int:
     cases = 0
     for fmt_gu, fmt_d in pairs:
         hidden, inter = shape_for(fmt_gu, fmt_d)
-        pool, dgu, dd = make_slots(fmt_gu, fmt_d, hidden, inter, 3, rng, device)
+        pool, fmt, dgu, dd = make_slots(fmt_gu, fmt_d, hidden, inter, 3, rng, device, spare=cases * 7)
         x = torch.randn(2, hidden, generator=g)
         slot_ids = torch.tensor([[2, -1], [-1, 1]])
         w = torch.rand(2, 2, generator=g)
-        got = packed_expert_rows(x.to(device), slot_ids.to(device), w.to(device), pool).cpu()
+        got = packed_expert_rows(x.to(device), slot_ids.to(device), w.to(device), pool, fmt).cpu()
         _close(got, reference_moe(x, slot_ids, w, dgu, dd))
         assert torch.all(got[1] == 0) and torch.all(got[2] == 0)
         cases += 1
@@ -76,37 +80,55 @@ def check(device: str, pairs: list[tuple[str, str]]) -> int:
 
 def check_phases_and_combine(device: str) -> int:
     from engine.gpu.quant.gemv import packed_expert_rows, packed_slot_experts
-    from engine.gpu.quant.slots import PackedSlots
 
     rng = np.random.default_rng(22)
     g = torch.Generator().manual_seed(22)
-    pool, dgu, dd = make_slots("q4_0", "q8_0", 64, 32, 4, rng, device)
+    pool, fmt, dgu, dd = make_slots("q4_0", "q8_0", 64, 32, 4, rng, device)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[5, 1, 9], [2, 7, 1], [0, 3, 4]])
     slot_ids = torch.tensor([[0, 3, -1], [1, 2, 3], [-1, 0, 2]])
     w = torch.rand(3, 3, generator=g)
     dev = [t.to(device) for t in (x, ids, slot_ids, w)]
-    whole = packed_expert_rows(dev[0], dev[2], dev[3], pool)
+    whole = packed_expert_rows(dev[0], dev[2], dev[3], pool, fmt)
     fetched = [0, 2]
-    garbage = PackedSlots(pool.gate_up.clone(), pool.down.clone(), pool.gscale.clone(), "q4_0", "q8_0")
-    garbage.gate_up[fetched] = 0xFF  # f16 NaN scales
-    garbage.down[fetched] = 0xFF
+    garbage = PackedSlots(pool.data.clone(), pool.gscale.clone())
+    garbage.data[fetched] = 0xFF  # f16 NaN scales
     calls: list[int] = []
 
     def land() -> None:
         calls.append(1)
         for s in fetched:
-            garbage.copy_in(s, pool.gate_up[s], pool.down[s], pool.gscale[s])
+            garbage.copy_in(s, pool.data[s, :fmt.nbytes], pool.gscale[s])
 
     copy_dst = torch.tensor(fetched + [-1] * 7, device=device)
-    split = packed_expert_rows(dev[0], dev[2], dev[3], garbage, copy_dst, land)
+    split = packed_expert_rows(dev[0], dev[2], dev[3], garbage, fmt, copy_dst, land)
     assert calls == [1] and torch.equal(split, whole)
     cpu = torch.randn(3, 64, generator=g)
-    out = packed_slot_experts(dev[0], dev[1], dev[2], dev[3], pool, cpu.to(device)).cpu()
+    out = packed_slot_experts(dev[0], dev[1], dev[2], dev[3], pool, fmt, cpu.to(device)).cpu()
     rows = reference_moe(x.float(), slot_ids, w, dgu, dd).view(3, 3, 64)
-    want = rows.sum(dim=1) + cpu.double()
-    _close(out, want)
+    _close(out, rows.sum(dim=1) + cpu.double())
     return 2
+
+
+def _graph_time(fn: Callable[[], object], reps: int = 20) -> float:
+    """Seconds per call of fn replayed from a CUDA graph (no launch overhead), median of 5."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compile, warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return sorted(times)[2]
 
 
 @pytest.mark.gpu
@@ -120,41 +142,37 @@ def test_packed_gemv_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", [*ALL, "q4_k+q6_k"])
 def test_packed_gemv_qwen3_30b_shape_cuda(fmt: str) -> None:
-    """H 2048, I 768, top-8 of 64 slots; 1 and 8 tokens: rows against the float64 reference for two
-    entries, then the GEMV's time (1 token) against the HBM bound of the packed bytes it reads."""
+    """H 2048, I 768, top-8 of 64 slots: rows against the float64 reference for two entries, then
+    the GEMV's time for 1 and 8 tokens (CUDA graph replay) in GB/s of the packed bytes it reads,
+    printed beside the device's copy bandwidth and the bf16 slot GEMV's (engine/gpu/kernels.py)."""
+    from engine.gpu.kernels import expert_rows
     from engine.gpu.quant.gemv import packed_expert_rows
-    from engine.gpu.quant.slots import PackedSlots
 
     fmt_gu, fmt_d = fmt.split("+") if "+" in fmt else (fmt, fmt)
     hidden, inter, slots, k = 2048, 768, 64, 8
     rng = np.random.default_rng(3)
-    small, dgu, dd = make_slots(fmt_gu, fmt_d, hidden, inter, 2, rng, "cuda")
+    small, efmt, dgu, dd = make_slots(fmt_gu, fmt_d, hidden, inter, 2, rng, "cuda")
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     sid = torch.tensor([[1, 0]], device="cuda")
     w = torch.rand(1, 2, device="cuda")
-    got = packed_expert_rows(x, sid, w, small).cpu()
-    _close(got, reference_moe(x.float().cpu(), sid.cpu(), w.cpu(), dgu, dd))
-    big = PackedSlots(torch.randint(0, 256, (slots, 2 * inter, row_bytes(fmt_gu, hidden)), dtype=torch.uint8,
-                                    device="cuda"),
-                      torch.randint(0, 256, (slots, hidden, row_bytes(fmt_d, inter)), dtype=torch.uint8,
-                                    device="cuda"), torch.ones(slots, 3, device="cuda"), fmt_gu, fmt_d)
-    big.gate_up[:, :, :] = small.gate_up[0].repeat(slots, 1, 1)  # valid scales everywhere
-    big.down[:, :, :] = small.down[0].repeat(slots, 1, 1)
+    _close(packed_expert_rows(x, sid, w, small, efmt).cpu(), reference_moe(x.float().cpu(), sid.cpu(), w.cpu(), dgu, dd))
+    big = PackedSlots(small.data[:1].repeat(slots, 1), small.gscale[:1].repeat(slots, 1))  # valid scales everywhere
+    w13 = torch.randn(slots, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(slots, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    copy = 2 * src.numel() / _graph_time(src.clone, reps=3)
+    print(f"\n{torch.cuda.get_device_name()}: copy {copy / 1e9:.0f} GB/s (read + write)")
     for tokens in (1, 8):
         xs = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(slots, device="cuda")[:k] for _ in range(tokens)])
         ws = torch.rand(tokens, k, device="cuda")
-        for _ in range(3):
-            packed_expert_rows(xs, ids, ws, big)
-        torch.cuda.synchronize()
-        reps = 50
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            packed_expert_rows(xs, ids, ws, big)
-        torch.cuda.synchronize()
-        sec = (time.perf_counter() - t0) / reps
-        read = len(set(ids.view(-1).tolist())) * (big.gate_up[0].numel() + big.down[0].numel())
-        print(f"\n{fmt} tokens {tokens}: {sec * 1e6:.1f} us, {read / sec / 1e9:.0f} GB/s of packed bytes")
+        experts = len(set(ids.view(-1).tolist()))
+        sec = _graph_time(partial(packed_expert_rows, xs, ids, ws, big, efmt))
+        ref = _graph_time(partial(expert_rows, xs, ids, ws.to(xs.dtype), w13, w2))
+        read = experts * efmt.nbytes
+        print(f"{fmt} tokens {tokens}: {sec * 1e6:.1f} us, {read / sec / 1e9:.0f} GB/s of packed bytes "
+              f"({read / copy * 2e6:.1f} us at the copy bandwidth); bf16 slots {ref * 1e6:.1f} us, "
+              f"{experts * 3 * hidden * inter * 2 / ref / 1e9:.0f} GB/s")
 
 
 def test_packed_gemv_in_triton_interpreter() -> None:
