@@ -9,6 +9,9 @@ Contract:
   the reference (gguf.quants' dequantize_blocks for the GGUF types; value = e4m3 * scale for fp8;
   e2m1 * e4m3 * g for nvfp4), so it is bit-exact; on a GPU the products that feed an add are
   rounded on their own (mul_rn), never contracted into an fma.
+- `dequant_at(p, j, mask, g, FMT)`: the same from block pointers p and in-block indices j (any
+  broadcastable shapes: a caller that tiles whole blocks passes p [R, NB, 1] and j [1, 1, B], so a
+  block's scale fields are read once per block).
 - `dequantize(packed [N, row_bytes] uint8, fmt, k, gscale=1.0) -> [N, k] float32`: the same
   through a small kernel (tests, and a caller that needs a dense copy).
 
@@ -122,7 +125,14 @@ def _k4_scale_min(p, g, m):
 @triton.jit
 def dequant(ptr, row, col, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, ROW_BYTES: tl.constexpr):
     p = ptr + row.to(tl.int64) * ROW_BYTES + (col // QB) * QBB
-    j = col % QB
+    return dequant_at(p, col % QB, m, g, FMT)
+
+
+@triton.jit
+def dequant_at(p, j, m, g, FMT: tl.constexpr):
+    """Values j (index in the block) of the blocks at byte pointers p, m masking p. p and j broadcast:
+    with p [R, NB, 1] and j [1, 1, QB] the block-wide fields (f16 scales, exponents) are loaded once
+    per block, not once per value."""
     if FMT == 0:  # q8_0
         q = tl.load(p + 2 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         v = q * _f16(p, m)

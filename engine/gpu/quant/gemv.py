@@ -13,11 +13,12 @@ Contract:
 - `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None) -> [N, H] float32`: those rows
   summed per token in ascending expert id (`combine_experts`, shared), plus the CPU branch's part.
 
-How: one program per (entry, tile of 16 output rows; 128 under the interpreter); gate_up walks H in
-tiles of 128 columns, accumulating [16, 128] f32 products and reducing them once after the loop (the bf16 kernel's
-measured choice); down walks I in tiles of 256. A slot's gate_up rows start at its first byte, its down rows
-`fmt.gate_up_bytes` later (slots are `slots.stride` bytes apart). The expert split (scratch slot) is not supported:
-the executor enables it for bf16 / f32 banks only.
+How: one program per (entry, tile of 16 output rows; 128 under the interpreter), walking K (H for
+gate_up, I for down) 256 values a step as [rows, blocks, values in a block] tiles, so each block's
+scale fields are read once (dequant_at); the f32 products accumulate in the tile, reduced once
+after the loop (the bf16 kernel's measured choice). A slot's gate_up rows start at its first byte,
+its down rows `fmt.gate_up_bytes` later (slots are `slots.stride` bytes apart). The expert split
+(scratch slot) is not supported: the executor enables it for bf16 / f32 banks only.
 """
 
 from __future__ import annotations
@@ -29,74 +30,78 @@ import triton
 import triton.language as tl
 
 from engine.gpu.kernels import _phase_slot, combine_experts
-from engine.gpu.quant.dequant import dequant, silu
+from engine.gpu.quant.dequant import dequant_at, silu
 from engine.gpu.quant.formats import packed_format
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
-# gate_up: rows of I per program, H step; down: rows of H per program, I step. Triton's interpreter
-# (the CPU tests) runs a program's tile as one numpy array: there, wider tiles, fewer programs
-_BLOCK_I, _BLOCK_H = (128, 256) if triton_interpreted() else (16, 128)
-_BLOCK_O, _BLOCK_K = (128, 256) if triton_interpreted() else (16, 256)
+# rows per program (gate_up: of I; down: of H) and values per step along K (whole blocks: NB = this
+# // B blocks a step, at least one). Triton's interpreter (the CPU tests) runs a program's tile as
+# one numpy array: there, more rows, fewer programs
+_ROWS = 128 if triton_interpreted() else 16
+_STEP = 256
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, h_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
                     K: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
                     RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr,
-                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr,
+                    ROWS: tl.constexpr, NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr,
                     COPIES_P: tl.constexpr):
     e = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     rmask = rows < INTER
     s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
     if go:
         if s < 0:
-            tl.store(h_ptr + e * INTER + rows, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=rmask)
+            tl.store(h_ptr + e * INTER + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
         else:
             t = e // K
-            base = w_ptr + s.to(tl.int64) * STRIDE
             gg = tl.load(gs_ptr + s * 3)
             gu = tl.load(gs_ptr + s * 3 + 1)
-            tile_g = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-            tile_u = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-                m = rmask[:, None] & cmask[None, :]
-                wg = dequant(base, rows[:, None], cols[None, :], m, gg, FMT, QB, QBB, RB)
-                wu = dequant(base, rows[:, None] + INTER, cols[None, :], m, gu, FMT, QB, QBB, RB)
-                tile_g += wg * xv[None, :]
-                tile_u += wu * xv[None, :]
-            g = tl.sum(tile_g, axis=1)
-            u = tl.sum(tile_u, axis=1)
+            # [ROWS, NB, QB] tiles: row, block, value in the block; block fields read once per block
+            row_g = w_ptr + s.to(tl.int64) * STRIDE + rows.to(tl.int64)[:, None, None] * RB
+            row_u = row_g + INTER * RB
+            nb = tl.arange(0, NB)[None, :, None]
+            j = tl.arange(0, QB)[None, None, :]
+            tile_g = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            tile_u = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            for b0 in range(0, H // QB, NB):
+                blk = b0 + nb
+                bmask = blk < H // QB
+                xv = tl.load(x_ptr + t * H + blk * QB + j, mask=bmask, other=0.0).to(tl.float32)
+                m = rmask[:, None, None] & bmask
+                tile_g += dequant_at(row_g + blk * QBB, j, m, gg, FMT) * xv
+                tile_u += dequant_at(row_u + blk * QBB, j, m, gu, FMT) * xv
+            g = tl.sum(tl.sum(tile_g, axis=2), axis=1)
+            u = tl.sum(tl.sum(tile_u, axis=2), axis=1)
             tl.store(h_ptr + e * INTER + rows, silu(g) * u, mask=rmask)
 
 
 @triton.jit
 def _down_kernel(h_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
                  FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_O: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, ROWS: tl.constexpr,
+                 NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
     e = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     rmask = rows < H
     s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
     if go:
         if s < 0:
-            tl.store(y_ptr + e * H + rows, tl.zeros((BLOCK_O,), dtype=tl.float32), mask=rmask)
+            tl.store(y_ptr + e * H + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
         else:
-            base = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF
             gd = tl.load(gs_ptr + s * 3 + 2)
-            tile = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                cmask = cols < INTER
-                hv = tl.load(h_ptr + e * INTER + cols, mask=cmask, other=0.0)
-                w = dequant(base, rows[:, None], cols[None, :], rmask[:, None] & cmask[None, :], gd, FMT, QB, QBB, RB)
-                tile += w * hv[None, :]
-            y = tl.sum(tile, axis=1) * tl.load(wt_ptr + e)
+            row_p = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + rows.to(tl.int64)[:, None, None] * RB
+            nb = tl.arange(0, NB)[None, :, None]
+            j = tl.arange(0, QB)[None, None, :]
+            tile = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            for b0 in range(0, INTER // QB, NB):
+                blk = b0 + nb
+                bmask = blk < INTER // QB
+                hv = tl.load(h_ptr + e * INTER + blk * QB + j, mask=bmask, other=0.0)
+                tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gd, FMT) * hv
+            y = tl.sum(tl.sum(tile, axis=2), axis=1) * tl.load(wt_ptr + e)
             tl.store(y_ptr + e * H + rows, y, mask=rmask)
 
 
@@ -128,18 +133,18 @@ def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.T
     phased = copy_dst is not None and between is not None
     dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
     copies = dst.numel() if phased else 1
-    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "COPIES": copies,
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "ROWS": _ROWS, "COPIES": copies,
               "COPIES_P": triton.next_power_of_2(copies), "num_warps": 4}
     for phase in ((1, 2) if phased else (0,)):
         if phase == 2:
             assert between is not None
             between()
-        _gate_up_kernel[(entries, triton.cdiv(inter, _BLOCK_I))](
+        _gate_up_kernel[(entries, triton.cdiv(inter, _ROWS))](
             x, slot_flat, slots.data, slots.gscale, h, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
-            QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_I=_BLOCK_I, BLOCK_H=_BLOCK_H, PHASE=phase, **common)
-        _down_kernel[(entries, triton.cdiv(hidden, _BLOCK_O))](
+            QBB=fg.block_bytes, RB=fmt.gu_row_bytes, NB=max(1, _STEP // fg.block), PHASE=phase, **common)
+        _down_kernel[(entries, triton.cdiv(hidden, _ROWS))](
             h, slot_flat, slots.data, slots.gscale, w, y, dst, hidden, inter, FMT=fd.code, QB=fd.block,
-            QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_O=_BLOCK_O, BLOCK_K=_BLOCK_K, PHASE=phase, **common)
+            QBB=fd.block_bytes, RB=fmt.d_row_bytes, NB=max(1, _STEP // fd.block), PHASE=phase, **common)
     return y
 
 
