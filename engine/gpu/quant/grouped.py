@@ -10,7 +10,7 @@ k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queu
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
 BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
-before each dot. x is widened to float32 and the dots take float32 operands: "tf32x3" on a GPU
+before each dot (whole blocks: each block's scale fields read once per row and step). x is widened to float32 and the dots take float32 operands: "tf32x3" on a GPU
 (three TF32 tensor-core products: about float32's accuracy at tensor-core speed), IEEE under the
 interpreter. The k contributions of a token are summed in float32 by a torch reduction.
 """
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout, group_entries
-from engine.gpu.quant.dequant import dequant, silu
+from engine.gpu.quant.dequant import dequant_at, silu
 from engine.gpu.quant.formats import packed_format
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
@@ -31,6 +31,23 @@ _PRECISION = "ieee" if triton_interpreted() else "tf32x3"
 _GATE_UP_N, _GATE_UP_K = 64, 64  # I-tile (each of gate and up), H step
 _DOWN_N, _DOWN_K = 128, 64  # H-tile, I step
 _WARPS, _STAGES = 4, 3
+
+
+@triton.jit
+def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] values k0.. of the rows starting at row_p [1, BLOCK_N] (mask m [1, BLOCK_N]):
+    one block per step when blocks are at least BLOCK_K values (k0 is a multiple of BLOCK_K), else
+    BLOCK_K / QB whole blocks as a [blocks, QB, BLOCK_N] tile; either way a block's scale fields
+    are read once per row."""
+    if QB >= BLOCK_K:
+        v = dequant_at(row_p + (k0 // QB) * QBB, k0 % QB + tl.arange(0, BLOCK_K)[:, None], m, g, FMT)
+    else:
+        blk = k0 // QB + tl.arange(0, BLOCK_K // QB)[:, None, None]
+        v = dequant_at(row_p[None, :, :] + blk * QBB, tl.arange(0, QB)[None, :, None],
+                       m[None, :, :] & (blk < K // QB), g, FMT)
+        v = tl.reshape(v, (BLOCK_K, v.shape[2]))
+    return v
 
 
 @triton.jit
@@ -49,7 +66,8 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, row_entry_ptr, block_slot_ptr, h_ptr, 
         token = tl.where(rmask, entry // K, 0)
         cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < INTER
-        base = w_ptr + s.to(tl.int64) * STRIDE
+        row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
+        row_u = row_g + INTER * RB
         gg = tl.load(gs_ptr + s * 3)
         gu = tl.load(gs_ptr + s * 3 + 1)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -59,9 +77,8 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, row_entry_ptr, block_slot_ptr, h_ptr, 
             kmask = kk < H
             xt = tl.load(x_ptr + token.to(tl.int64)[:, None] * H + kk[None, :],
                          mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            wmask = kmask[:, None] & cmask[None, :]
-            wg = dequant(base, cols[None, :], kk[:, None], wmask, gg, FMT, QB, QBB, RB)  # [BLOCK_K, BLOCK_N]
-            wu = dequant(base, cols[None, :] + INTER, kk[:, None], wmask, gu, FMT, QB, QBB, RB)
+            wg = _weight_tile(row_g, k0, cmask[None, :], gg, FMT, QB, QBB, H, BLOCK_K)  # [BLOCK_K, BLOCK_N]
+            wu = _weight_tile(row_u, k0, cmask[None, :], gu, FMT, QB, QBB, H, BLOCK_K)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
         tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], silu(acc_g) * acc_u,
@@ -83,7 +100,7 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr
         rmask = entry >= 0
         cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
-        base = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF
+        row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
         gd = tl.load(gs_ptr + s * 3 + 2)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
@@ -91,7 +108,7 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr
             kmask = kk < INTER
             ht = tl.load(h_ptr + rows.to(tl.int64)[:, None] * INTER + kk[None, :],
                          mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wt = dequant(base, cols[None, :], kk[:, None], kmask[:, None] & cmask[None, :], gd, FMT, QB, QBB, RB)
+            wt = _weight_tile(row_d, k0, cmask[None, :], gd, FMT, QB, QBB, INTER, BLOCK_K)
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
         e = tl.where(rmask, entry, 0)
         wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
