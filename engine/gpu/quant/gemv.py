@@ -37,7 +37,8 @@ from engine.options import triton_interpreted
 
 # rows per program (gate_up: of I; down: of H) and values per step along K (whole blocks: NB = this
 # // B blocks a step, at least one). Triton's interpreter (the CPU tests) runs a program's tile as
-# one numpy array: there, more rows, fewer programs
+# one numpy array: there, more rows, fewer programs. 8 warps: [16, 256] tiles hold as many values a
+# thread as the bf16 kernel's [16, 128] at 4 (untuned: the gpu test prints the GB/s to tune against)
 _ROWS = 128 if triton_interpreted() else 16
 _STEP = 256
 
@@ -134,7 +135,7 @@ def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.T
     dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
     copies = dst.numel() if phased else 1
     common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "ROWS": _ROWS, "COPIES": copies,
-              "COPIES_P": triton.next_power_of_2(copies), "num_warps": 4}
+              "COPIES_P": triton.next_power_of_2(copies), "num_warps": 8}
     for phase in ((1, 2) if phased else (0,)):
         if phase == 2:
             assert between is not None

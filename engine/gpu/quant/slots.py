@@ -11,8 +11,9 @@ Contract:
   down) global scales, ones for formats without one. Checked on construction (ValueError).
 - `PackedSlots.allocate(formats, slots, device)`: an empty pool whose stride fits every format
   given (gscale ones). `.gate_up(fmt)` / `.down(fmt)`: [S, rows, row_bytes] uint8 views of the
-  slots as fmt's matrices; `.copy_in(dst, expert, gscale=None)` copies one expert's packed bytes
-  (a flat uint8 row of fmt.nbytes, e.g. a pinned host bank row) into slot dst on the current stream.
+  slots as fmt's matrices; `.copy_in(dst, fmt, gate_up, down, gscale=None)` copies one expert's
+  packed rows (its host bank rows, e.g. PackedExpertBanks' gate_up[l][e] and down[l][e], pinned for
+  an asynchronous copy) into slot dst on the current stream: two copies, gscale a third.
 - `slots_for_budget(budget_bytes, formats, experts)`: how many slots a byte budget holds (a slot
   costs the stride plus its 12 gscale bytes), never more than the experts.
 """
@@ -97,8 +98,11 @@ class PackedSlots:
         return self.data.as_strided((self.slots, fmt.hidden, fmt.d_row_bytes), (self.stride, fmt.d_row_bytes, 1),
                                     self.data.storage_offset() + fmt.gate_up_bytes)
 
-    def copy_in(self, dst: int, expert: torch.Tensor, gscale: torch.Tensor | None = None) -> None:
-        self.data[dst, :expert.numel()].copy_(expert.reshape(-1), non_blocking=True)
+    def copy_in(self, dst: int, fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor,
+                gscale: torch.Tensor | None = None) -> None:
+        self.check(fmt)
+        self.data[dst, :fmt.gate_up_bytes].copy_(gate_up.reshape(-1), non_blocking=True)
+        self.data[dst, fmt.gate_up_bytes:fmt.nbytes].copy_(down.reshape(-1), non_blocking=True)
         if gscale is not None:
             self.gscale[dst].copy_(gscale, non_blocking=True)
 

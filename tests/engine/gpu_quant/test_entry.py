@@ -33,7 +33,7 @@ def check(device: str) -> int:
     for i, (src, fmt, dgu, dd) in enumerate(layers):
         # the layer's experts 0 and 1 land in slots 2 and 0 (slot 1 keeps the other layer's bytes)
         for e, s in ((0, 2), (1, 0)):
-            pool.copy_in(s, src.data[e, :fmt.nbytes].to(device), src.gscale[e].to(device))
+            pool.copy_in(s, fmt, src.gate_up(fmt)[e].to(device), src.down(fmt)[e].to(device), src.gscale[e].to(device))
         slot_ids = torch.tensor([[2, -1], [0, 2]])
         rows = kernels[i].expert_rows(x.to(device), slot_ids.to(device), w.to(device)).cpu()
         want = reference_moe(x, torch.tensor([[0, -1], [1, 0]]), w, dgu, dd)

@@ -98,7 +98,7 @@ def check_phases_and_combine(device: str) -> int:
     def land() -> None:
         calls.append(1)
         for s in fetched:
-            garbage.copy_in(s, pool.data[s, :fmt.nbytes], pool.gscale[s])
+            garbage.copy_in(s, fmt, pool.gate_up(fmt)[s], pool.down(fmt)[s], pool.gscale[s])
 
     copy_dst = torch.tensor(fetched + [-1] * 7, device=device)
     split = packed_expert_rows(dev[0], dev[2], dev[3], garbage, fmt, copy_dst, land)
