@@ -28,9 +28,12 @@ from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
 _PRECISION = "ieee" if triton_interpreted() else "tf32x3"
-_GATE_UP_N, _GATE_UP_K = 64, 64  # I-tile (each of gate and up), H step
-_DOWN_N, _DOWN_K = 128, 64  # H-tile, I step
-_WARPS, _STAGES = 4, 3
+# I-tile (each of gate and up) and H step; H-tile and I step; 8 warps. The dequantised weight tile
+# lives in registers: with 64-value steps or 4 warps, ptxas spills (sm_90, every format); with
+# these, none (255 registers at most). Untuned for speed.
+_GATE_UP_N, _GATE_UP_K = 64, 32
+_DOWN_N, _DOWN_K = 128, 32
+_WARPS, _STAGES = 8, 3
 
 
 @triton.jit
