@@ -4,15 +4,17 @@ shared), with the CPU kernel's arithmetic (f32 accumulation, h kept f32).
 
 Contract: `packed_grouped_experts(x [N, H] bf16/f16/f32, ids [N, k], weights [N, k], slot_of [E],
 slots: PackedSlots, fmt: ExpertFormat (the layer's), layout=None) -> [N, H] float32`: for each
-token the sum over its k entries of weight * down(silu(gate x) * up x), expert e's packed rows read from slot `slot_of[e]` and
-dequantised in registers (times the slot's gscale). Every routed expert must have a slot; a token's
-k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it already.
+token the sum over its k entries of weight * down(silu(gate x) * up x), expert e's packed rows read
+from slot `slot_of[e]` and dequantised in registers (times the slot's gscale). Every routed expert
+must have a slot; a token's k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the
+caller queued it already.
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
 BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
-before each dot (whole blocks: each block's scale fields read once per row and step). x is widened to float32 and the dots take float32 operands: "tf32x3" on a GPU
-(three TF32 tensor-core products: about float32's accuracy at tensor-core speed), IEEE under the
-interpreter. The k contributions of a token are summed in float32 by a torch reduction.
+before each dot (whole blocks: a block's scale fields read once per row and step). x is widened to
+float32 and the dots take float32 operands: "tf32x3" on a GPU (three TF32 tensor-core products:
+about float32's accuracy at tensor-core speed), IEEE under the interpreter. The k contributions of
+a token are summed in float32 by a torch reduction.
 """
 
 from __future__ import annotations
