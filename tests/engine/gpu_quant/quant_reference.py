@@ -62,11 +62,14 @@ def reference_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     weights gu[s] [2I, H] and d[s] [H, I], zeros for entries without a slot."""
     n, k = slot_ids.shape
     rows = torch.zeros(n * k, x.shape[1], dtype=torch.float64)
+    dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for e in range(n * k):
         s = int(slot_ids.view(-1)[e])
         if s < 0:
             continue
-        w13, w2 = torch.from_numpy(gu[s]).double(), torch.from_numpy(d[s]).double()
+        if s not in dense:
+            dense[s] = torch.from_numpy(gu[s]).double(), torch.from_numpy(d[s]).double()
+        w13, w2 = dense[s]
         inter = w2.shape[1]
         xt = x[e // k].double()
         g, u = w13[:inter] @ xt, w13[inter:] @ xt
