@@ -1,0 +1,57 @@
+"""The executor's entry point to the packed kernels: per MoE layer, an object with the calls the GPU
+tier makes on engine/gpu/kernels.py (decode step) and engine/gpu/grouped.py (streamed prefill), so
+a packed model swaps the module for `layer_kernels[moe_index]` and keeps its plan, copy list and
+hand-off as they are.
+
+Contract: `packed_layer_kernels(slots: PackedSlots, formats: Sequence[ExpertFormat])` -> one
+`PackedLayerKernels` per MoE layer (formats[i]: layer i's; the pool's stride must fit each), with
+- `expert_rows(x, slot_ids, weights, slots_w13=None, slots_w2=None, copy_dst=None, between=None,
+  split=None, scratch=-2) -> [N * k, H] float32`: `packed_expert_rows` on the layer's format
+  (slots_w13 / slots_w2 are not read: the pool is the object's); `split` must be None (the expert
+  split is for bf16 / f32 banks: ValueError);
+- `combine_experts`, `hand_off`, `group_entries`: engine/gpu/kernels.py's and grouped.py's, as they are
+  (combine_experts takes the float32 rows and writes out's dtype);
+- `grouped_experts(x, ids, weights, slot_of, slots_w13=None, slots_w2=None, layout=None) -> [N, H]`
+  in x's dtype: `packed_grouped_experts`, rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.gpu.grouped import GroupedLayout, group_entries
+from engine.gpu.kernels import combine_experts, hand_off
+from engine.gpu.quant.gemv import packed_expert_rows
+from engine.gpu.quant.grouped import packed_grouped_experts
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
+
+
+class PackedLayerKernels:
+    combine_experts = staticmethod(combine_experts)
+    hand_off = staticmethod(hand_off)
+    group_entries = staticmethod(group_entries)
+
+    def __init__(self, slots: PackedSlots, fmt: ExpertFormat) -> None:
+        slots.check(fmt)
+        self.slots = slots
+        self.fmt = fmt
+
+    def expert_rows(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                    slots_w13: torch.Tensor | None = None, slots_w2: torch.Tensor | None = None,
+                    copy_dst: torch.Tensor | None = None, between: Callable[[], None] | None = None,
+                    split: torch.Tensor | None = None, scratch: int = -2) -> torch.Tensor:
+        if split is not None:
+            raise ValueError("the expert split runs on bf16 / f32 banks only, these are "
+                             f"{self.fmt.fmt_gu}/{self.fmt.fmt_d}")
+        return packed_expert_rows(x, slot_ids, weights, self.slots, self.fmt, copy_dst, between)
+
+    def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                        slots_w13: torch.Tensor | None = None, slots_w2: torch.Tensor | None = None,
+                        layout: GroupedLayout | None = None) -> torch.Tensor:
+        return packed_grouped_experts(x, ids, weights, slot_of, self.slots, self.fmt, layout).to(x.dtype)
+
+
+def packed_layer_kernels(slots: PackedSlots, formats: Sequence[ExpertFormat]) -> list[PackedLayerKernels]:
+    return [PackedLayerKernels(slots, f) for f in formats]

@@ -1,0 +1,156 @@
+"""Decode-step routed experts over packed slots (1..8 tokens): the packed counterpart of
+engine/gpu/kernels.py's `expert_rows` / `slot_experts`, same plan contract, the CPU kernel's
+arithmetic (native/packed.py: f32 accumulation, h = silu(g) * u kept f32, no activation quantisation).
+
+Contract:
+- `packed_expert_rows(x [N, H] bf16/f16/f32, slot_ids [N, k], weights [N, k], slots: PackedSlots,
+  fmt: ExpertFormat (the layer's), copy_dst=None, between=None) -> [N * k, H] float32`: entry e's
+  weight * down(silu(gate x) * up x), gate / up / down the slot's packed rows dequantised in
+  registers (times the slot's gscale), zeros for entries without a slot (slot id < 0). With
+  `copy_dst` (the slots a fetch is filling, -1 padded) and `between` (what waits for it), the
+  entries in other slots run first, then `between()`, then the fetched ones (engine/gpu/kernels.py's
+  `_phase_slot`, shared): hits compute while the copies fly. The rows do not depend on which slot
+  holds an expert.
+- `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None) -> [N, H] float32`: those rows
+  summed per token in ascending expert id (`combine_experts`, shared), plus the CPU branch's part.
+
+How: one program per (entry, tile of 16 output rows; 128 under the interpreter): gate_up's programs
+take gate or up rows (written f32 [N * k, 2I]), down's apply silu(gate) * up as they read them.
+Each walks K (H for gate_up, I for down) 256 values a step as [rows, blocks, values in a block]
+tiles, so a block's scale fields are read once (dequant_at); the f32 products accumulate in the
+tile, reduced once after the loop (the bf16 kernel's measured choice). A slot's gate_up rows start
+at its first byte, its down rows `fmt.gate_up_bytes` later (slots are `slots.stride` bytes apart).
+The expert split (scratch slot) is not supported: the executor enables it for bf16 / f32 banks only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.gpu.kernels import _phase_slot, combine_experts
+from engine.gpu.quant.dequant import dequant_at, silu
+from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
+from engine.options import triton_interpreted
+
+# rows per program (gate_up: of I; down: of H) and values per step along K (whole blocks: NB = this
+# // B blocks a step, at least one). Triton's interpreter (the CPU tests) runs a program's tile as
+# one numpy array: there, more rows, fewer programs. 8 warps: [16, 256] tiles hold as many values a
+# thread as the bf16 kernel's [16, 128] at 4 (untuned: the gpu test prints the GB/s to tune against)
+_ROWS = 128 if triton_interpreted() else 16
+_STEP = 256
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, gu_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                    K: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr,
+                    ROWS: tl.constexpr, NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr,
+                    COPIES_P: tl.constexpr):
+    # rows of w13 (gate rows 0..I-1, then up rows): each program one matrix's tile, so one
+    # accumulator (registers for more programs a multiprocessor)
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < 2 * INTER
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
+    if go:
+        if s < 0:
+            tl.store(gu_ptr + e * 2 * INTER + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
+        else:
+            t = e // K
+            gs = tl.where(rows < INTER, tl.load(gs_ptr + s * 3), tl.load(gs_ptr + s * 3 + 1))[:, None, None]
+            # [ROWS, NB, QB] tiles: row, block, value in the block; block fields read once per block
+            row_p = w_ptr + s.to(tl.int64) * STRIDE + rows.to(tl.int64)[:, None, None] * RB
+            nb = tl.arange(0, NB)[None, :, None]
+            j = tl.arange(0, QB)[None, None, :]
+            tile = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            for b0 in range(0, H // QB, NB):
+                blk = b0 + nb
+                bmask = blk < H // QB
+                xv = tl.load(x_ptr + t * H + blk * QB + j, mask=bmask, other=0.0).to(tl.float32)
+                tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gs, FMT) * xv
+            tl.store(gu_ptr + e * 2 * INTER + rows, tl.sum(tl.sum(tile, axis=2), axis=1), mask=rmask)
+
+
+@triton.jit
+def _down_kernel(gu_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                 FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, ROWS: tl.constexpr,
+                 NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < H
+    s, go = _phase_slot(slot_ptr, dst_ptr, e, PHASE, COPIES, COPIES_P)
+    if go:
+        if s < 0:
+            tl.store(y_ptr + e * H + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
+        else:
+            gd = tl.load(gs_ptr + s * 3 + 2)
+            row_p = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + rows.to(tl.int64)[:, None, None] * RB
+            nb = tl.arange(0, NB)[None, :, None]
+            j = tl.arange(0, QB)[None, None, :]
+            tile = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            for b0 in range(0, INTER // QB, NB):
+                blk = b0 + nb
+                bmask = blk < INTER // QB
+                g = tl.load(gu_ptr + e * 2 * INTER + blk * QB + j, mask=bmask, other=0.0)
+                u = tl.load(gu_ptr + e * 2 * INTER + INTER + blk * QB + j, mask=bmask, other=0.0)
+                hv = silu(g) * u  # h, f32
+                tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gd, FMT) * hv
+            y = tl.sum(tl.sum(tile, axis=2), axis=1) * tl.load(wt_ptr + e)
+            tl.store(y_ptr + e * H + rows, y, mask=rmask)
+
+
+def _check(x: torch.Tensor, slots: PackedSlots, fmt: ExpertFormat) -> None:
+    slots.check(fmt)
+    if x.shape[1] != fmt.hidden:
+        raise ValueError(f"x: hidden size {x.shape[1]}, the experts have {fmt.hidden}")
+
+
+def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: PackedSlots,
+                       fmt: ExpertFormat, copy_dst: torch.Tensor | None = None,
+                       between: Callable[[], None] | None = None) -> torch.Tensor:
+    """See the module docstring."""
+    _check(x, slots, fmt)
+    n, hidden = x.shape
+    k = slot_ids.shape[1]
+    inter = fmt.inter
+    entries = n * k
+    y = torch.empty(entries, hidden, dtype=torch.float32, device=x.device)
+    if slots.slots == 0 or entries == 0:
+        if between is not None:
+            between()
+        return y.zero_()
+    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
+    x = x.contiguous()
+    slot_flat = slot_ids.reshape(-1).contiguous()
+    w = weights.reshape(-1).to(torch.float32).contiguous()
+    gu = torch.empty(entries, 2 * inter, dtype=torch.float32, device=x.device)
+    phased = copy_dst is not None and between is not None
+    dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
+    copies = dst.numel() if phased else 1
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "ROWS": _ROWS, "COPIES": copies,
+              "COPIES_P": triton.next_power_of_2(copies), "num_warps": 8}
+    for phase in ((1, 2) if phased else (0,)):
+        if phase == 2:
+            assert between is not None
+            between()
+        _gate_up_kernel[(entries, triton.cdiv(2 * inter, _ROWS))](
+            x, slot_flat, slots.data, slots.gscale, gu, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
+            QBB=fg.block_bytes, RB=fmt.gu_row_bytes, NB=max(1, _STEP // fg.block), PHASE=phase, **common)
+        _down_kernel[(entries, triton.cdiv(hidden, _ROWS))](
+            gu, slot_flat, slots.data, slots.gscale, w, y, dst, hidden, inter, FMT=fd.code, QB=fd.block,
+            QBB=fd.block_bytes, RB=fmt.d_row_bytes, NB=max(1, _STEP // fd.block), PHASE=phase, **common)
+    return y
+
+
+def packed_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                        slots: PackedSlots, fmt: ExpertFormat, cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    combine_experts(packed_expert_rows(x, slot_ids, weights, slots, fmt), ids, out, cpu)
+    return out

@@ -1,0 +1,150 @@
+"""Grouped routed experts over packed slots for a streamed prefill chunk: the packed counterpart of
+engine/gpu/grouped.py's `grouped_experts`, on the same expert-sorted layout (`group_entries`,
+shared), with the CPU kernel's arithmetic (f32 accumulation, h kept f32).
+
+Contract: `packed_grouped_experts(x [N, H] bf16/f16/f32, ids [N, k], weights [N, k], slot_of [E],
+slots: PackedSlots, fmt: ExpertFormat (the layer's), layout=None) -> [N, H] float32`: for each
+token the sum over its k entries of weight * down(silu(gate x) * up x), expert e's packed rows read
+from slot `slot_of[e]` and dequantised in registers (times the slot's gscale). Every routed expert
+must have a slot; a token's k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the
+caller queued it already.
+
+How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
+BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
+before each dot (whole blocks: a block's scale fields read once per row and step). x is widened to
+float32 and the dots take float32 operands: "tf32x3" on a GPU (three TF32 tensor-core products:
+about float32's accuracy at tensor-core speed), IEEE under the interpreter. The k contributions of
+a token are summed in float32 by a torch reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.gpu.grouped import GroupedLayout, group_entries
+from engine.gpu.quant.dequant import dequant_at, silu
+from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
+from engine.options import triton_interpreted
+
+_PRECISION = "ieee" if triton_interpreted() else "tf32x3"
+# I-tile (each of gate and up) and H step; H-tile and I step; 8 warps. The dequantised weight tile
+# lives in registers: with 64-value steps or 4 warps, ptxas spills (sm_90, every format); with
+# these, none (255 registers at most). Untuned for speed.
+_GATE_UP_N, _GATE_UP_K = 64, 32
+_DOWN_N, _DOWN_K = 128, 32
+_WARPS, _STAGES = 8, 3
+
+
+@triton.jit
+def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] values k0.. of the rows starting at row_p [1, BLOCK_N] (mask m [1, BLOCK_N]):
+    one block per step when blocks are at least BLOCK_K values (k0 is a multiple of BLOCK_K), else
+    BLOCK_K / QB whole blocks as a [blocks, QB, BLOCK_N] tile; either way a block's scale fields
+    are read once per row."""
+    if QB >= BLOCK_K:
+        v = dequant_at(row_p + (k0 // QB) * QBB, k0 % QB + tl.arange(0, BLOCK_K)[:, None], m, g, FMT)
+    else:
+        blk = k0 // QB + tl.arange(0, BLOCK_K // QB)[:, None, None]
+        v = dequant_at(row_p[None, :, :] + blk * QBB, tl.arange(0, QB)[None, :, None],
+                       m[None, :, :] & (blk < K // QB), g, FMT)
+        v = tl.reshape(v, (BLOCK_K, v.shape[2]))
+    return v
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K,
+                    H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(INTER, BLOCK_N)
+    blk = pid // n_tiles
+    s = tl.load(block_slot_ptr + blk)
+    if s >= 0:
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        entry = tl.load(row_entry_ptr + rows)
+        rmask = entry >= 0
+        token = tl.where(rmask, entry // K, 0)
+        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < INTER
+        row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
+        row_u = row_g + INTER * RB
+        gg = tl.load(gs_ptr + s * 3)
+        gu = tl.load(gs_ptr + s * 3 + 1)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < H
+            xt = tl.load(x_ptr + token.to(tl.int64)[:, None] * H + kk[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            wg = _weight_tile(row_g, k0, cmask[None, :], gg, FMT, QB, QBB, H, BLOCK_K)  # [BLOCK_K, BLOCK_N]
+            wu = _weight_tile(row_u, k0, cmask[None, :], gu, FMT, QB, QBB, H, BLOCK_K)
+            acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], silu(acc_g) * acc_u,
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr, y_ptr,
+                 H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    blk = pid // n_tiles
+    s = tl.load(block_slot_ptr + blk)
+    if s >= 0:
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        entry = tl.load(row_entry_ptr + rows)
+        rmask = entry >= 0
+        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
+        gd = tl.load(gs_ptr + s * 3 + 2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < INTER
+            ht = tl.load(h_ptr + rows.to(tl.int64)[:, None] * INTER + kk[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wt = _weight_tile(row_d, k0, cmask[None, :], gd, FMT, QB, QBB, INTER, BLOCK_K)
+            acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
+        e = tl.where(rmask, entry, 0)
+        wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
+        tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None) -> torch.Tensor:
+    """See the module docstring."""
+    slots.check(fmt)
+    n, hidden = x.shape
+    k = ids.shape[1]
+    inter = fmt.inter
+    if hidden != fmt.hidden:
+        raise ValueError(f"x: hidden size {hidden}, the experts have {fmt.hidden}")
+    if n == 0 or k == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    row_entry, block_slot, block = layout if layout is not None else group_entries(ids, slot_of)
+    blocks = block_slot.shape[0]
+    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
+    x = x.contiguous()
+    flat_w = weights.reshape(-1).to(torch.float32).contiguous()
+    h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block, "PRECISION": _PRECISION,
+              "num_warps": _WARPS, "num_stages": _STAGES}
+    _gate_up_kernel[(blocks * triton.cdiv(inter, _GATE_UP_N),)](
+        x, slots.data, slots.gscale, row_entry, block_slot, h, k, H=hidden, INTER=inter, FMT=fg.code,
+        QB=fg.block, QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N, BLOCK_K=_GATE_UP_K, **common)
+    y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
+        h, slots.data, slots.gscale, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
+        QB=fd.block, QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
+    return y.view(n, k, hidden).sum(dim=1)
