@@ -46,7 +46,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
     from freetoken_agent.serve import resolve_device
-    from freetoken_agent.service.chat import FAMILIES
+    from freetoken_agent.service.chat import parser_family
     from freetoken_agent.tokenizer import StreamDecoder
 
     if not args.prompt:
@@ -73,7 +73,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.raw:
         from adapters.parsers import ContentDelta, ReasoningDelta, create_parser
 
-        family = FAMILIES[engine.cfg.family]
+        family = parser_family(engine.cfg.family, tok.chat_template)
         parser = create_parser(family, None, starts_in_reasoning=thinking and family == "qwen3_5")
     reasoning = _Reasoning(sys.stderr)
 

@@ -48,7 +48,23 @@ from freetoken_agent.service.types import ChatMessage, ChatRequest, Chunk, Finis
 from freetoken_agent.sessions import RequestPlan, SessionManager
 from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 
-FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony"}
+# model family -> the output parser of its chat format (adapters/parsers FAMILIES)
+FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3", "gpt_oss": "harmony"}
+# A marker in the checkpoint's own chat template names its call format, whatever the model family:
+# GLM's, DeepSeek's and Kimi's templates each write calls their own way.
+_TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("<arg_key>", "glm4"), ("<｜tool▁call▁begin｜>", "deepseek_v3"),
+                     ("<|tool_call_begin|>", "kimi_k2"))
+
+
+def parser_family(model_family: str, chat_template: str | None) -> str:
+    """The output parser for a model: its template's call markers first, then its family's default.
+    A template with neither (the demo models of other families carry Qwen3's) reads as Qwen3's."""
+    for marker, family in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return family
+    return FAMILIES.get(model_family, "qwen3")
+
+
 log = logging.getLogger("freetoken.service")
 MIN_TEMPERATURE = 1e-2
 ESCAPED_ROLES = ("system", "user", "tool")  # their content is the client's text, not the model's
@@ -90,7 +106,7 @@ class ChatService:
                  sessions: SessionManager | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.sessions = sessions or SessionManager(tokenizer, engine=engine)
-        self.family = FAMILIES[engine.cfg.family]
+        self.family = parser_family(engine.cfg.family, tokenizer.chat_template)
         self.context_window = min(context_window or engine.max_model_len, engine.max_model_len,
                                   engine.opts.kv_tokens)
         self.max_output_tokens = min(max_output_tokens, self.context_window)
