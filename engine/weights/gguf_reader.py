@@ -4,7 +4,11 @@ Contract: `GgufReader(path)` opens a `.gguf` file with the `gguf` package (memor
 read up front) and answers like `CheckpointReader` (engine/weights/reader.py): `names()`, `has`,
 `shape`, `nbytes`, `file_of`, `get(name)` under the checkpoint names `load_weights` asks for, so
 the same loader fills the same layout; `config()` is the model's config as a Hugging Face
-config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
+config dict, built from the GGUF metadata. A split set (`NAME-00001-of-0000N.gguf`, named by its
+first part) reads as one file. Tensors in F32, F16, BF16 or any quant type of engine/quant/formats.py:
+`get` dequantizes a quantized tensor to float32 (the loader casts it to the dense dtype);
+`packed(name)` gives a quantized tensor's raw rows (uint8 [..., row_bytes]) and its format, which the
+loader copies into packed expert banks as they are. Supported architectures:
 - `qwen3moe` (Qwen3-MoE): the tensors map one to one (llama.cpp stores Qwen3's projections
   unpermuted, NEOX rotary, softmax routing with normalised top-k weights, as Hugging Face does);
 - `qwen35moe` (Qwen3.5 / Qwen3.6-MoE, Gated DeltaNet hybrid), where llama.cpp's conventions differ
@@ -13,8 +17,8 @@ config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
   value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
   heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
   evals/peer/check_logits.py runs both programs on one file and compares their logits.
-Anything else (another architecture, a quantised tensor) raises `ConfigError` / `WeightError`
-naming it. Needs the `gguf` package (`pip install gguf`).
+Anything else (another architecture, a quant type without a format here) raises `ConfigError` /
+`WeightError` naming the file, the tensor and its type. Needs the `gguf` package (`pip install gguf`).
 
 Why: the peer benchmark (evals/peer/) runs llama.cpp on a GGUF; reading the same file gives both
 systems the same weights, byte for byte.
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError, WeightError
+from engine.quant.formats import FORMATS, GGML_FORMATS
 
 _ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
@@ -95,17 +100,38 @@ def _checkpoint_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]
     return None
 
 
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of a split set named by its first part (`-00001-of-0000N.gguf`), else [path]."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    if int(m.group(2)) != 1:
+        raise ConfigError(f"{path}: part {int(m.group(2))} of a split GGUF; name the first part "
+                          f"({m.group(1)}-00001-of-{m.group(3)}.gguf)")
+    count = int(m.group(3))
+    return [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _open(gguf: Any, path: Path) -> Any:
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except FileNotFoundError:
+        raise WeightError(f"{path}: file not found") from None
+    except Exception as e:  # gguf raises ValueError and friends for a bad file (truncated, unknown type)
+        raise WeightError(f"{path}: not a readable GGUF file ({e})") from None
+
+
 class GgufReader:
     def __init__(self, path: Path | str) -> None:
         gguf = _import_gguf()
         self.path = Path(path)
         self.model_dir = self.path  # what error messages name
-        try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except FileNotFoundError:
-            raise WeightError(f"{self.path}: file not found") from None
-        except Exception as e:  # gguf raises ValueError and friends for a bad file
-            raise WeightError(f"{self.path}: not a readable GGUF file ({e})") from None
+        readers = [_open(gguf, p) for p in split_parts(self.path)]
+        self._reader = readers[0]  # a split set's metadata is in its first part
+        self._file: dict[str, Path] = {}
         self._gguf = gguf
         self.arch = self._value("general.architecture")
         if self.arch not in _ARCHS:
@@ -113,10 +139,12 @@ class GgufReader:
                               f"(supported: {', '.join(_ARCHS)})")
         self._tensors: dict[str, Any] = {}
         patterns = _patterns(_TABLES[self.arch])
-        for t in self._reader.tensors:
-            name = _checkpoint_name(t.name, patterns)
-            if name is not None:
-                self._tensors[name] = t
+        for part, r in zip(split_parts(self.path), readers, strict=True):
+            for t in r.tensors:
+                name = _checkpoint_name(t.name, patterns)
+                if name is not None:
+                    self._tensors[name] = t
+                    self._file[name] = part
 
     # ---------------------------------------------------------------- metadata
     def _value(self, key: str, default: Any = None) -> Any:
@@ -136,7 +164,8 @@ class GgufReader:
         if "model.embed_tokens.weight" not in self._tensors:
             raise WeightError(f"{self.path}: no token_embd.weight")
         experts = "model.layers.0.mlp.experts.gate_proj"
-        dtype = self._tensor_dtype(self._tensors[experts]) if experts in self._tensors else torch.bfloat16
+        # the experts' float type, or bfloat16 for quantized experts (the dense dtype the user may override)
+        dtype = _FLOAT_TYPES.get(self.qtype(experts), torch.bfloat16) if experts in self._tensors else torch.bfloat16
         cfg: dict[str, Any] = {
             "model_type": _ARCHS[a], "vocab_size": self.shape("model.embed_tokens.weight")[0],
             "hidden_size": hidden, "num_hidden_layers": int(v(f"{a}.block_count")),
@@ -213,28 +242,72 @@ class GgufReader:
         return shape
 
     def file_of(self, name: str) -> Path:
-        return self.path
+        return self._file.get(name, self.path)
 
     def nbytes(self, name: str) -> int:
         return int(self._tensors[name].n_bytes)
 
+    def qtype(self, name: str) -> str:
+        """The tensor's GGML type name (`F32`, `Q4_K`, ...)."""
+        return str(self._gguf.GGMLQuantizationType(self._tensors[name].tensor_type).name)
+
+    def _kind(self, t: Any) -> str:
+        kind = str(self._gguf.GGMLQuantizationType(t.tensor_type).name)
+        if kind not in _FLOAT_TYPES and kind not in GGML_FORMATS:
+            raise WeightError(f"{self._where(t)}: tensor {t.name!r} is {kind}; supported: "
+                              f"{', '.join([*_FLOAT_TYPES, *GGML_FORMATS])}")
+        return kind
+
+    def _where(self, t: Any) -> Path:
+        return next((self._file[n] for n, v in self._tensors.items() if v is t), self.path)
+
     def _tensor_dtype(self, t: Any) -> torch.dtype:
-        kind = self._gguf.GGMLQuantizationType(t.tensor_type).name
-        if kind not in _FLOAT_TYPES:
-            raise WeightError(f"{self.path}: tensor {t.name!r} is {kind}; only F32, F16 and BF16 are supported")
-        return _FLOAT_TYPES[kind]
+        kind = self._kind(t)
+        return _FLOAT_TYPES.get(kind, torch.float32)  # a quantized tensor dequantizes to float32
+
+    def packed(self, name: str) -> tuple[str, torch.Tensor]:
+        """(format, uint8 rows [..., row_bytes]) of a quantized tensor, a view of the mapped file."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise WeightError(f"{self.path}: missing tensor {name!r}")
+        kind = self._kind(t)
+        if kind not in GGML_FORMATS:
+            raise WeightError(f"{self._where(t)}: tensor {t.name!r} is {kind}, not a quantized type")
+        return GGML_FORMATS[kind], torch.from_numpy(np.asarray(t.data))
+
+    # ---------------------------------------------------------------- packed experts (engine/weights/packed.py)
+    def expert_format(self, prefix: str) -> str | None:
+        t = self._tensors.get(prefix + "gate_proj")
+        return None if t is None else GGML_FORMATS.get(self._kind(t))  # an unsupported type raises here
+
+    def expert_rows(self, prefix: str, proj: str, experts: int, rows: int, cols: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        from engine.weights.packed import check_rows
+
+        name = prefix + proj
+        t = self._tensors.get(name)
+        if t is None:
+            raise WeightError(f"{self.path}: missing tensor {name!r}")
+        if self.shape(name) != (experts, rows, cols):
+            raise WeightError(f"{self.file_of(name)}: tensor {t.name!r} has shape {list(self.shape(name))}, "
+                              f"expected {[experts, rows, cols]}")
+        fmt, data = self.packed(name)
+        what = f"{self.file_of(name)}: tensor {t.name!r} ({self.qtype(name)})"
+        return fmt, check_rows(what, fmt, data, (experts, rows), cols), torch.ones(experts)
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")
-        dtype = self._tensor_dtype(t)
+        kind = self._kind(t)
         data = np.asarray(t.data)
-        if dtype == torch.bfloat16:  # numpy has no bf16: the reader gives the raw 16-bit words
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if kind in GGML_FORMATS:
+            out = FORMATS[GGML_FORMATS[kind]].dequantize(torch.from_numpy(data), shape[-1])
+        elif kind == "BF16":  # numpy has no bf16: the reader gives the raw 16-bit words
             out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
         else:
             out = torch.from_numpy(data.copy())
-        out = out.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        out = out.reshape(shape)
         if self.arch == "qwen35moe":
             out = self._to_checkpoint(name, out)
         return out.reshape(self.shape(name))

@@ -5,6 +5,8 @@ implies, checks its shape (a mismatch raises `WeightError` naming tensor and fil
 experts stored per expert (`experts.{e}.gate_proj.weight`, ...), fused (`experts.gate_up_proj`
 [E, 2I, H] or its transpose, `experts.down_proj`) or stacked (`experts.gate_proj` [E, I, H]), and
 ignores tensors of other towers (vision, MTP). `progress(done, total)` is called as layers load.
+Quantized routed experts (a GGUF's quant types, an HF fp8 / nvfp4 / mxfp4 checkpoint) load packed,
+as stored, into `PackedExpertBanks` (engine/weights/packed.py); float experts into `ExpertBanks`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.weights.layout import (
     MlpWeights,
     MoeWeights,
 )
+from engine.weights.packed import load_packed_experts, packed_format
 from engine.weights.reader import CheckpointReader
 
 Progress = Callable[[int, int], None]
@@ -66,9 +69,11 @@ def load_weights(
     f = _Fetch(reader, device, dtype)
     p = cfg.weight_prefix
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    w13 = torch.empty(cfg.num_moe_layers * e, 2 * i, h, dtype=dtype)
-    w2 = torch.empty(cfg.num_moe_layers * e, h, i, dtype=dtype)
-    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e)
+    packed = packed_format(reader, cfg) is not None
+    rows = 0 if packed else cfg.num_moe_layers * e
+    banks = ExpertBanks(w13=torch.empty(rows, 2 * i, h, dtype=dtype), w2=torch.empty(rows, h, i, dtype=dtype),
+                        num_experts=e)
+    experts = load_packed_experts(reader, cfg) if packed else banks  # type: ignore[arg-type]
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
     layers = []
     total = cfg.num_layers + 1
@@ -83,7 +88,8 @@ def load_weights(
         if cfg.moe_layers[li]:
             lw.moe_index = cfg.moe_layer_ids.index(li)
             lw.moe = _moe(f, cfg, lp + "mlp.")
-            _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
+            if not packed:
+                _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
         else:
             di = cfg.dense_intermediate_size
             lw.mlp = MlpWeights(f.dense(lp + "mlp.gate_proj.weight", di, h), f.dense(lp + "mlp.up_proj.weight", di, h),
@@ -98,7 +104,7 @@ def load_weights(
         lm_head = f.dense("lm_head.weight", cfg.vocab_size, h)
     if progress:
         progress(total, total)
-    return DecoderWeights(embed=embed, final_norm=final_norm, lm_head=lm_head, layers=layers, experts=banks)
+    return DecoderWeights(embed=embed, final_norm=final_norm, lm_head=lm_head, layers=layers, experts=experts)
 
 
 def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:
