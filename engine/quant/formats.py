@@ -46,6 +46,27 @@ class QuantFormat:
     block_bytes: int
     decode: Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, block_bytes] -> float32 [n, block]
     has_gscale: bool = False  # a per-matrix global scale multiplies every value (nvfp4)
+    halves: tuple[int, ...] = ()  # byte offsets of the block's half-precision scale fields
+
+    def random_rows(self, shape: tuple[int, ...], k: int, gen: torch.Generator, scale: float = 1e-3) -> torch.Tensor:
+        """uint8 [*shape, row_bytes(k)] of random valid blocks (finite scales of about `scale`), e.g. for benchmarks."""
+        nb = self.row_bytes(k) // self.block_bytes
+        raw = torch.randint(0, 256, (*shape, nb, self.block_bytes), dtype=torch.uint8, generator=gen)
+        scales = (torch.rand((*shape, nb, 1), generator=gen) * scale + scale / 4)
+        for off in self.halves:
+            raw[..., off:off + 2] = scales.half().view(torch.uint8)
+        if self.name == "fp8":
+            raw[..., :4] = scales.view(torch.uint8)
+        if self.name in ("fp8", "nvfp4"):  # no NaN codes among the e4m3 bytes
+            first = 4 if self.name == "fp8" else 0
+            end = None if self.name == "fp8" else 1
+            part = raw[..., first:end]
+            part[(part & 0x7F) == 0x7F] = 0x38
+        if self.name == "mxfp4":
+            raw[..., 0] = 118 + raw[..., 0] % 8  # exponents near 2^-10
+        if self.name == "bf16":
+            raw = (torch.randn((*shape, nb), generator=gen) * scale).to(torch.bfloat16).view(torch.uint8)
+        return raw.reshape(*shape, -1)
 
     def row_bytes(self, k: int, what: str = "tensor") -> int:
         if k % self.block:
@@ -65,12 +86,16 @@ class QuantFormat:
 
 
 _ALL = [
-    QuantFormat("q8_0", 32, 34, ggml.dq_q8_0), QuantFormat("q4_0", 32, 18, ggml.dq_q4_0),
-    QuantFormat("q4_1", 32, 20, ggml.dq_q4_1), QuantFormat("q5_0", 32, 22, ggml.dq_q5_0),
-    QuantFormat("q5_1", 32, 24, ggml.dq_q5_1), QuantFormat("q2_k", 256, 84, ggml.dq_q2_k),
-    QuantFormat("q3_k", 256, 110, ggml.dq_q3_k), QuantFormat("q4_k", 256, 144, ggml.dq_q4_k),
-    QuantFormat("q5_k", 256, 176, ggml.dq_q5_k), QuantFormat("q6_k", 256, 210, ggml.dq_q6_k),
-    QuantFormat("iq4_nl", 32, 18, ggml.dq_iq4_nl), QuantFormat("iq4_xs", 256, 136, ggml.dq_iq4_xs),
+    QuantFormat("q8_0", 32, 34, ggml.dq_q8_0, halves=(0,)), QuantFormat("q4_0", 32, 18, ggml.dq_q4_0, halves=(0,)),
+    QuantFormat("q4_1", 32, 20, ggml.dq_q4_1, halves=(0, 2)), QuantFormat("q5_0", 32, 22, ggml.dq_q5_0, halves=(0,)),
+    QuantFormat("q5_1", 32, 24, ggml.dq_q5_1, halves=(0, 2)),
+    QuantFormat("q2_k", 256, 84, ggml.dq_q2_k, halves=(80, 82)),
+    QuantFormat("q3_k", 256, 110, ggml.dq_q3_k, halves=(108,)),
+    QuantFormat("q4_k", 256, 144, ggml.dq_q4_k, halves=(0, 2)),
+    QuantFormat("q5_k", 256, 176, ggml.dq_q5_k, halves=(0, 2)),
+    QuantFormat("q6_k", 256, 210, ggml.dq_q6_k, halves=(208,)),
+    QuantFormat("iq4_nl", 32, 18, ggml.dq_iq4_nl, halves=(0,)),
+    QuantFormat("iq4_xs", 256, 136, ggml.dq_iq4_xs, halves=(0,)),
     QuantFormat("mxfp4", 32, 17, ggml.dq_mxfp4), QuantFormat("fp8", 128, 132, _dq_fp8),
     QuantFormat("nvfp4", 16, 9, _dq_nvfp4, has_gscale=True), QuantFormat("bf16", 1, 2, _dq_bf16),
 ]

@@ -138,3 +138,16 @@ def test_bad_input_is_named() -> None:
         nvfp4_rows(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), what="experts.down")
     with pytest.raises(ConfigError, match="weight_scale_inv"):
         fp8_rows(torch.zeros(4, 128, dtype=torch.uint8), torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_random_rows_are_valid_and_finite(name: str) -> None:
+    f = FORMATS[name]
+    k = 2 * max(f.block, 32)
+    rows = f.random_rows((3, 2), k, torch.Generator().manual_seed(0))
+    assert rows.shape == (3, 2, f.row_bytes(k)) and rows.dtype == torch.uint8
+    vals = f.dequantize(rows, k)
+    assert bool(torch.isfinite(vals).all()) and float(vals.abs().max()) > 0
+    if name.upper() in GGML_FORMATS:  # gguf reads the same values from them
+        want = gguf.quants.dequantize(rows.reshape(6, -1).numpy(), T[name.upper()])
+        _same_bits(vals.reshape(6, -1), want)
