@@ -25,6 +25,7 @@ from checkpoints import (
     edit_config,
     hf_prefill_logits,
     load_tensors,
+    qwen3_5_moe_text,
     qwen3_moe_text,
     rel_err,
     write_tensors,
@@ -41,7 +42,11 @@ EXPERT = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 ATTN = re.compile(r".*\.self_attn\.[qkvo]_proj\.weight$")
 
 
-def _spec() -> TinySpec:
+def _spec(family: str = "qwen3_moe") -> TinySpec:
+    if family == "qwen3_5_moe":
+        return TinySpec("hfq35", family, qwen3_5_moe_text(
+            vocab_size=VOCAB, hidden_size=H, moe_intermediate_size=INTER, shared_expert_intermediate_size=64,
+            num_experts=E, num_experts_per_tok=2), seed=5, std=0.05)
     return TinySpec("hfq", "qwen3_moe", qwen3_moe_text(
         vocab_size=VOCAB, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=2), seed=4, std=0.05)
@@ -68,16 +73,17 @@ def quant_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
             "weight_scale_2": g.reshape(()).float(), "input_scale": torch.tensor(1.0)}
 
 
-def _quantized_pair(tmp: Path, method: str) -> tuple[Path, Path]:
+def _quantized_pair(tmp: Path, method: str, family: str = "qwen3_moe") -> tuple[Path, Path]:
     """(quantized checkpoint, float checkpoint of its dequantized weights)."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    src, _ = build(_spec(), tmp / "src")
+    src, _ = build(_spec(family), tmp / "src")
     tensors = load_tensors(src)
     quant: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
-        if method == "fp8" and (EXPERT.match(name) or ATTN.match(name)):
+        fits = w.ndim == 2 and w.shape[1] % 128 == 0 and (w.shape[0] % 128 == 0 or w.shape[0] < 128)
+        if method == "fp8" and (EXPERT.match(name) or ATTN.match(name)) and fits:
             q, s = quant_fp8(w.float())
             quant[name], quant[name + "_scale_inv"] = q, s
             deq[name] = _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
@@ -90,7 +96,7 @@ def _quantized_pair(tmp: Path, method: str) -> tuple[Path, Path]:
             quant[name] = deq[name] = w
     qdir, fdir = tmp / "quant", tmp / "float"
     for d, t in ((qdir, quant), (fdir, deq)):
-        build(_spec(), d)
+        build(_spec(family), d)
         write_tensors(d, t)
     qc = ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"} if method == "fp8"
           else {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
@@ -98,18 +104,19 @@ def _quantized_pair(tmp: Path, method: str) -> tuple[Path, Path]:
     return qdir, fdir
 
 
-@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
-def test_quantized_checkpoint_equals_transformers(tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize(("method", "family"), [("fp8", "qwen3_moe"), ("nvfp4", "qwen3_moe"), ("fp8", "qwen3_5_moe")])
+def test_quantized_checkpoint_equals_transformers(tmp_path: Path, method: str, family: str) -> None:
     import transformers as tf
     from test_gguf_quant import _engine_logits
 
-    qdir, fdir = _quantized_pair(tmp_path, method)
+    qdir, fdir = _quantized_pair(tmp_path, method, family)
     ref_model = tf.AutoModelForCausalLM.from_pretrained(str(fdir), dtype=torch.float32).eval()
     dec = load_decoder(qdir, "cpu", torch.float32, executor="torch")
     banks = dec.weights.experts
     assert isinstance(banks, PackedExpertBanks) and set(banks.fmt_gu) == {method}
     fmt = FORMATS[method]
-    assert banks.total_bytes == 2 * E * 3 * INTER * fmt.row_bytes(H)
+    layers = 2 if family == "qwen3_moe" else 4
+    assert banks.total_bytes == layers * E * 3 * INTER * fmt.row_bytes(H)
     if method == "nvfp4":  # each expert's own global scale, gate / up / down
         t = load_tensors(qdir)
         assert float(banks.gscale[1][2, 2]) == float(t["model.layers.1.mlp.experts.2.down_proj.weight_scale_2"])
