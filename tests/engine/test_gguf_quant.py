@@ -151,9 +151,11 @@ def _engine_logits(dec: object, ids: list[int]) -> torch.Tensor:
     st = StatePool(d.cfg, 1, torch.float32, torch.device("cpu"))
     slots = kv.alloc(len(ids))
     assert slots is not None
-    state = -1
+    state: int = -1
     if d.cfg.is_hybrid:
-        state = st.alloc()
+        got = st.alloc()
+        assert got is not None
+        state = got
         st.reset(state)
     batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), [SeqEntry(0, len(ids), 0, slots, state)])
     return d.logits(d.forward(batch, kv, st))  # type: ignore[no-any-return]
