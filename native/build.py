@@ -1,9 +1,10 @@
 """Developer build of the native CPU expert executor, in place: native/_ftnative<EXT_SUFFIX>.
 
-Usage: python native/build.py [--debug] [--cxx g++] [-j N]
+Usage: python native/build.py [--debug] [--cxx g++] [-j N] [--force]
 
 `pip install` builds the same extension through setup.py; this script is the quick rebuild while
-working on the C++ (each source compiled in parallel, then linked). Same flags: C++17, pybind11's
+working on the C++ (each source compiled in parallel, then linked; an object newer than its source
+and every header is kept unless --force or the flags changed). Same flags: C++17, pybind11's
 headers, no libtorch, no OpenMP, no -march=native (the SIMD path is chosen at run time).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +32,21 @@ def output_path() -> Path:
     return NATIVE_DIR / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
-def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: bool = True) -> Path:
+def _local_deps(src: Path) -> set[Path]:
+    """src and the headers of src/ it includes, transitively."""
+    seen: set[Path] = set()
+    todo = [src]
+    while todo:
+        p = todo.pop()
+        if p in seen or not p.exists():
+            continue
+        seen.add(p)
+        todo += [SRC_DIR / m for m in re.findall(r'^#include "([^"]+)"', p.read_text(), re.MULTILINE)]
+    return seen
+
+
+def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: bool = True,
+          force: bool = False) -> Path:
     try:
         import pybind11
     except ImportError as exc:
@@ -44,9 +60,15 @@ def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: b
     OBJ_DIR.mkdir(parents=True, exist_ok=True)
     opt = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
     inc = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    stamp = OBJ_DIR / "flags.txt"
+    flags_text = " ".join([cxx, *FLAGS, *opt, *inc])
+    if not stamp.exists() or stamp.read_text() != flags_text:
+        force = True
 
     def compile_one(src: Path) -> Path:
         obj = OBJ_DIR / (src.stem + ".o")
+        if not force and obj.exists() and obj.stat().st_mtime > max(p.stat().st_mtime for p in _local_deps(src)):
+            return obj
         cmd = [cxx, *FLAGS, *opt, *inc, "-c", str(src), "-o", str(obj)]
         if verbose:
             print(" ".join(cmd), flush=True)
@@ -55,6 +77,7 @@ def build(debug: bool = False, cxx: str | None = None, jobs: int = 0, verbose: b
 
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         objs = list(pool.map(compile_one, sources))
+    stamp.write_text(flags_text)
     out = output_path()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(tmp), "-ldl"], check=True)
@@ -67,9 +90,10 @@ def main() -> int:
     ap.add_argument("--debug", action="store_true", help="-O0 -g instead of -O3")
     ap.add_argument("--cxx", default=None, help="C++ compiler (default $CXX or g++)")
     ap.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
+    ap.add_argument("--force", action="store_true", help="recompile every source")
     args = ap.parse_args()
     try:
-        path = build(debug=args.debug, cxx=args.cxx, jobs=args.jobs)
+        path = build(debug=args.debug, cxx=args.cxx, jobs=args.jobs, force=args.force)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"build failed: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ constexpr int kNumIsas = 4;
 //  fp8:   e4m3 bytes; scale of (row r, column k) = fs[(r / bn) * fs_ld + k / bk] (float32).
 //  mxfp4: two e2m1 values per byte (element 2i in the low nibble); scale of (row r, column k) =
 //         2^(es[r * es_ld + k / 32] - 127) (e8m0). K must be a multiple of 32.
+//  packed formats (packed.h): rows of K / B blocks, ld = the row's bytes; the result times gs.
 struct Mat {
     const uint8_t* w = nullptr;
     size_t ld = 0;
@@ -29,6 +30,7 @@ struct Mat {
     const uint8_t* es = nullptr;
     size_t es_ld = 0;
     int bn = 128, bk = 128;
+    float gs = 1.0f;  // packed formats: the matrix's global scale (nvfp4's weight_scale_2; 1 otherwise)
 };
 
 // out[t * ldo + r] = dot(row r0 + r of m, X[t]) for r < nrows (1..4), t < ntok.

@@ -13,6 +13,7 @@
 #include "host_task.h"
 #include "poller.h"
 #include "moe_layer.h"
+#include "moe_packed.h"
 #include "pool.h"
 #include "read_bound.h"
 
@@ -134,6 +135,38 @@ double call_overhead_us(int reps) {
     return t[t.size() / 2];
 }
 
+// One layer over packed banks (moe_packed.h); out (float32) += the layer's result.
+void packed_layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld, int64_t T, int64_t H,
+                  int64_t I, int64_t k, uintptr_t ids32, uintptr_t weights, int64_t E, uintptr_t gu, int64_t gu_es,
+                  int64_t gu_rb, int fmt_gu, uintptr_t d, int64_t d_es, int64_t d_rb, int fmt_d, uintptr_t gscale) {
+    LayerArgs a;
+    a.x = reinterpret_cast<const void*>(x);
+    a.x_bf16 = x_bf16;
+    a.x_ld = x_ld;
+    a.out = reinterpret_cast<void*>(out);
+    a.out_ld = out_ld;
+    a.accumulate = true;
+    a.T = T, a.H = H, a.I = I, a.k = k;
+    a.ids32 = reinterpret_cast<const int32_t*>(ids32);
+    a.skip_negative = true;
+    a.weights = reinterpret_cast<const float*>(weights);
+    a.num_rows = E;
+    PackedBanks b;
+    b.gu = reinterpret_cast<const uint8_t*>(gu), b.gu_expert_stride = gu_es, b.gu_row_bytes = gu_rb, b.fmt_gu = fmt_gu;
+    b.d = reinterpret_cast<const uint8_t*>(d), b.d_expert_stride = d_es, b.d_row_bytes = d_rb, b.fmt_d = fmt_d;
+    b.gscale = reinterpret_cast<const float*>(gscale);
+    moe_packed(a, b);
+}
+
+// n blocks of a packed format at src, dequantized (scalar decoder) to n * B floats at dst.
+void packed_dequantize(int fmt, uintptr_t src, int64_t n, uintptr_t dst) {
+    if (fmt < 0 || fmt >= kNumQ) throw std::invalid_argument("unknown packed format");
+    const QInfo& q = kQInfo[fmt];
+    for (int64_t i = 0; i < n; ++i)
+        dequant_block(static_cast<QFmt>(fmt), reinterpret_cast<const uint8_t*>(src) + i * q.bytes,
+                      reinterpret_cast<float*>(dst) + i * q.block);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_ftnative, m) {
@@ -146,6 +179,18 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("w2_es"), py::arg("w2_ld"), py::arg("s2"), py::arg("s2_es"), py::arg("s2_ld"), py::arg("bn"),
           py::arg("bk"), py::arg("num_rows"), py::arg("id_offset") = 0, py::arg("skip_negative") = false,
           py::arg("split") = 0, "Raw MoE layer call (see native/src/moe_layer.h for layouts).");
+    m.def("moe_packed", &packed_layer, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("x_bf16"),
+          py::arg("x_ld"), py::arg("out"), py::arg("out_ld"), py::arg("T"), py::arg("H"), py::arg("I"), py::arg("k"),
+          py::arg("ids32"), py::arg("weights"), py::arg("E"), py::arg("gu"), py::arg("gu_es"), py::arg("gu_rb"),
+          py::arg("fmt_gu"), py::arg("d"), py::arg("d_es"), py::arg("d_rb"), py::arg("fmt_d"), py::arg("gscale"),
+          "Raw packed-bank MoE layer call, out += result (see native/src/moe_packed.h).");
+    m.def("packed_formats", [] {
+        std::vector<py::tuple> out;
+        for (int f = 0; f < kNumQ; ++f) out.push_back(py::make_tuple(kQInfo[f].name, kQInfo[f].block, kQInfo[f].bytes));
+        return out;
+    }, "(name, values per block, bytes per block) of each packed format, by format code.");
+    m.def("packed_dequantize", &packed_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("fmt"),
+          py::arg("src"), py::arg("n"), py::arg("dst"), "n blocks at src -> n * B float32 at dst (scalar decoder).");
     m.def("host_task_create", &host_task_create, "A prepared layer call for the doorbell poller (same arguments).");
     m.def("host_task_free", [](uintptr_t t) { delete reinterpret_cast<HostTask*>(t); });
     m.def("host_task_run", [](uintptr_t t) { ft_host_task_run(reinterpret_cast<void*>(t)); },

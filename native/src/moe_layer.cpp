@@ -111,16 +111,61 @@ void set_isa(const std::string& name) {
     g_isa.store(static_cast<int>(i));
 }
 
+namespace {
+
+// Dense banks (bf16 / f32 / fp8 / mxfp4 in moe_layer.h's layouts): gate rows [0, I) and up rows
+// [I, 2I) of w13 are two matrices; fp8 scale rows of the up half start at block row ceil(I / bn).
+struct DensePlan final : LayerPlan {
+    const LayerArgs& a;
+    Fmt fmt;
+    int64_t nbI;
+    DensePlan(const LayerArgs& args, Fmt f, Isa isa) : a(args), fmt(f), nbI((args.I + args.bn - 1) / args.bn) {
+        gemv_gu = gemv_d = table().fn[int(isa)][int(f)];
+        act_bf16 = isa == Isa::avx512bf16 && f == Fmt::bf16;  // the kernel reads bf16 activations
+    }
+    Mat view(const WeightArgs& w, int64_t row, int64_t row_off, int64_t block_row_off) const {
+        Mat m;
+        m.w = w.ptr + row * w.expert_stride + row_off * w.row_stride;
+        m.ld = static_cast<size_t>(w.row_stride);
+        if (fmt == Fmt::fp8) {
+            m.fs = reinterpret_cast<const float*>(w.scale_ptr) + row * w.scale_expert_stride + block_row_off * w.scale_row_stride;
+            m.fs_ld = static_cast<size_t>(w.scale_row_stride);
+        } else if (fmt == Fmt::mxfp4) {
+            m.es = w.scale_ptr + row * w.scale_expert_stride + row_off * w.scale_row_stride;
+            m.es_ld = static_cast<size_t>(w.scale_row_stride);
+        }
+        m.bn = static_cast<int>(a.bn);
+        m.bk = static_cast<int>(a.bk);
+        return m;
+    }
+    Mat gate(int64_t row) const override { return view(a.w13, row, 0, 0); }
+    Mat up(int64_t row) const override { return view(a.w13, row, a.I, nbI); }
+    Mat down(int64_t row, int64_t first) const override {
+        Mat m = view(a.w2, row, 0, 0);
+        m.w += first * (fmt == Fmt::bf16 ? 2 : 4);  // columns [first, I) (a split expert: bf16 / f32 only)
+        return m;
+    }
+};
+
+}  // namespace
+
 void moe_layer(const LayerArgs& a) {
-    const int64_t T = a.T, H = a.H, I = a.I, k = a.k;
-    if (T < 0 || H <= 0 || I <= 0 || k <= 0) throw std::invalid_argument("bad sizes");
-    if (H > INT32_MAX / 2 || I > INT32_MAX / 2) throw std::invalid_argument("dims too large");
     if (a.fmt < 0 || a.fmt >= kNumFmts) throw std::invalid_argument("unknown weight format");
     const Fmt fmt = static_cast<Fmt>(a.fmt);
     if (fmt == Fmt::fp8 && (a.bn <= 0 || a.bk <= 0 || a.bn % kRows || a.bk % 16))
         throw std::invalid_argument("fp8 block sizes must be positive, bn % 4 == 0 and bk % 16 == 0");
-    if (fmt == Fmt::mxfp4 && (H % 32 || I % 32))
+    if (fmt == Fmt::mxfp4 && (a.H % 32 || a.I % 32))
         throw std::invalid_argument("mxfp4 needs hidden and expert sizes that are multiples of 32");
+    if (a.split != nullptr && a.split[0] >= 0 && fmt != Fmt::bf16 && fmt != Fmt::f32)
+        throw std::invalid_argument("a split expert needs bf16 or f32 weights");
+    run_layer(a, DensePlan(a, fmt, current_isa()));
+}
+
+void run_layer(const LayerArgs& a, const LayerPlan& plan) {
+    const int64_t T = a.T, H = a.H, I = a.I, k = a.k;
+    if (T < 0 || H <= 0 || I <= 0 || k <= 0) throw std::invalid_argument("bad sizes");
+    if (H > INT32_MAX / 2 || I > INT32_MAX / 2) throw std::invalid_argument("dims too large");
+    if (a.accumulate && a.out_bf16) throw std::invalid_argument("accumulating needs a float32 out");
     if (T == 0) return;
     const int64_t N = T * k;
     if (N > INT32_MAX) throw std::invalid_argument("too many entries");
@@ -129,21 +174,22 @@ void moe_layer(const LayerArgs& a) {
     s.rows.resize(N);
     s.order.clear();
     for (int64_t i = 0; i < N; ++i) {
-        if (a.skip_negative && a.ids[i] < 0) {
+        const int64_t id = a.ids32 != nullptr ? a.ids32[i] : a.ids[i];
+        if (a.skip_negative && id < 0) {
             s.rows[i] = -1;
             continue;
         }
-        const int64_t row = a.ids[i] + a.id_offset;
+        const int64_t row = id + a.id_offset;
         if (row < 0 || row >= a.num_rows)
-            throw std::invalid_argument("expert row " + std::to_string(row) + " out of range [0, " +
+            throw std::invalid_argument("ids: expert row " + std::to_string(row) + " out of range [0, " +
                                         std::to_string(a.num_rows) + ")");
         s.rows[i] = row;
         s.order.push_back(static_cast<int>(i));
     }
     const int64_t* ids = s.rows.data();
     const int64_t M = static_cast<int64_t>(s.order.size());  // entries computed here
-    if (M == 0) {  // every entry runs elsewhere: zeros, without waking the pool
-        for (int64_t t = 0; t < T; ++t) {
+    if (M == 0) {  // every entry runs elsewhere: zeros (or nothing to add), without waking the pool
+        for (int64_t t = 0; t < T && !a.accumulate; ++t) {
             if (a.out_bf16) std::memset(reinterpret_cast<uint16_t*>(a.out) + t * a.out_ld, 0, H * 2);
             else std::memset(reinterpret_cast<float*>(a.out) + t * a.out_ld, 0, H * 4);
         }
@@ -153,15 +199,11 @@ void moe_layer(const LayerArgs& a) {
     int64_t split_row = -1, split_first = 0;
     if (a.split != nullptr && a.split[0] >= 0) {
         split_row = a.split[0], split_first = a.split[1];
-        if (fmt != Fmt::bf16 && fmt != Fmt::f32)
-            throw std::invalid_argument("a split expert needs bf16 or f32 weights");
         if (split_first <= 0 || split_first >= I || split_first % (4 * kRows))
             throw std::invalid_argument("split expert row " + std::to_string(split_first) + " outside (0, " +
                                         std::to_string(I) + ") or not a multiple of " + std::to_string(4 * kRows));
     }
-    const Isa isa = current_isa();
-    const GemvFn gemv = table().fn[int(isa)][int(fmt)];
-    const bool act_bf16 = isa == Isa::avx512bf16 && fmt == Fmt::bf16;  // kernel reads bf16 activations
+    const bool act_bf16 = plan.act_bf16;
     const size_t act = act_bf16 ? 2 : 4;
 
     std::stable_sort(s.order.begin(), s.order.end(), [&](int x, int y) { return ids[x] < ids[y]; });
@@ -186,25 +228,6 @@ void moe_layer(const LayerArgs& a) {
             s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
             s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I + gr.first) * act;
         }
-
-    // Matrix views: gate rows [0, I) and up rows [I, 2I) of w13 are two matrices; fp8 scale rows of
-    // the up half start at block row ceil(I / bn) (see moe_layer.h for the layouts).
-    const int64_t nbI = (I + a.bn - 1) / a.bn;
-    auto mat = [&](const WeightArgs& w, int64_t row, int64_t row_off, int64_t block_row_off) {
-        Mat m;
-        m.w = w.ptr + row * w.expert_stride + row_off * w.row_stride;
-        m.ld = static_cast<size_t>(w.row_stride);
-        if (fmt == Fmt::fp8) {
-            m.fs = reinterpret_cast<const float*>(w.scale_ptr) + row * w.scale_expert_stride + block_row_off * w.scale_row_stride;
-            m.fs_ld = static_cast<size_t>(w.scale_row_stride);
-        } else if (fmt == Fmt::mxfp4) {
-            m.es = w.scale_ptr + row * w.scale_expert_stride + row_off * w.scale_row_stride;
-            m.es_ld = static_cast<size_t>(w.scale_row_stride);
-        }
-        m.bn = static_cast<int>(a.bn);
-        m.bk = static_cast<int>(a.bk);
-        return m;
-    };
 
     constexpr int64_t kChunk = 4 * kRows;  // rows per work chunk
     const int64_t cpg = (I + kChunk - 1) / kChunk;
@@ -245,14 +268,14 @@ void moe_layer(const LayerArgs& a) {
                 const int64_t c0 = (c % cpg) * kChunk, c1 = std::min(I, c0 + kChunk);
                 if (c0 < gr.first) continue;  // the split expert's rows before `first` run elsewhere
                 const int ntok = gr.end - gr.begin;
-                const Mat gate = mat(a.w13, gr.row, 0, 0), up = mat(a.w13, gr.row, I, nbI);
+                const Mat gate = plan.gate(gr.row), up = plan.up(gr.row);
                 for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
                     const int nr = static_cast<int>(std::min<int64_t>(kRows, c1 - r0));
                     for (int tb = 0; tb < ntok; tb += 64) {
                         const int nb = std::min(64, ntok - tb);
                         const void* const* X = s.xptr.data() + gr.begin + tb;
-                        gemv(gate, r0, nr, X, nb, int(H), gbuf, kRows);
-                        gemv(up, r0, nr, X, nb, int(H), ubuf, kRows);
+                        plan.gemv_gu(gate, r0, nr, X, nb, int(H), gbuf, kRows);
+                        plan.gemv_gu(up, r0, nr, X, nb, int(H), ubuf, kRows);
                         for (int t = 0; t < nb; ++t) {
                             const int64_t e = gr.begin + tb + t;
                             for (int r = 0; r < nr; ++r) {
@@ -273,15 +296,14 @@ void moe_layer(const LayerArgs& a) {
                 const int64_t h0 = c * kChunk, h1 = std::min(H, h0 + kChunk);
                 for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
                 for (const Group& gr : s.groups) {
-                    Mat down = mat(a.w2, gr.row, 0, 0);
-                    down.w += gr.first * (fmt == Fmt::bf16 ? 2 : 4);  // columns [first, I) (bf16 / f32 only)
+                    const Mat down = plan.down(gr.row, gr.first);
                     const int64_t K = I - gr.first;
                     const int ntok = gr.end - gr.begin;
                     for (int64_t r0 = h0; r0 < h1; r0 += kRows) {
                         const int nr = static_cast<int>(std::min<int64_t>(kRows, h1 - r0));
                         for (int tb = 0; tb < ntok; tb += 64) {
                             const int nb = std::min(64, ntok - tb);
-                            gemv(down, r0, nr, s.hptr.data() + gr.begin + tb, nb, int(K), dbuf, kRows);
+                            plan.gemv_d(down, r0, nr, s.hptr.data() + gr.begin + tb, nb, int(K), dbuf, kRows);
                             for (int t = 0; t < nb; ++t) {
                                 const int64_t e = gr.begin + tb + t;
                                 float* acc = &s.acc[s.entry_token[e] * H + r0];
@@ -298,7 +320,8 @@ void moe_layer(const LayerArgs& a) {
                         for (int64_t i = h0; i < h1; ++i) o[i] = f32_to_bf16(acc[i]);
                     } else {
                         float* o = reinterpret_cast<float*>(a.out) + t * a.out_ld;
-                        for (int64_t i = h0; i < h1; ++i) o[i] = acc[i];
+                        if (a.accumulate) for (int64_t i = h0; i < h1; ++i) o[i] += acc[i];
+                        else for (int64_t i = h0; i < h1; ++i) o[i] = acc[i];
                     }
                 }
             }

@@ -32,6 +32,7 @@ struct LayerArgs {
     int64_t out_ld = 0;
     int64_t T = 0, H = 0, I = 0, k = 0;
     const int64_t* ids = nullptr;  // [T, k] expert ids; bank row = id + id_offset
+    const int32_t* ids32 = nullptr;  // the same as int32, used instead of `ids` when set
     int64_t id_offset = 0;
     bool skip_negative = false;  // entries with id < 0 are not computed (run elsewhere)
     const float* weights = nullptr;  // [T, k]
@@ -43,9 +44,26 @@ struct LayerArgs {
     // the first of its intermediate rows computed here (a multiple of 16 in (0, I)); the rows
     // before it run elsewhere (the GPU), and both partial outputs are added. Read once per call.
     const int64_t* split = nullptr;
+    bool accumulate = false;  // out += the layer's result (float32 out only) instead of out = it
 };
 
 void moe_layer(const LayerArgs& a);
+
+// What one layer call runs with besides its arguments: the gate/up and down kernels, the
+// activation type they read, and the matrix views of an expert row (dense banks: moe_layer;
+// packed blocks: moe_packed). `first` is the first intermediate row computed here (split expert).
+struct LayerPlan {
+    GemvFn gemv_gu = nullptr, gemv_d = nullptr;
+    bool act_bf16 = false;
+    virtual Mat gate(int64_t row) const = 0;
+    virtual Mat up(int64_t row) const = 0;
+    virtual Mat down(int64_t row, int64_t first) const = 0;  // columns [first, I)
+    virtual ~LayerPlan() = default;
+};
+
+// The shared driver (entries sorted by expert, gate/up phase, down phase on the pool); `a`'s
+// format fields are not read (the plan carries them); a.num_rows bounds the bank rows.
+void run_layer(const LayerArgs& a, const LayerPlan& plan);
 
 const char* isa_name(Isa i);
 bool isa_supported(Isa i);

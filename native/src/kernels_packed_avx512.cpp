@@ -1,0 +1,49 @@
+// AVX-512F/BW/VL kernels for the packed formats: kernels_packed_simd.h at 16 float lanes, tiles
+// of up to 4 rows x 4 tokens.
+#include <immintrin.h>
+
+#include "packed.h"
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+namespace ft {
+namespace {
+
+struct V {
+    static constexpr int W = 16, TMAX = 4;
+    using F = __m512;
+    static F zero() { return _mm512_setzero_ps(); }
+    static F set1(float f) { return _mm512_set1_ps(f); }
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+    static F i8(__m128i q, int) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+    static F fp8(const uint8_t* p) {  // 16 e4m3 bytes -> fp16 bit patterns (value / 256) -> float
+        const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+        const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
+        return _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
+    }
+    static void prefetch(const uint8_t* p) {
+        if (g_prefetch_bytes > 0) _mm_prefetch(reinterpret_cast<const char*>(p) + g_prefetch_bytes, _MM_HINT_T0);
+    }
+};
+
+#include "kernels_packed_simd.h"
+
+}  // namespace
+
+// called only where the CPU has avx512 (moe_packed.cpp): the fill may use its instructions
+void register_packed_avx512(GemvFn table[kNumQ]) { fill_table(table); }
+
+}  // namespace ft
+
+#pragma GCC pop_options
+#else
+namespace ft {
+void register_packed_avx512(GemvFn*) {}
+}  // namespace ft
+#endif

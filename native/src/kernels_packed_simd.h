@@ -1,0 +1,247 @@
+// The SIMD kernels of the packed formats, written once over the vector width: included by
+// kernels_packed_avx2.cpp (V = 8 float lanes) and kernels_packed_avx512.cpp (V = 16 lanes), each
+// inside its own `#pragma GCC target` region and anonymous namespace (internal linkage, so the
+// linker cannot merge an AVX-512 instantiation into the AVX2 path). No include guard, no includes:
+// it needs <immintrin.h>, packed.h and, from the includer, a struct V with
+//   W (lanes), TMAX (tokens per tile), F (float vector), zero(), set1(f), load(const float*),
+//   fmadd(a, b, c) = a * b + c, mul(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
+//   [off, off + W) of q as floats; off a multiple of W below 16), fp8(p) (W e4m3 bytes at p, as
+//   floats / 256), and prefetch(p).
+//
+// A block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers: the
+// byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths, giving
+// int8 codes q and, per 16 values, a scale d and an offset m (value = q * d + m); then widened to
+// S / W float vectors and multiplied into the accumulators of R rows x TT tokens. fp8 has no int8
+// form: its sub-blocks are widened from the e4m3 bits directly.
+
+struct Sub {
+    __m128i q[2];     // int8 codes of values [0, 16) and [16, 32) of the sub-block
+    float d[2], m[2];  // per 16 values: value = q * d + m
+};
+
+inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i low4(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(15)); }
+inline __m128i high4(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)); }
+inline __m128i shr_mask(__m128i b, int shift, int mask) {  // (byte >> shift) & mask, per byte
+    return _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(static_cast<char>(mask)));
+}
+inline __m128i bit_set(__m128i b, int bit) {  // 0xff where bit `bit` of the byte is set
+    const __m128i sel = _mm_set1_epi8(static_cast<char>(1 << bit));
+    return _mm_cmpeq_epi8(_mm_and_si128(b, sel), sel);
+}
+inline __m128i bits16(uint32_t bits) {  // 0xff in byte i where bit i of the low 16 bits is set
+    const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits)),
+                                       _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    return _mm_cmpeq_epi8(_mm_and_si128(v, sel), sel);
+}
+inline __m128i lut(__m128i idx, const int8_t* table) { return _mm_shuffle_epi8(ld16(reinterpret_cast<const uint8_t*>(table)), idx); }
+inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+inline Sub sub(__m128i q0, __m128i q1, float d0, float d1, float m0, float m1) { return Sub{{q0, q1}, {d0, d1}, {m0, m1}}; }
+inline Sub sub(__m128i q0, __m128i q1, float d, float m) { return sub(q0, q1, d, d, m, m); }
+
+// ---- formats: B values in `bytes` bytes; sub(b, j) decodes sub-block j of the block at b ----
+
+struct DQ8_0 {
+    static constexpr QFmt kFmt = QFmt::q8_0;
+    static Sub decode(const uint8_t* b, int) { return sub(ld16(b + 2), ld16(b + 18), h2f(b), 0.f); }
+};
+struct DQ4_0 {
+    static constexpr QFmt kFmt = QFmt::q4_0;
+    static Sub decode(const uint8_t* b, int) {
+        const __m128i v = ld16(b + 2), eight = _mm_set1_epi8(8);
+        return sub(_mm_sub_epi8(low4(v), eight), _mm_sub_epi8(high4(v), eight), h2f(b), 0.f);
+    }
+};
+struct DQ4_1 {
+    static constexpr QFmt kFmt = QFmt::q4_1;
+    static Sub decode(const uint8_t* b, int) {
+        const __m128i v = ld16(b + 4);
+        return sub(low4(v), high4(v), h2f(b), h2f(b + 2));
+    }
+};
+inline Sub q5(const uint8_t* qh_p, const uint8_t* qs, float d, float m, int offset) {
+    const uint32_t qh = load_u32(qh_p);
+    const __m128i v = ld16(qs), b4 = _mm_set1_epi8(16), off = _mm_set1_epi8(static_cast<char>(offset));
+    const __m128i q0 = _mm_or_si128(low4(v), _mm_and_si128(bits16(qh & 0xffffu), b4));
+    const __m128i q1 = _mm_or_si128(high4(v), _mm_and_si128(bits16(qh >> 16), b4));
+    return sub(_mm_sub_epi8(q0, off), _mm_sub_epi8(q1, off), d, m);
+}
+struct DQ5_0 {
+    static constexpr QFmt kFmt = QFmt::q5_0;
+    static Sub decode(const uint8_t* b, int) { return q5(b + 2, b + 6, h2f(b), 0.f, 16); }
+};
+struct DQ5_1 {
+    static constexpr QFmt kFmt = QFmt::q5_1;
+    static Sub decode(const uint8_t* b, int) { return q5(b + 4, b + 8, h2f(b), h2f(b + 2), 0); }
+};
+struct DQ2_K {
+    static constexpr QFmt kFmt = QFmt::q2_k;
+    static Sub decode(const uint8_t* b, int j) {
+        const uint8_t* qs = b + 16 + 32 * (j >> 2);
+        const int s = 2 * (j & 3);
+        const float d = h2f(b + 80), dmin = h2f(b + 82);
+        const uint8_t s0 = b[2 * j], s1 = b[2 * j + 1];
+        return sub(shr_mask(ld16(qs), s, 3), shr_mask(ld16(qs + 16), s, 3), d * float(s0 & 15), d * float(s1 & 15),
+                   -(dmin * float(s0 >> 4)), -(dmin * float(s1 >> 4)));
+    }
+};
+struct DQ3_K {
+    static constexpr QFmt kFmt = QFmt::q3_k;
+    static Sub decode(const uint8_t* b, int j) {
+        const uint8_t* qs = b + 32 + 32 * (j >> 2);
+        const int s = 2 * (j & 3);
+        const __m128i four = _mm_set1_epi8(4);  // subtracted where the high-mask bit is clear
+        const __m128i q0 = _mm_sub_epi8(shr_mask(ld16(qs), s, 3), _mm_andnot_si128(bit_set(ld16(b), j), four));
+        const __m128i q1 = _mm_sub_epi8(shr_mask(ld16(qs + 16), s, 3), _mm_andnot_si128(bit_set(ld16(b + 16), j), four));
+        const float d = h2f(b + 108);
+        return sub(q0, q1, d * float(q3k_scale(b + 96, 2 * j)), d * float(q3k_scale(b + 96, 2 * j + 1)), 0.f, 0.f);
+    }
+};
+inline Sub q45_k(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, int j) {
+    const uint8_t* p = qs + 32 * (j >> 1);
+    const __m128i v0 = ld16(p), v1 = ld16(p + 16);
+    __m128i q0 = (j & 1) ? high4(v0) : low4(v0), q1 = (j & 1) ? high4(v1) : low4(v1);
+    if (qh) {
+        const __m128i b4 = _mm_set1_epi8(16);
+        q0 = _mm_or_si128(q0, _mm_and_si128(bit_set(ld16(qh), j), b4));
+        q1 = _mm_or_si128(q1, _mm_and_si128(bit_set(ld16(qh + 16), j), b4));
+    }
+    int sc, mn;
+    kquant_scale_min(b + 4, j, &sc, &mn);
+    return sub(q0, q1, h2f(b) * float(sc), -(h2f(b + 2) * float(mn)));
+}
+struct DQ4_K {
+    static constexpr QFmt kFmt = QFmt::q4_k;
+    static Sub decode(const uint8_t* b, int j) { return q45_k(b, nullptr, b + 16, j); }
+};
+struct DQ5_K {
+    static constexpr QFmt kFmt = QFmt::q5_k;
+    static Sub decode(const uint8_t* b, int j) { return q45_k(b, b + 16, b + 48, j); }
+};
+struct DQ6_K {
+    static constexpr QFmt kFmt = QFmt::q6_k;
+    static Sub decode(const uint8_t* b, int j) {
+        const int g = j >> 2, jj = j & 3;
+        const uint8_t *ql = b + 64 * g + 32 * (jj & 1), *qh = b + 128 + 32 * g;
+        const int sl = 4 * (jj >> 1), sh = 2 * jj;
+        const __m128i k32 = _mm_set1_epi8(32);
+        const __m128i q0 = _mm_or_si128(shr_mask(ld16(ql), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh), sh, 3), 4));
+        const __m128i q1 = _mm_or_si128(shr_mask(ld16(ql + 16), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh + 16), sh, 3), 4));
+        const float d = h2f(b + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+        return sub(_mm_sub_epi8(q0, k32), _mm_sub_epi8(q1, k32), d * float(sc[2 * j]), d * float(sc[2 * j + 1]), 0.f, 0.f);
+    }
+};
+struct DIQ4_NL {
+    static constexpr QFmt kFmt = QFmt::iq4_nl;
+    static Sub decode(const uint8_t* b, int) {
+        const __m128i v = ld16(b + 2);
+        return sub(lut(low4(v), kIq4nlValues), lut(high4(v), kIq4nlValues), h2f(b), 0.f);
+    }
+};
+struct DIQ4_XS {
+    static constexpr QFmt kFmt = QFmt::iq4_xs;
+    static Sub decode(const uint8_t* b, int j) {
+        const int ls = ((b[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((load_u16(b + 2) >> (2 * j)) & 3) << 4);
+        const __m128i v = ld16(b + 8 + 16 * j);
+        return sub(lut(low4(v), kIq4nlValues), lut(high4(v), kIq4nlValues), h2f(b) * float(ls - 32), 0.f);
+    }
+};
+struct DMXFP4 {
+    static constexpr QFmt kFmt = QFmt::mxfp4;
+    static Sub decode(const uint8_t* b, int) {
+        const __m128i v = ld16(b + 1);
+        return sub(lut(low4(v), kE2m1Doubled), lut(high4(v), kE2m1Doubled), e8m0_half(b[0]), 0.f);
+    }
+};
+struct DNVFP4 {  // sub-blocks of 16: element 2i is the low nibble of byte i, 2i + 1 the high one
+    static constexpr QFmt kFmt = QFmt::nvfp4;
+    static Sub decode(const uint8_t* b, int) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1));
+        const __m128i q = lut(_mm_unpacklo_epi8(low4(v), high4(v)), kE2m1Doubled);
+        return sub(q, q, 0.5f * kE4m3Table[b[0]], 0.f);
+    }
+};
+struct DFP8 {  // no int8 form: widened from the e4m3 bits (see decode_floats)
+    static constexpr QFmt kFmt = QFmt::fp8;
+};
+
+template <class Q>
+constexpr int sub_size() { return kQInfo[int(Q::kFmt)].block < 32 ? kQInfo[int(Q::kFmt)].block : 32; }
+
+// Sub-block j of the block at b as S / W float vectors.
+template <class Q>
+inline void decode_floats(const uint8_t* b, int j, typename V::F* w) {
+    constexpr int S = sub_size<Q>();
+    if constexpr (Q::kFmt == QFmt::fp8) {
+        const typename V::F s = V::set1(load_f32(b) * 256.0f);  // e4m3 bits as fp16 are 2^-8 too small
+        for (int v = 0; v < S / V::W; ++v) w[v] = V::mul(V::fp8(b + 4 + 32 * j + v * V::W), s);
+    } else {
+        const Sub s = Q::decode(b, j);
+        for (int v = 0; v < S / V::W; ++v) {
+            const int e = v * V::W, h = e / 16;
+            w[v] = V::fmadd(V::i8(s.q[h], e % 16), V::set1(s.d[h]), V::set1(s.m[h]));
+        }
+    }
+}
+
+// R rows x TT tokens: each decoded vector is used for every token of the tile.
+template <class Q, int R, int TT>
+void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, size_t ldo) {
+    constexpr int B = kQInfo[int(Q::kFmt)].block, kBytes = kQInfo[int(Q::kFmt)].bytes, S = sub_size<Q>();
+    constexpr int NV = S / V::W, kPfEvery = kBytes >= 64 ? 1 : 64 / kBytes;  // one prefetch per <= 64 bytes
+    const uint8_t* W[R];
+    for (int r = 0; r < R; ++r) W[r] = m.w + (r0 + r) * m.ld;
+    typename V::F acc[R][TT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) acc[r][t] = V::zero();
+    const int nb = K / B;
+    for (int b = 0; b < nb; ++b) {
+        if (b % kPfEvery == 0)
+            for (int r = 0; r < R; ++r)
+                for (int o = 0; o < kBytes; o += 64) V::prefetch(W[r] + b * kBytes + o);
+        for (int j = 0; j < B / S; ++j) {
+            const int k0 = b * B + j * S;
+            for (int r = 0; r < R; ++r) {
+                typename V::F w[NV];
+                decode_floats<Q>(W[r] + b * kBytes, j, w);
+                for (int t = 0; t < TT; ++t)
+                    for (int v = 0; v < NV; ++v) acc[r][t] = V::fmadd(w[v], V::load(X[t] + k0 + v * V::W), acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) out[t * ldo + r] = V::hsum(acc[r][t]) * m.gs;
+}
+
+using PackedTileFn = void (*)(const Mat&, int64_t, const float* const*, int, float*, size_t);
+
+// Rows 1..4 x tokens in tiles of TMAX, then one at a time.
+template <class Q>
+void gemv(const Mat& m, int64_t r0, int nrows, const void* const* Xv, int ntok, int K, float* out, size_t ldo) {
+    static const PackedTileFn big[4] = {tile<Q, 1, V::TMAX>, tile<Q, 2, V::TMAX>, tile<Q, 3, V::TMAX>, tile<Q, 4, V::TMAX>};
+    static const PackedTileFn one[4] = {tile<Q, 1, 1>, tile<Q, 2, 1>, tile<Q, 3, 1>, tile<Q, 4, 1>};
+    auto X = reinterpret_cast<const float* const*>(Xv);
+    int t = 0;
+    for (; t + V::TMAX <= ntok; t += V::TMAX) big[nrows - 1](m, r0, X + t, K, out + t * ldo, ldo);
+    for (; t < ntok; ++t) one[nrows - 1](m, r0, X + t, K, out + t * ldo, ldo);
+}
+
+inline void fill_table(GemvFn t[kNumQ]) {
+    t[int(QFmt::q8_0)] = gemv<DQ8_0>;
+    t[int(QFmt::q4_0)] = gemv<DQ4_0>;
+    t[int(QFmt::q4_1)] = gemv<DQ4_1>;
+    t[int(QFmt::q5_0)] = gemv<DQ5_0>;
+    t[int(QFmt::q5_1)] = gemv<DQ5_1>;
+    t[int(QFmt::q2_k)] = gemv<DQ2_K>;
+    t[int(QFmt::q3_k)] = gemv<DQ3_K>;
+    t[int(QFmt::q4_k)] = gemv<DQ4_K>;
+    t[int(QFmt::q5_k)] = gemv<DQ5_K>;
+    t[int(QFmt::q6_k)] = gemv<DQ6_K>;
+    t[int(QFmt::iq4_nl)] = gemv<DIQ4_NL>;
+    t[int(QFmt::iq4_xs)] = gemv<DIQ4_XS>;
+    t[int(QFmt::mxfp4)] = gemv<DMXFP4>;
+    t[int(QFmt::fp8)] = gemv<DFP8>;
+    t[int(QFmt::nvfp4)] = gemv<DNVFP4>;
+}

@@ -1,0 +1,163 @@
+"""Packed-bank MoE layer (native/packed.py) against float64 references, every format and every SIMD
+path this CPU has. GGUF types are dequantized by gguf.quants (an independent implementation);
+fp8 and nvfp4 by the float64 definitions written out here (QUANT_LAYOUT.md). The tolerance is
+float32 rounding, so a wrong nibble order, high bit or scale cannot pass."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.native.conftest import ALL_ISAS
+
+FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+           "mxfp4", "fp8", "nvfp4"]
+GGUF_QUANTIZE = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"}  # types gguf.quants can also quantize
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+TOL = 4e-6  # of the reference's largest magnitude: float32 accumulation (seen: below 1e-6)
+
+
+@pytest.fixture(scope="module")
+def pk(ft):
+    from native import packed as module
+
+    return module
+
+
+def e4m3(b: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bytes -> float64 (0x7f / 0xff NaN)."""
+    b = b.astype(np.int64)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7))
+    v = np.where((b & 0x7F) == 0x7F, np.nan, v)
+    return np.where(b & 0x80, -v, v)
+
+
+def ref_dequant(fmt: str, rows: np.ndarray, k: int) -> np.ndarray:
+    """Packed rows [n, row_bytes] -> float64 [n, k], independently of the kernel."""
+    n = rows.shape[0]
+    if fmt == "fp8":
+        blk = rows.reshape(n, k // 128, 132)
+        scale = blk[..., :4].copy().view(np.float32).astype(np.float64)
+        return (e4m3(blk[..., 4:]) * scale).reshape(n, k)
+    if fmt == "nvfp4":
+        blk = rows.reshape(n, k // 16, 9)
+        codes = np.stack([blk[..., 1:] & 15, blk[..., 1:] >> 4], axis=-1).reshape(n, k // 16, 16)
+        return (E2M1[codes] * e4m3(blk[..., :1])).reshape(n, k)
+    return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[fmt.upper()]).astype(np.float64).reshape(n, k)
+
+
+def make_bank(pk, fmt: str, experts: int, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    if fmt in GGUF_QUANTIZE:
+        data = torch.randn(experts * rows, k, generator=gen).numpy() * 0.1
+        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[fmt.upper()])
+        return torch.from_numpy(np.ascontiguousarray(q)).view(experts, rows, -1)
+    return pk.random_blocks(fmt, (experts, rows), k, gen)
+
+
+def reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gscale, out0) -> np.ndarray:
+    experts, inter2, _ = gu.shape
+    hidden, inter = x.shape[1], inter2 // 2
+    wgu = ref_dequant(fmt_gu, gu.reshape(experts * inter2, -1).numpy(), hidden).reshape(experts, inter2, hidden)
+    wd = ref_dequant(fmt_d, dn.reshape(experts * hidden, -1).numpy(), inter).reshape(experts, hidden, inter)
+    gs = np.ones((experts, 3)) if gscale is None else gscale.double().numpy()
+    xd, y = x.double().numpy(), out0.double().numpy().copy()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            g = gs[e, 0] * (wgu[e, :inter] @ xd[t])
+            u = gs[e, 1] * (wgu[e, inter:] @ xd[t])
+            h = g / (1 + np.exp(-g)) * u
+            y[t] += float(weights[t, j]) * gs[e, 2] * (wd[e] @ h)
+    return y
+
+
+def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_dtype=torch.float32, gscale=True):
+    gu = make_bank(pk, fmt_gu, experts, 2 * inter, hidden, gen)
+    dn = make_bank(pk, fmt_d, experts, hidden, inter, gen)
+    # gate and up values of order 1, so silu neither saturates nor hides the gate rows' errors
+    w_rms = float(np.sqrt(np.mean(ref_dequant(fmt_gu, gu[0].numpy(), hidden) ** 2)))
+    x = (torch.randn(T, hidden, generator=gen) / (w_rms * hidden**0.5)).to(x_dtype)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    ids[torch.rand(T, k, generator=gen) < 0.25] = -1  # skipped entries
+    weights = torch.rand(T, k, generator=gen)
+    gs = torch.rand(experts, 3, generator=gen) + 0.5 if gscale else None
+    out0 = torch.randn(T, hidden, generator=gen)
+    out = out0.clone()
+    pk.moe_packed(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out)
+    ref = reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out0)
+    err = np.abs(out.double().numpy() - ref).max()
+    scale = np.abs(ref - out0.double().numpy()).max() + 1e-30
+    assert err <= TOL * scale, f"{fmt_gu}/{fmt_d} T={T} k={k}: max abs err {err:.3g} > {TOL:g} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_matches_float64_reference(pk, isa, fmt):
+    gen = torch.Generator().manual_seed(FORMATS.index(fmt))
+    for T, k in ((1, 4), (3, 2), (8, 3)):
+        run_case(pk, gen, fmt, fmt, T, k)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_mixed_formats_bf16_activations(pk, isa):
+    """A Q4_K_M-like layer: q4_k gate/up, q6_k down, bf16 x, more tokens than a tile, repeated experts."""
+    gen = torch.Generator().manual_seed(99)
+    run_case(pk, gen, "q4_k", "q6_k", 11, 4, hidden=512, experts=4, x_dtype=torch.bfloat16, gscale=False)
+    run_case(pk, gen, "q8_0", "nvfp4", 5, 2, hidden=96, inter=64, experts=3)
+
+
+def test_scalar_decoder_is_exact(pk):
+    gen = torch.Generator().manual_seed(5)
+    for fmt in FORMATS:
+        rows = pk.random_blocks(fmt, (4,), 512, gen)
+        ref = ref_dequant(fmt, rows.numpy(), 512).astype(np.float32)  # the decoder's values are float32
+        np.testing.assert_array_equal(pk.dequantize(fmt, rows).numpy(), ref, err_msg=fmt)
+
+
+def test_mxfp4_small_exponents(pk):
+    """e8m0 codes 0 and 1 are ggml's subnormal halves, not 2^-128 / 2^-127 rounded to zero."""
+    rows = pk.random_blocks("mxfp4", (2,), 64, torch.Generator().manual_seed(1)).clone()
+    rows[:, 0], rows[:, 17] = 0, 1
+    ref = ref_dequant("mxfp4", rows.numpy(), 64)
+    assert (ref[:, :32] != 0).any() and (ref[:, 32:] != 0).any()
+    np.testing.assert_array_equal(pk.dequantize("mxfp4", rows).double().numpy(), ref)
+
+
+def test_bad_arguments_name_the_argument(pk):
+    gen = torch.Generator().manual_seed(3)
+    T, H, inter, E, k = 2, 64, 32, 3, 2
+    good = dict(x=torch.randn(T, H), ids=torch.zeros(T, k, dtype=torch.int32), weights=torch.ones(T, k),
+                gate_up=pk.random_blocks("q8_0", (E, 2 * inter), H, gen), fmt_gu="q8_0",
+                down=pk.random_blocks("q4_0", (E, H), inter, gen), fmt_d="q4_0", gscale=None, out=torch.zeros(T, H))
+    bad = {
+        "ids": dict(ids=torch.full((T, k), E, dtype=torch.int32)),
+        "ids ": dict(ids=torch.zeros(T, k, dtype=torch.int64)),
+        "weights": dict(weights=torch.ones(T, k + 1)),
+        "gate_up": dict(gate_up=pk.random_blocks("q8_0", (E, 2 * inter), 2 * H, gen)),
+        "fmt_gu": dict(fmt_gu="q9_9"),
+        "down": dict(down=pk.random_blocks("q4_0", (E + 1, H), inter, gen)),
+        "down ": dict(fmt_d="q4_k"),  # 32 values per row are no whole q4_k block
+        "gscale": dict(gscale=torch.ones(E, 2)),
+        "out": dict(out=torch.zeros(T, H, dtype=torch.bfloat16)),
+        "x": dict(x=torch.randn(T, H, dtype=torch.float64)),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=f"^{name.strip()}"):
+            pk.moe_packed(**{**good, **change})
+    pk.moe_packed(**good)  # and the good call still runs
+
+
+def test_bench_counts_packed_bytes(pk):
+    from native.packed_bench import bench_packed
+
+    r = bench_packed("q4_k", "q6_k", threads=1, hidden=256, inter=256, top_k=2, bank_gb=0.001, seconds=0.01,
+                     rounds=1)
+    per_expert = 2 * 256 * 144 + 256 * 210  # gate/up rows of one q4_k block, down rows of one q6_k block
+    assert r["bytes_per_call"] == 2 * per_expert
+    assert r["us_per_call"] > 0 and r["read_us"] > 0
+    assert abs(r["gbps"] - r["bytes_per_call"] / r["us_per_call"] / 1e3) < 0.01 + 0.01 * r["gbps"]
