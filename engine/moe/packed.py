@@ -53,8 +53,8 @@ def torch_moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 def native_moe_packed() -> MoePacked | None:
     """The native kernel (native/packed.py's `moe_packed`) when it is built and importable, else None."""
     try:
-        from native.packed import moe_packed  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
+        from native.packed import moe_packed
+    except (ImportError, AttributeError):  # not built, or built before the packed kernels existed
         return None
     kernel: MoePacked = moe_packed
     return kernel

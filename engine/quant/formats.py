@@ -74,13 +74,13 @@ class QuantFormat:
         return k // self.block * self.block_bytes
 
     def dequantize(self, rows: torch.Tensor, k: int, gscale: float | torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 [..., row_bytes(k)] -> float32 [..., k] (times `gscale` for a format that has one)."""
+        """uint8 [..., row_bytes(k)] -> float32 [..., k] (times `gscale` when given)."""
         lead = rows.shape[:-1]
         if rows.dtype != torch.uint8 or rows.shape[-1] != self.row_bytes(k):
             raise ConfigError(f"{self.name}: rows of {rows.shape[-1]} bytes ({rows.dtype}) for {k} values, "
                               f"expected {self.row_bytes(k)} uint8")
         out = self.decode(rows.reshape(-1, self.block_bytes)).reshape(*lead, k)
-        if self.has_gscale and gscale is not None:
+        if gscale is not None:  # a bank holds 1.0 for formats without a global scale
             out = out * (gscale if isinstance(gscale, torch.Tensor) else torch.tensor(gscale, dtype=torch.float32))
         return out
 

@@ -183,7 +183,7 @@ def test_decode_and_greedy_equal_transformers(make_engine, quant_file: tuple[str
     from engine.sampling import SamplingParams
 
     name, path, model = quant_file
-    engine = make_engine(path, dtype="float32", executor="torch")
+    engine = make_engine(path, dtype="float32", executor="auto")  # the native kernel when built
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     handle = engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True), capture_logits=True)
     out = handle.result(timeout=120)
