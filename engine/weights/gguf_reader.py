@@ -27,6 +27,7 @@ systems the same weights, byte for byte.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +274,9 @@ class GgufReader:
         kind = self._kind(t)
         if kind not in GGML_FORMATS:
             raise WeightError(f"{self._where(t)}: tensor {t.name!r} is {kind}, not a quantized type")
-        return GGML_FORMATS[kind], torch.from_numpy(np.asarray(t.data))
+        with warnings.catch_warnings():  # a read-only view of the mapped file: the loader only copies from it
+            warnings.simplefilter("ignore", UserWarning)
+            return GGML_FORMATS[kind], torch.from_numpy(np.asarray(t.data))
 
     # ---------------------------------------------------------------- packed experts (engine/weights/packed.py)
     def expert_format(self, prefix: str) -> str | None:

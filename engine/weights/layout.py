@@ -78,6 +78,11 @@ class ExpertBanks:
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every expert of every layer in host memory."""
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
 
 @dataclass
 class PackedExpertBanks(ExpertBanks):

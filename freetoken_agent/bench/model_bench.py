@@ -282,7 +282,7 @@ class ModelBench:
             "gpu_memory": self.opts.gpu_memory or None,
             "gpu_budget": dataclasses.asdict(self.engine.gpu_budget) if self.engine.gpu_budget else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.expert_bytes * banks.w13.shape[0],
+            "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.total_bytes,
             "dense_bytes": dense_bytes(self.engine.decoder.weights, self.device), "load_s": round(self.load_s, 3),
             "calibration": cal.to_json() if cal is not None else None,
         }

@@ -209,12 +209,18 @@ def test_q8_0_equals_transformers_gguf_loader(tmp_path: Path) -> None:
     assert rel_err(got, ref) <= TOL
 
 
-def test_split_set_loads_as_one_file(tmp_path: Path) -> None:
+def test_split_set_loads_as_one_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = make_hf_model(_spec(seed=3))
     files = write_quant_gguf(model, tmp_path / "tiny.gguf", [(T.Q4_K, T.Q6_K)] * L, split=True)
     assert [f.name for f in files] == ["tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"]
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    got = _engine_logits(load_decoder(files[0], "cpu", torch.float32, executor="torch"), ids)
+    with caplog.at_level("INFO", logger="freetoken.engine"):
+        dec = load_decoder(files[0], "cpu", torch.float32, executor="torch")
+    # the experts' bytes as in the file, next to bf16's: q4_k gate/up (144 B / 256) and q6_k down (210 B / 256)
+    packed = L * E * INTER * (2 * 144 + 210)
+    assert dec.weights.experts.total_bytes == packed
+    assert f"{packed / 2**30:.2f} GiB in host memory ({L * E * 3 * H * INTER * 2 / 2**30:.2f} GiB in bf16)" in caplog.text
+    got = _engine_logits(dec, ids)
     assert rel_err(got, hf_prefill_logits(model, ids)) <= TOL
     files[1].unlink()
     with pytest.raises(WeightError, match=r"tiny-00002-of-00002\.gguf: file not found"):
