@@ -132,3 +132,36 @@ def test_unsupported_method_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"config\.json: quantization_config\.quant_method 'gptq' is not supported"):
         load_decoder(src, "cpu", torch.float32)
     assert json.loads((src / "config.json").read_text())["quantization_config"]["bits"] == 4
+
+
+def test_gpt_oss_mxfp4_experts_pack_gate_rows_first(tmp_path: Path) -> None:
+    """gpt-oss's fused `gate_up_proj_blocks` interleaves gate and up rows; the packed bank holds the gate
+    rows, then the up rows, each equal to transformers' dequantization of the checkpoint's tensors."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.weights.hf_quant import open_quantized
+    from engine.weights.reader import CheckpointReader
+
+    g = torch.Generator().manual_seed(2)
+    e, inter, h = 2, 32, 64
+    p = "model.layers.0.mlp.experts."
+    t = {p + "gate_up_proj_blocks": torch.randint(0, 256, (e, 2 * inter, h // 32, 16), dtype=torch.uint8, generator=g),
+         p + "gate_up_proj_scales": torch.randint(115, 135, (e, 2 * inter, h // 32), dtype=torch.uint8, generator=g),
+         p + "down_proj_blocks": torch.randint(0, 256, (e, h, inter // 32, 16), dtype=torch.uint8, generator=g),
+         p + "down_proj_scales": torch.randint(115, 135, (e, h, inter // 32), dtype=torch.uint8, generator=g)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    reader = open_quantized(CheckpointReader(tmp_path), {"quantization_config": {"quant_method": "mxfp4"}},
+                            tmp_path / "config.json")
+    assert reader.expert_format(p) == "mxfp4"
+    full = convert_moe_packed_tensors(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"],
+                                      dtype=torch.float32).transpose(1, 2)  # [E, 2I, H], rows interleaved
+    mx = FORMATS["mxfp4"]
+    for proj, rows in (("gate_proj", full[:, 0::2]), ("up_proj", full[:, 1::2])):
+        fmt, packed, gscale = reader.expert_rows(p, proj, e, inter, h)
+        assert fmt == "mxfp4" and torch.equal(gscale, torch.ones(e))
+        assert torch.equal(mx.dequantize(packed, h), rows)
+    down = convert_moe_packed_tensors(t[p + "down_proj_blocks"], t[p + "down_proj_scales"],
+                                      dtype=torch.float32).transpose(1, 2)
+    _, packed, _ = reader.expert_rows(p, "down_proj", e, h, inter)
+    assert torch.equal(mx.dequantize(packed, inter), down)
