@@ -248,3 +248,61 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(WeightError, match=r"tq\.gguf: tensor 'blk\.0\.ffn_gate_exps\.weight' is TQ2_0"):
         load_decoder(tmp_path / "tq.gguf", "cpu", torch.float32)
+
+
+def requantize_experts(src: Path, dst: Path, qtype: Any, seed: int = 0) -> dict[str, np.ndarray]:
+    """Copies GGUF `src` to `dst` with every `*_exps` tensor in `qtype` (its values re-quantized where gguf
+    can, random valid blocks otherwise); returns each such tensor's dequantized values [E, rows, cols]."""
+    rng = np.random.default_rng(seed)
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if len(f.types) > 1 else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    deq: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if "_exps." in t.name:
+            values = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+            q = _quantize(values, qtype, rng)
+            deq[t.name] = gguf.quants.dequantize(q, qtype)
+            w.add_tensor(t.name, q, raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return deq
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
+def test_qwen35moe_packed_equals_float_experts(tmp_path: Path, qtype: Any) -> None:
+    """The hybrid family: a qwen35moe file (evals/peer/write_gguf.py) with its experts quantized runs
+    packed with the logits of the float engine holding the same experts dequantized (itself equal to
+    transformers: test_gguf_model.py)."""
+    from peer_gguf import write_gguf_module, write_vocab
+
+    src = tmp_path / "hybrid.gguf"
+    args = ["--out", str(src), "--vocab-from", str(write_vocab(tmp_path / "vocab.gguf", 300)), "--arch", "qwen35moe",
+            "--layers", "4", "--experts", "4", "--top-k", "2", "--hidden", "256", "--inter", "256",
+            "--shared-inter", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--linear-key-heads", "2",
+            "--linear-value-heads", "4", "--linear-head-dim", "16", "--std", "0.05", "--seed", "3", "--threads", "1"]
+    assert write_gguf_module("peer_write_gguf_q35").main(args) == 0
+    deq = requantize_experts(src, tmp_path / "hybrid-q.gguf", qtype)
+    packed = load_decoder(tmp_path / "hybrid-q.gguf", "cpu", torch.float32, executor="auto")
+    assert isinstance(packed.weights.experts, PackedExpertBanks)
+    dense = load_decoder(src, "cpu", torch.float32, executor="torch")
+    banks = dense.weights.experts
+    i = banks.w2.shape[2]
+    for li in range(4):
+        rows = slice(li * 4, (li + 1) * 4)
+        banks.w13[rows, :i] = torch.from_numpy(deq[f"blk.{li}.ffn_gate_exps.weight"])
+        banks.w13[rows, i:] = torch.from_numpy(deq[f"blk.{li}.ffn_up_exps.weight"])
+        banks.w2[rows] = torch.from_numpy(deq[f"blk.{li}.ffn_down_exps.weight"])
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = _engine_logits(dense, ids)
+    got = _engine_logits(packed, ids)
+    assert rel_err(got, ref) <= TOL, f"{qtype.name}: {rel_err(got, ref):.2e}"
