@@ -116,9 +116,35 @@ def split_parts(path: Path) -> list[Path]:
     return [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+def _checked_reader(gguf: Any) -> Any:
+    """gguf's reader, checking each tensor's type and extent before it maps it, so a truncated file or
+    an unknown type is named by its tensor (the package's own errors name neither)."""
+
+    class CheckedReader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", errors="replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(f"tensor {name!r} has unknown type {int(raw_dtype[0])}") from None
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                n = int(np.prod(dims))
+                if n % block:
+                    raise ValueError(f"tensor {name!r} ({qtype.name}): {n} values are not whole {block}-value blocks")
+                end = start_offs + int(offset[0]) + n // block * size
+                if end > len(self.data):
+                    raise ValueError(f"tensor {name!r} ({qtype.name}) ends at byte {end}, past the end of the file "
+                                     f"({len(self.data)} bytes): truncated")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 def _open(gguf: Any, path: Path) -> Any:
     try:
-        return gguf.GGUFReader(str(path), "r")
+        return _checked_reader(gguf)(str(path), "r")
     except FileNotFoundError:
         raise WeightError(f"{path}: file not found") from None
     except Exception as e:  # gguf raises ValueError and friends for a bad file (truncated, unknown type)

@@ -233,7 +233,7 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
     write_quant_gguf(model, path, [(T.Q4_K, T.Q6_K)] * L)
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
-    with pytest.raises(WeightError, match=r"cut\.gguf"):
+    with pytest.raises(WeightError, match=r"cut\.gguf: .*tensor 'blk\.1\.ffn_down_exps\.weight' \(Q6_K\) ends at byte"):
         load_decoder(tmp_path / "cut.gguf", "cpu", torch.float32)
     # a type with no packed format (TQ2_0) for the experts
     w = gguf.GGUFWriter(str(tmp_path / "tq.gguf"), "qwen3moe")
