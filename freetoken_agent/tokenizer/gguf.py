@@ -111,7 +111,7 @@ def tokenizer_json(path: Path, fields: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_PATTERNS)})")
     tokens: list[str] = list(need("tokenizer.ggml.tokens"))
     types: list[int] = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges: list[str] = list(need("tokenizer.ggml.merges"))
+    merges: list[str] = list(fields.get("tokenizer.ggml.merges", []))
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": t not in NON_SPECIAL_TOKENS}
              for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind in (_CONTROL, _USER_DEFINED)]
@@ -141,4 +141,9 @@ def chat_tokenizer_from_gguf(path: Path | str) -> ChatTokenizer:
         if tid is not None and int(tid) in by_id:
             config[name] = by_id[int(tid)]
     template = fields.get("tokenizer.chat_template")
-    return ChatTokenizer(Tokenizer.from_str(json.dumps(doc)), config, str(template) if template else None)
+    try:
+        tokenizer = Tokenizer.from_str(json.dumps(doc))
+    except Exception as e:  # the tokenizers library raises plain Exceptions (a merge of unknown tokens, ...)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path}: its tokenizer metadata cannot be read by the tokenizers library ({reason})") from None
+    return ChatTokenizer(tokenizer, config, str(template) if template else None)

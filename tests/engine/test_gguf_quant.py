@@ -16,6 +16,7 @@ gguf.quants.quantize where the package can, random valid blocks otherwise. Then:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,12 @@ def _metadata(w: object, cfg: object) -> None:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)  # type: ignore[attr-defined]
     w.add_tokenizer_model("gpt2")  # type: ignore[attr-defined]
     w.add_tokenizer_pre("qwen2")  # type: ignore[attr-defined]
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])  # type: ignore[attr-defined]
+    # printable ASCII, the byte-level space, an end token: any ASCII text encodes (one token per character)
+    w.add_token_list([chr(c) for c in range(33, 127)] + ["\u0120", "<|im_end|>"])  # type: ignore[attr-defined]
     w.add_token_types([1] * (VOCAB - 1) + [3])  # type: ignore[attr-defined]
-    w.add_token_merges(["t 1", "t 2"])  # type: ignore[attr-defined]
+    w.add_token_merges([])  # type: ignore[attr-defined]
     w.add_eos_token_id(VOCAB - 1)  # type: ignore[attr-defined]
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # type: ignore[attr-defined]
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }} {% endfor %}")  # type: ignore[attr-defined]
 
 
 CASES = {
@@ -306,3 +308,16 @@ def test_qwen35moe_packed_equals_float_experts(tmp_path: Path, qtype: Any) -> No
     ref = _engine_logits(dense, ids)
     got = _engine_logits(packed, ids)
     assert rel_err(got, ref) <= TOL, f"{qtype.name}: {rel_err(got, ref):.2e}"
+
+
+def test_generate_runs_a_quantized_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --model FILE.gguf` (as `serve`): engine, tokenizer and chat template all from the file."""
+    from freetoken_agent.cli import main
+
+    path = tmp_path / "chat-q4_k_m.gguf"
+    write_quant_gguf(make_hf_model(_spec(seed=3)), path, CASES["q4_k_m"])
+    assert main(["generate", "--model", str(path), "--prompt", "hi there", "--max-tokens", "5", "--temperature", "0",
+                 "--device", "cpu", "--dtype", "float32", "--output-ids"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    ids = json.loads(out[-1])
+    assert len(ids) == 5 and all(0 <= i < VOCAB for i in ids)
