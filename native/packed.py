@@ -8,13 +8,15 @@ e = ids[t, j] (-1: skipped), dequantizing blocks in registers with float32 accum
 [E, 2I, row_bytes(fmt_gu, H)] (gate rows, then up rows), down [E, H, row_bytes(fmt_d, I)], gscale
 float32 [E, 3] (gate, up, down global scales; None = 1). Every argument is checked here (the
 extension takes raw addresses); a bad one raises ValueError naming it. The SIMD path is the one
-`native.ftnative.set_isa` selects. `dequantize` is the scalar decoder (float32), `random_blocks`
-makes valid random blocks of any format (tests, benchmarks).
+`native.ftnative.set_isa` selects. `PackedHostTask` is the same call prepared once for the
+doorbell poller (ftnative.HostTask; its runs overwrite out). `dequantize` is the scalar decoder
+(float32), `random_blocks` makes valid random blocks of any format (tests, benchmarks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,9 +84,9 @@ def _check_bank(name: str, bank: object, fmt: str, rows: int | None, k: int | No
     return t
 
 
-def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, fmt_gu: str,
-               down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out[t] += sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t); see the module docstring."""
+def _raw_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, fmt_gu: str,
+              down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor) -> tuple[Any, ...]:
+    """Every argument checked; the extension's raw argument tuple."""
     fgu, fd = packed_format(fmt_gu, "fmt_gu"), packed_format(fmt_d, "fmt_d")
     _check("x", x, torch.float32, 2)
     t_count, hidden = x.shape
@@ -108,15 +110,35 @@ def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     _check("out", out, torch.float32, 2)
     if out.shape != x.shape:
         _fail(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
-    if t_count == 0:
-        return
-    try:
-        _ext.moe_packed(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(), out.stride(0), t_count,
-                        hidden, inter, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts, gu.data_ptr(),
-                        gu.stride(0), gu.shape[2], fgu.code, dn.data_ptr(), dn.stride(0), dn.shape[2], fd.code,
-                        0 if gscale is None else gscale.data_ptr())
-    except ValueError as exc:  # the extension names the argument (ids, gate_up, down)
-        raise ValueError(str(exc)) from None
+    return (x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(), out.stride(0), t_count, hidden,
+            inter, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts, gu.data_ptr(), gu.stride(0),
+            gu.shape[2], fgu.code, dn.data_ptr(), dn.stride(0), dn.shape[2], fd.code,
+            0 if gscale is None else gscale.data_ptr())
+
+
+def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, fmt_gu: str,
+               down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[t] += sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t); see the module docstring."""
+    args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out)
+    if x.shape[0]:
+        _ext.moe_packed(*args)  # ValueError naming ids / gate_up / down on a bad id or size
+
+
+class PackedHostTask(ftnative.HostTask):
+    """`ftnative.HostTask` (run later, or by the native poller on a doorbell) over packed banks:
+    moe_packed's arguments, fixed buffers checked once and kept alive by the task; each run
+    overwrites `out` with the layer's result (the GPU adds it), ids < 0 skipped."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 fmt_gu: str, down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
+            _fail("x must have T > 0 rows")
+        args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out)
+        self._buffers = (x, ids, weights, out, gate_up, down, gscale)  # type: ignore[assignment]
+        self._words = None
+        self._fetch_buffers = None
+        self.address = _ext.host_task_create_packed(*args)
 
 
 def dequantize(fmt: str, data: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ extern "C" void ft_host_task_run(void* task) noexcept {
     auto* t = static_cast<ft::HostTask*>(task);
     const auto t0 = std::chrono::steady_clock::now();
     try {
-        ft::moe_layer(t->args);
+        if (t->packed) ft::moe_packed(t->args, *t->packed);
+        else ft::moe_layer(t->args);
     } catch (const std::exception& e) {
         // a failed call leaves zeros, never stale numbers, in the output the GPU copies back
         const ft::LayerArgs& a = t->args;

@@ -12,6 +12,7 @@
 
 #include "dma_fetch.h"
 #include "moe_layer.h"
+#include "moe_packed.h"
 
 namespace ft {
 
@@ -21,6 +22,7 @@ struct HostTask {
     std::mutex error_mutex;
     std::string error;  // the first failure's message
     std::unique_ptr<DmaFetch> fetch;  // set before the task is registered with the poller, or never
+    std::unique_ptr<PackedBanks> packed;  // set: the layer runs over packed banks (moe_packed)
 };
 
 }  // namespace ft

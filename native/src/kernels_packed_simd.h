@@ -8,16 +8,11 @@
 //   [off, off + W) of q as floats; off a multiple of W below 16), fp8(p) (W e4m3 bytes at p, as
 //   floats / 256), and prefetch(p).
 //
-// A block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers: the
-// byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths, giving
-// int8 codes q and, per 16 values, a scale d and an offset m (value = q * d + m); then widened to
-// S / W float vectors and multiplied into the accumulators of R rows x TT tokens. fp8 has no int8
-// form: its sub-blocks are widened from the e4m3 bits directly.
-
-struct Sub {
-    __m128i q[2];     // int8 codes of values [0, 16) and [16, 32) of the sub-block
-    float d[2], m[2];  // per 16 values: value = q * d + m
-};
+// Per block and row, the scales of every group of values are decoded once (value = code * d + m);
+// then the block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers:
+// the byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths gives
+// int8 codes, widened to S / W float vectors, scaled, and multiplied into the accumulators of R
+// rows x TT tokens. fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
 
 inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m128i low4(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(15)); }
@@ -37,151 +32,220 @@ inline __m128i bits16(uint32_t bits) {  // 0xff in byte i where bit i of the low
 }
 inline __m128i lut(__m128i idx, const int8_t* table) { return _mm_shuffle_epi8(ld16(reinterpret_cast<const uint8_t*>(table)), idx); }
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-inline Sub sub(__m128i q0, __m128i q1, float d0, float d1, float m0, float m1) { return Sub{{q0, q1}, {d0, d1}, {m0, m1}}; }
-inline Sub sub(__m128i q0, __m128i q1, float d, float m) { return sub(q0, q1, d, d, m, m); }
-
-// ---- formats: B values in `bytes` bytes; sub(b, j) decodes sub-block j of the block at b ----
+// out[i] = mul * float(code i) for n (a multiple of 4) unsigned / signed byte codes, 4 lanes at a time
+inline void scale_u8(const uint8_t* codes, int n, float mul, float* out) {
+    for (int i = 0; i < n; i += 4)
+        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
+                                          _mm_set1_ps(mul)));
+}
+inline void scale_i8(const uint8_t* codes, int n, float mul, float* out) {
+    for (int i = 0; i < n; i += 4)
+        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
+                                          _mm_set1_ps(mul)));
+}
+// ---- formats: B values in `bytes` bytes, one scale d (and offset m) per kGroup values ----
+// scales(b, d, m): every group's d and m (value = code * d + m), once per block and row;
+// codes(b, j, q): the int8 codes of sub-block j (q[0]: values 0..15, q[1]: 16..31).
 
 struct DQ8_0 {
     static constexpr QFmt kFmt = QFmt::q8_0;
-    static Sub decode(const uint8_t* b, int) { return sub(ld16(b + 2), ld16(b + 18), h2f(b), 0.f); }
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = h2f(b); }
+    static void codes(const uint8_t* b, int, __m128i* q) { q[0] = ld16(b + 2), q[1] = ld16(b + 18); }
 };
 struct DQ4_0 {
     static constexpr QFmt kFmt = QFmt::q4_0;
-    static Sub decode(const uint8_t* b, int) {
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = h2f(b); }
+    static void codes(const uint8_t* b, int, __m128i* q) {
         const __m128i v = ld16(b + 2), eight = _mm_set1_epi8(8);
-        return sub(_mm_sub_epi8(low4(v), eight), _mm_sub_epi8(high4(v), eight), h2f(b), 0.f);
+        q[0] = _mm_sub_epi8(low4(v), eight), q[1] = _mm_sub_epi8(high4(v), eight);
     }
 };
 struct DQ4_1 {
     static constexpr QFmt kFmt = QFmt::q4_1;
-    static Sub decode(const uint8_t* b, int) {
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = true;
+    static void scales(const uint8_t* b, float* d, float* m) { d[0] = h2f(b), m[0] = h2f(b + 2); }
+    static void codes(const uint8_t* b, int, __m128i* q) {
         const __m128i v = ld16(b + 4);
-        return sub(low4(v), high4(v), h2f(b), h2f(b + 2));
+        q[0] = low4(v), q[1] = high4(v);
     }
 };
-inline Sub q5(const uint8_t* qh_p, const uint8_t* qs, float d, float m, int offset) {
+inline void q5_codes(const uint8_t* qh_p, const uint8_t* qs, int offset, __m128i* q) {
     const uint32_t qh = load_u32(qh_p);
     const __m128i v = ld16(qs), b4 = _mm_set1_epi8(16), off = _mm_set1_epi8(static_cast<char>(offset));
-    const __m128i q0 = _mm_or_si128(low4(v), _mm_and_si128(bits16(qh & 0xffffu), b4));
-    const __m128i q1 = _mm_or_si128(high4(v), _mm_and_si128(bits16(qh >> 16), b4));
-    return sub(_mm_sub_epi8(q0, off), _mm_sub_epi8(q1, off), d, m);
+    q[0] = _mm_sub_epi8(_mm_or_si128(low4(v), _mm_and_si128(bits16(qh & 0xffffu), b4)), off);
+    q[1] = _mm_sub_epi8(_mm_or_si128(high4(v), _mm_and_si128(bits16(qh >> 16), b4)), off);
 }
 struct DQ5_0 {
     static constexpr QFmt kFmt = QFmt::q5_0;
-    static Sub decode(const uint8_t* b, int) { return q5(b + 2, b + 6, h2f(b), 0.f, 16); }
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = h2f(b); }
+    static void codes(const uint8_t* b, int, __m128i* q) { q5_codes(b + 2, b + 6, 16, q); }
 };
 struct DQ5_1 {
     static constexpr QFmt kFmt = QFmt::q5_1;
-    static Sub decode(const uint8_t* b, int) { return q5(b + 4, b + 8, h2f(b), h2f(b + 2), 0); }
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = true;
+    static void scales(const uint8_t* b, float* d, float* m) { d[0] = h2f(b), m[0] = h2f(b + 2); }
+    static void codes(const uint8_t* b, int, __m128i* q) { q5_codes(b + 4, b + 8, 0, q); }
 };
 struct DQ2_K {
     static constexpr QFmt kFmt = QFmt::q2_k;
-    static Sub decode(const uint8_t* b, int j) {
+    static constexpr int kGroup = 16;
+    static constexpr bool kOffset = true;
+    static void scales(const uint8_t* b, float* d, float* m) {
+        const __m128i v = ld16(b);
+        alignas(16) uint8_t lo[16], hi[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lo), low4(v));
+        _mm_store_si128(reinterpret_cast<__m128i*>(hi), high4(v));
+        scale_u8(lo, 16, h2f(b + 80), d);
+        scale_u8(hi, 16, -h2f(b + 82), m);
+    }
+    static void codes(const uint8_t* b, int j, __m128i* q) {
         const uint8_t* qs = b + 16 + 32 * (j >> 2);
-        const int s = 2 * (j & 3);
-        const float d = h2f(b + 80), dmin = h2f(b + 82);
-        const uint8_t s0 = b[2 * j], s1 = b[2 * j + 1];
-        return sub(shr_mask(ld16(qs), s, 3), shr_mask(ld16(qs + 16), s, 3), d * float(s0 & 15), d * float(s1 & 15),
-                   -(dmin * float(s0 >> 4)), -(dmin * float(s1 >> 4)));
+        q[0] = shr_mask(ld16(qs), 2 * (j & 3), 3), q[1] = shr_mask(ld16(qs + 16), 2 * (j & 3), 3);
     }
 };
 struct DQ3_K {
     static constexpr QFmt kFmt = QFmt::q3_k;
-    static Sub decode(const uint8_t* b, int j) {
+    static constexpr int kGroup = 16;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) {
+        int8_t sc[16];
+        q3k_scales(b + 96, sc);
+        scale_i8(reinterpret_cast<const uint8_t*>(sc), 16, h2f(b + 108), d);
+    }
+    static void codes(const uint8_t* b, int j, __m128i* q) {
         const uint8_t* qs = b + 32 + 32 * (j >> 2);
         const int s = 2 * (j & 3);
         const __m128i four = _mm_set1_epi8(4);  // subtracted where the high-mask bit is clear
-        const __m128i q0 = _mm_sub_epi8(shr_mask(ld16(qs), s, 3), _mm_andnot_si128(bit_set(ld16(b), j), four));
-        const __m128i q1 = _mm_sub_epi8(shr_mask(ld16(qs + 16), s, 3), _mm_andnot_si128(bit_set(ld16(b + 16), j), four));
-        const float d = h2f(b + 108);
-        return sub(q0, q1, d * float(q3k_scale(b + 96, 2 * j)), d * float(q3k_scale(b + 96, 2 * j + 1)), 0.f, 0.f);
+        q[0] = _mm_sub_epi8(shr_mask(ld16(qs), s, 3), _mm_andnot_si128(bit_set(ld16(b), j), four));
+        q[1] = _mm_sub_epi8(shr_mask(ld16(qs + 16), s, 3), _mm_andnot_si128(bit_set(ld16(b + 16), j), four));
     }
 };
-inline Sub q45_k(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, int j) {
+inline void k45_scales(const uint8_t* b, float* d, float* m) {
+    uint8_t sc[8], mn[8];
+    kquant_scales_mins(b + 4, sc, mn);
+    scale_u8(sc, 8, h2f(b), d);
+    scale_u8(mn, 8, -h2f(b + 2), m);
+}
+inline void k45_codes(const uint8_t* qh, const uint8_t* qs, int j, __m128i* q) {
     const uint8_t* p = qs + 32 * (j >> 1);
     const __m128i v0 = ld16(p), v1 = ld16(p + 16);
-    __m128i q0 = (j & 1) ? high4(v0) : low4(v0), q1 = (j & 1) ? high4(v1) : low4(v1);
+    q[0] = (j & 1) ? high4(v0) : low4(v0), q[1] = (j & 1) ? high4(v1) : low4(v1);
     if (qh) {
         const __m128i b4 = _mm_set1_epi8(16);
-        q0 = _mm_or_si128(q0, _mm_and_si128(bit_set(ld16(qh), j), b4));
-        q1 = _mm_or_si128(q1, _mm_and_si128(bit_set(ld16(qh + 16), j), b4));
+        q[0] = _mm_or_si128(q[0], _mm_and_si128(bit_set(ld16(qh), j), b4));
+        q[1] = _mm_or_si128(q[1], _mm_and_si128(bit_set(ld16(qh + 16), j), b4));
     }
-    int sc, mn;
-    kquant_scale_min(b + 4, j, &sc, &mn);
-    return sub(q0, q1, h2f(b) * float(sc), -(h2f(b + 2) * float(mn)));
 }
 struct DQ4_K {
     static constexpr QFmt kFmt = QFmt::q4_k;
-    static Sub decode(const uint8_t* b, int j) { return q45_k(b, nullptr, b + 16, j); }
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = true;
+    static void scales(const uint8_t* b, float* d, float* m) { k45_scales(b, d, m); }
+    static void codes(const uint8_t* b, int j, __m128i* q) { k45_codes(nullptr, b + 16, j, q); }
 };
 struct DQ5_K {
     static constexpr QFmt kFmt = QFmt::q5_k;
-    static Sub decode(const uint8_t* b, int j) { return q45_k(b, b + 16, b + 48, j); }
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = true;
+    static void scales(const uint8_t* b, float* d, float* m) { k45_scales(b, d, m); }
+    static void codes(const uint8_t* b, int j, __m128i* q) { k45_codes(b + 16, b + 48, j, q); }
 };
 struct DQ6_K {
     static constexpr QFmt kFmt = QFmt::q6_k;
-    static Sub decode(const uint8_t* b, int j) {
+    static constexpr int kGroup = 16;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) {
+        scale_i8(b + 192, 16, h2f(b + 208), d);
+    }
+    static void codes(const uint8_t* b, int j, __m128i* q) {
         const int g = j >> 2, jj = j & 3;
         const uint8_t *ql = b + 64 * g + 32 * (jj & 1), *qh = b + 128 + 32 * g;
         const int sl = 4 * (jj >> 1), sh = 2 * jj;
         const __m128i k32 = _mm_set1_epi8(32);
-        const __m128i q0 = _mm_or_si128(shr_mask(ld16(ql), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh), sh, 3), 4));
-        const __m128i q1 = _mm_or_si128(shr_mask(ld16(ql + 16), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh + 16), sh, 3), 4));
-        const float d = h2f(b + 208);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-        return sub(_mm_sub_epi8(q0, k32), _mm_sub_epi8(q1, k32), d * float(sc[2 * j]), d * float(sc[2 * j + 1]), 0.f, 0.f);
+        q[0] = _mm_sub_epi8(_mm_or_si128(shr_mask(ld16(ql), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh), sh, 3), 4)), k32);
+        q[1] = _mm_sub_epi8(_mm_or_si128(shr_mask(ld16(ql + 16), sl, 15), _mm_slli_epi16(shr_mask(ld16(qh + 16), sh, 3), 4)),
+                            k32);
     }
 };
 struct DIQ4_NL {
     static constexpr QFmt kFmt = QFmt::iq4_nl;
-    static Sub decode(const uint8_t* b, int) {
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = h2f(b); }
+    static void codes(const uint8_t* b, int, __m128i* q) {
         const __m128i v = ld16(b + 2);
-        return sub(lut(low4(v), kIq4nlValues), lut(high4(v), kIq4nlValues), h2f(b), 0.f);
+        q[0] = lut(low4(v), kIq4nlValues), q[1] = lut(high4(v), kIq4nlValues);
     }
 };
 struct DIQ4_XS {
     static constexpr QFmt kFmt = QFmt::iq4_xs;
-    static Sub decode(const uint8_t* b, int j) {
-        const int ls = ((b[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((load_u16(b + 2) >> (2 * j)) & 3) << 4);
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) {
+        const float dd = h2f(b);
+        const uint32_t sh = load_u16(b + 2);
+        for (int j = 0; j < 8; ++j) {
+            const int ls = ((b[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            d[j] = dd * float(ls - 32);
+        }
+    }
+    static void codes(const uint8_t* b, int j, __m128i* q) {
         const __m128i v = ld16(b + 8 + 16 * j);
-        return sub(lut(low4(v), kIq4nlValues), lut(high4(v), kIq4nlValues), h2f(b) * float(ls - 32), 0.f);
+        q[0] = lut(low4(v), kIq4nlValues), q[1] = lut(high4(v), kIq4nlValues);
     }
 };
 struct DMXFP4 {
     static constexpr QFmt kFmt = QFmt::mxfp4;
-    static Sub decode(const uint8_t* b, int) {
+    static constexpr int kGroup = 32;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = e8m0_half(b[0]); }
+    static void codes(const uint8_t* b, int, __m128i* q) {
         const __m128i v = ld16(b + 1);
-        return sub(lut(low4(v), kE2m1Doubled), lut(high4(v), kE2m1Doubled), e8m0_half(b[0]), 0.f);
+        q[0] = lut(low4(v), kE2m1Doubled), q[1] = lut(high4(v), kE2m1Doubled);
     }
 };
-struct DNVFP4 {  // sub-blocks of 16: element 2i is the low nibble of byte i, 2i + 1 the high one
+struct DNVFP4 {  // element 2i is the low nibble of byte i, 2i + 1 the high one
     static constexpr QFmt kFmt = QFmt::nvfp4;
-    static Sub decode(const uint8_t* b, int) {
+    static constexpr int kGroup = 16;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = 0.5f * kE4m3Table[b[0]]; }
+    static void codes(const uint8_t* b, int, __m128i* q) {
         const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1));
-        const __m128i q = lut(_mm_unpacklo_epi8(low4(v), high4(v)), kE2m1Doubled);
-        return sub(q, q, 0.5f * kE4m3Table[b[0]], 0.f);
+        q[0] = q[1] = lut(_mm_unpacklo_epi8(low4(v), high4(v)), kE2m1Doubled);
     }
 };
-struct DFP8 {  // no int8 form: widened from the e4m3 bits (see decode_floats)
+struct DFP8 {  // no int8 form: widened from the e4m3 bits (V::fp8), whose fp16 reading is 2^-8 too small
     static constexpr QFmt kFmt = QFmt::fp8;
+    static constexpr int kGroup = 128;
+    static constexpr bool kOffset = false;
+    static void scales(const uint8_t* b, float* d, float*) { d[0] = load_f32(b) * 256.0f; }
 };
 
 template <class Q>
 constexpr int sub_size() { return kQInfo[int(Q::kFmt)].block < 32 ? kQInfo[int(Q::kFmt)].block : 32; }
 
-// Sub-block j of the block at b as S / W float vectors.
+// Sub-block j of the block at b as S / W float vectors, with the block's group scales d, m.
 template <class Q>
-inline void decode_floats(const uint8_t* b, int j, typename V::F* w) {
+inline void decode_floats(const uint8_t* b, int j, const float* d, const float* m, typename V::F* w) {
     constexpr int S = sub_size<Q>();
     if constexpr (Q::kFmt == QFmt::fp8) {
-        const typename V::F s = V::set1(load_f32(b) * 256.0f);  // e4m3 bits as fp16 are 2^-8 too small
+        const typename V::F s = V::set1(d[0]);
         for (int v = 0; v < S / V::W; ++v) w[v] = V::mul(V::fp8(b + 4 + 32 * j + v * V::W), s);
     } else {
-        const Sub s = Q::decode(b, j);
+        __m128i q[2];
+        Q::codes(b, j, q);
         for (int v = 0; v < S / V::W; ++v) {
-            const int e = v * V::W, h = e / 16;
-            w[v] = V::fmadd(V::i8(s.q[h], e % 16), V::set1(s.d[h]), V::set1(s.m[h]));
+            const int e = v * V::W, g = (j * S + e) / Q::kGroup;
+            const typename V::F f = V::i8(q[e / 16], e % 16);
+            w[v] = Q::kOffset ? V::fmadd(f, V::set1(d[g]), V::set1(m[g])) : V::mul(f, V::set1(d[g]));
         }
     }
 }
@@ -196,16 +260,20 @@ void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, si
     typename V::F acc[R][TT];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) acc[r][t] = V::zero();
+    constexpr int NG = B / Q::kGroup;
+    float ds[R][NG], ms[R][NG];  // group scales and offsets of the current block, per row
     const int nb = K / B;
     for (int b = 0; b < nb; ++b) {
         if (b % kPfEvery == 0)
             for (int r = 0; r < R; ++r)
                 for (int o = 0; o < kBytes; o += 64) V::prefetch(W[r] + b * kBytes + o);
-        for (int j = 0; j < B / S; ++j) {
+        for (int r = 0; r < R; ++r) Q::scales(W[r] + b * kBytes, ds[r], ms[r]);
+#pragma GCC unroll 8
+        for (int j = 0; j < B / S; ++j) {  // unrolled: j's shifts, masks and scale indices become constants
             const int k0 = b * B + j * S;
             for (int r = 0; r < R; ++r) {
                 typename V::F w[NV];
-                decode_floats<Q>(W[r] + b * kBytes, j, w);
+                decode_floats<Q>(W[r] + b * kBytes, j, ds[r], ms[r], w);
                 for (int t = 0; t < TT; ++t)
                     for (int v = 0; v < NV; ++v) acc[r][t] = V::fmadd(w[v], V::load(X[t] + k0 + v * V::W), acc[r][t]);
             }

@@ -135,11 +135,11 @@ double call_overhead_us(int reps) {
     return t[t.size() / 2];
 }
 
-// One layer over packed banks (moe_packed.h); out (float32) += the layer's result.
-void packed_layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld, int64_t T, int64_t H,
-                  int64_t I, int64_t k, uintptr_t ids32, uintptr_t weights, int64_t E, uintptr_t gu, int64_t gu_es,
-                  int64_t gu_rb, int fmt_gu, uintptr_t d, int64_t d_es, int64_t d_rb, int fmt_d, uintptr_t gscale) {
-    LayerArgs a;
+// The arguments of one layer over packed banks (moe_packed.h).
+void packed_args(LayerArgs& a, PackedBanks& b, uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld,
+                 int64_t T, int64_t H, int64_t I, int64_t k, uintptr_t ids32, uintptr_t weights, int64_t E,
+                 uintptr_t gu, int64_t gu_es, int64_t gu_rb, int fmt_gu, uintptr_t d, int64_t d_es, int64_t d_rb,
+                 int fmt_d, uintptr_t gscale) {
     a.x = reinterpret_cast<const void*>(x);
     a.x_bf16 = x_bf16;
     a.x_ld = x_ld;
@@ -151,11 +151,33 @@ void packed_layer(uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t
     a.skip_negative = true;
     a.weights = reinterpret_cast<const float*>(weights);
     a.num_rows = E;
-    PackedBanks b;
     b.gu = reinterpret_cast<const uint8_t*>(gu), b.gu_expert_stride = gu_es, b.gu_row_bytes = gu_rb, b.fmt_gu = fmt_gu;
     b.d = reinterpret_cast<const uint8_t*>(d), b.d_expert_stride = d_es, b.d_row_bytes = d_rb, b.fmt_d = fmt_d;
     b.gscale = reinterpret_cast<const float*>(gscale);
+}
+
+#define FT_PACKED_PARAMS                                                                                              \
+    uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld, int64_t T, int64_t H, int64_t I, int64_t k, \
+        uintptr_t ids32, uintptr_t weights, int64_t E, uintptr_t gu, int64_t gu_es, int64_t gu_rb, int fmt_gu,       \
+        uintptr_t d, int64_t d_es, int64_t d_rb, int fmt_d, uintptr_t gscale
+#define FT_PACKED_ARGS x, x_bf16, x_ld, out, out_ld, T, H, I, k, ids32, weights, E, gu, gu_es, gu_rb, fmt_gu, d, d_es, \
+                       d_rb, fmt_d, gscale
+
+// One layer over packed banks; out (float32) += the layer's result.
+void packed_layer(FT_PACKED_PARAMS) {
+    LayerArgs a;
+    PackedBanks b;
+    packed_args(a, b, FT_PACKED_ARGS);
     moe_packed(a, b);
+}
+
+// A heap HostTask over packed banks (same arguments); its runs overwrite out (the GPU adds it).
+uintptr_t host_task_create_packed(FT_PACKED_PARAMS) {
+    auto* t = new HostTask;
+    t->packed = std::make_unique<PackedBanks>();
+    packed_args(t->args, *t->packed, FT_PACKED_ARGS);
+    t->args.accumulate = false;
+    return reinterpret_cast<uintptr_t>(t);
 }
 
 // n blocks of a packed format at src, dequantized (scalar decoder) to n * B floats at dst.
@@ -184,6 +206,8 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("ids32"), py::arg("weights"), py::arg("E"), py::arg("gu"), py::arg("gu_es"), py::arg("gu_rb"),
           py::arg("fmt_gu"), py::arg("d"), py::arg("d_es"), py::arg("d_rb"), py::arg("fmt_d"), py::arg("gscale"),
           "Raw packed-bank MoE layer call, out += result (see native/src/moe_packed.h).");
+    m.def("host_task_create_packed", &host_task_create_packed,
+          "A prepared packed-bank layer call for the doorbell poller (moe_packed's arguments; out overwritten).");
     m.def("packed_formats", [] {
         std::vector<py::tuple> out;
         for (int f = 0; f < kNumQ; ++f) out.push_back(py::make_tuple(kQInfo[f].name, kQInfo[f].block, kQInfo[f].bytes));

@@ -89,6 +89,26 @@ inline void kquant_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
     }
 }
 
+// All 8 K-quant scales and mins at once (the same values as kquant_scale_min, by 32-bit words).
+inline void kquant_scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+    const uint32_t u0 = load_u32(s), u1 = load_u32(s + 4), u2 = load_u32(s + 8);
+    const uint32_t w[4] = {u0 & 0x3f3f3f3fu, ((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)),
+                           u1 & 0x3f3f3f3fu, (((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4))};
+    std::memcpy(sc, w, 8);
+    std::memcpy(mn, w + 2, 8);
+}
+
+// All 16 q3_k scales at once, minus 32 (the same values as q3k_scale, by 32-bit words).
+inline void q3k_scales(const uint8_t* s, int8_t out[16]) {
+    const uint32_t a0 = load_u32(s), a1 = load_u32(s + 4), t = load_u32(s + 8);
+    const uint32_t m2 = 0x0f0f0f0fu, m1 = 0x03030303u;
+    const uint32_t w[4] = {(a0 & m2) | ((t & m1) << 4), (a1 & m2) | (((t >> 2) & m1) << 4),
+                           ((a0 >> 4) & m2) | (((t >> 4) & m1) << 4), ((a1 >> 4) & m2) | (((t >> 6) & m1) << 4)};
+    uint8_t u[16];
+    std::memcpy(u, w, 16);
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(u[i] - 32);
+}
+
 // q3_k's signed 6-bit scale i (0..15) from its 12 packed bytes.
 inline int q3k_scale(const uint8_t* s, int i) {
     return (((s[i % 8] >> (4 * (i / 8))) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;

@@ -76,7 +76,8 @@ def reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gscale, out0) -> np.ndarra
     return y
 
 
-def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_dtype=torch.float32, gscale=True):
+def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_dtype=torch.float32, gscale=True,
+             corrupt=None):
     gu = make_bank(pk, fmt_gu, experts, 2 * inter, hidden, gen)
     dn = make_bank(pk, fmt_d, experts, hidden, inter, gen)
     # gate and up values of order 1, so silu neither saturates nor hides the gate rows' errors
@@ -88,7 +89,7 @@ def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_d
     gs = torch.rand(experts, 3, generator=gen) + 0.5 if gscale else None
     out0 = torch.randn(T, hidden, generator=gen)
     out = out0.clone()
-    pk.moe_packed(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out)
+    pk.moe_packed(x, ids, weights, corrupt(gu) if corrupt else gu, fmt_gu, dn, fmt_d, gs, out)
     ref = reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out0)
     err = np.abs(out.double().numpy() - ref).max()
     scale = np.abs(ref - out0.double().numpy()).max() + 1e-30
@@ -109,6 +110,19 @@ def test_mixed_formats_bf16_activations(pk, isa):
     gen = torch.Generator().manual_seed(99)
     run_case(pk, gen, "q4_k", "q6_k", 11, 4, hidden=512, experts=4, x_dtype=torch.bfloat16, gscale=False)
     run_case(pk, gen, "q8_0", "nvfp4", 5, 2, hidden=96, inter=64, experts=3)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_tolerance_catches_a_swapped_nibble_order(pk, isa):
+    """The check is tight enough to see a layout slip: q4_k with each byte's two nibbles swapped."""
+    def swap(gu: torch.Tensor) -> torch.Tensor:
+        blocks = gu.clone().view(-1, 144)
+        qs = blocks[:, 16:]
+        blocks[:, 16:] = (qs >> 4) | (qs << 4)
+        return blocks.view(gu.shape)
+
+    with pytest.raises(AssertionError, match="max abs err"):
+        run_case(pk, torch.Generator().manual_seed(8), "q4_k", "q4_k", 3, 2, corrupt=swap)
 
 
 def test_scalar_decoder_is_exact(pk):
@@ -161,3 +175,34 @@ def test_bench_counts_packed_bytes(pk):
     assert r["bytes_per_call"] == 2 * per_expert
     assert r["us_per_call"] > 0 and r["read_us"] > 0
     assert abs(r["gbps"] - r["bytes_per_call"] / r["us_per_call"] / 1e3) < 0.01 + 0.01 * r["gbps"]
+
+
+def test_all_skipped_leaves_out_unchanged(pk):
+    gen = torch.Generator().manual_seed(4)
+    gu, dn = pk.random_blocks("q4_0", (2, 64), 64, gen), pk.random_blocks("q4_0", (2, 64), 32, gen)
+    out = torch.randn(3, 64, generator=gen)
+    before = out.clone()
+    pk.moe_packed(torch.randn(3, 64), torch.full((3, 2), -1, dtype=torch.int32), torch.ones(3, 2), gu, "q4_0", dn,
+                  "q4_0", None, out)
+    assert torch.equal(out, before)
+
+
+def test_host_task_overwrites_out_and_reports_failures(pk):
+    gen = torch.Generator().manual_seed(6)
+    T, H, inter, E, k = 3, 256, 64, 4, 2
+    gu, dn = pk.random_blocks("q4_k", (E, 2 * inter), H, gen), pk.random_blocks("q8_0", (E, H), inter, gen)
+    x, weights = torch.randn(T, H, generator=gen) * 0.05, torch.rand(T, k, generator=gen)
+    ids = torch.tensor([[0, 3], [2, -1], [1, 1]], dtype=torch.int32)
+    want = torch.zeros(T, H)
+    pk.moe_packed(x, ids, weights, gu, "q4_k", dn, "q8_0", None, want)
+    out = torch.full((T, H), 7.0)
+    task = pk.PackedHostTask(x, ids, weights, gu, "q4_k", dn, "q8_0", None, out)
+    task.run()
+    task.run()  # overwritten, not added to
+    assert torch.equal(out, want) and (want != 0).any()
+    task.check()
+    ids[0, 0] = E  # a bad id at run time: counted, out zeroed, raised by check()
+    task.run()
+    assert not out.any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        task.check()
