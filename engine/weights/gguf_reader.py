@@ -55,6 +55,8 @@ _NAMES = {
     "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_proj",
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
+    # newer converters write gate and up as one tensor [E, 2I, H], gate rows first
+    "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj",
 }
 _LIN = "model.layers.{i}.linear_attn."
 _NAMES_35 = {
@@ -306,13 +308,16 @@ class GgufReader:
 
     # ---------------------------------------------------------------- packed experts (engine/weights/packed.py)
     def expert_format(self, prefix: str) -> str | None:
-        t = self._tensors.get(prefix + "gate_proj")
+        t = self._tensors.get(prefix + "gate_proj", self._tensors.get(prefix + "gate_up_proj"))
         return None if t is None else GGML_FORMATS.get(self._kind(t))  # an unsupported type raises here
 
     def expert_rows(self, prefix: str, proj: str, experts: int, rows: int, cols: int) -> tuple[str, torch.Tensor, torch.Tensor]:
         from engine.weights.packed import check_rows
 
         name = prefix + proj
+        fused = proj != "down_proj" and name not in self._tensors and prefix + "gate_up_proj" in self._tensors
+        if fused:  # one [E, 2I, H] tensor: gate rows, then up rows
+            name, rows = prefix + "gate_up_proj", 2 * rows
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")
@@ -321,7 +326,10 @@ class GgufReader:
                               f"expected {[experts, rows, cols]}")
         fmt, data = self.packed(name)
         what = f"{self.file_of(name)}: tensor {t.name!r} ({self.qtype(name)})"
-        return fmt, check_rows(what, fmt, data, (experts, rows), cols), torch.ones(experts)
+        data = check_rows(what, fmt, data, (experts, rows), cols)
+        if fused:
+            data = data[:, : rows // 2] if proj == "gate_proj" else data[:, rows // 2:]
+        return fmt, data, torch.ones(experts)
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors.get(name)

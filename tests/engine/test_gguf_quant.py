@@ -60,7 +60,7 @@ def _quantize(w: np.ndarray, qtype: Any, rng: np.random.Generator) -> np.ndarray
 
 
 def write_quant_gguf(model: Any, out: Path, types: list[tuple[Any, Any]], seed: int = 0,
-                     split: bool = False) -> list[Path]:
+                     split: bool = False, fused: bool = False) -> list[Path]:
     """Writes `model` as a qwen3moe GGUF with layer l's experts in types[l] = (gate/up type, down type);
     sets the model's experts to their dequantized values (the reference). Returns the files written."""
     rng = np.random.default_rng(seed)
@@ -82,7 +82,10 @@ def write_quant_gguf(model: Any, out: Path, types: list[tuple[Any, Any]], seed: 
             t_gu, t_d = types[li]
             packed = {"gate": _quantize(gu[:, :INTER], t_gu, rng), "up": _quantize(gu[:, INTER:], t_gu, rng),
                       "down": _quantize(dn, t_d, rng)}
-            for kind, qtype in (("gate", t_gu), ("up", t_gu), ("down", t_d)):
+            if fused:  # one ffn_gate_up_exps tensor, gate rows first
+                tensors.append((f"blk.{li}.ffn_gate_up_exps.weight",
+                                np.concatenate([packed["gate"], packed["up"]], axis=1), t_gu))
+            for kind, qtype in (("gate", t_gu), ("up", t_gu), ("down", t_d))[2 if fused else 0:]:
                 tensors.append((f"blk.{li}.ffn_{kind}_exps.weight", packed[kind], qtype))
             deq = {k: torch.from_numpy(gguf.quants.dequantize(v, t_gu if k != "down" else t_d)) for k, v in packed.items()}
             experts.gate_up_proj.copy_(torch.cat([deq["gate"], deq["up"]], dim=1))
@@ -209,6 +212,18 @@ def test_q8_0_equals_transformers_gguf_loader(tmp_path: Path) -> None:
     assert rel_err(ref, hf_prefill_logits(model, ids)) <= TOL  # their loader reads what we wrote
     got = _engine_logits(load_decoder(path, "cpu", torch.float32, executor="torch"), ids)
     assert rel_err(got, ref) <= TOL
+
+
+def test_fused_gate_up_tensor(tmp_path: Path) -> None:
+    """ffn_gate_up_exps (gate rows, then up rows) packs as the two tensors would."""
+    model = make_hf_model(_spec(seed=3))
+    path = tmp_path / "fused.gguf"
+    write_quant_gguf(model, path, [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0)], fused=True)
+    assert any(t.name == "blk.0.ffn_gate_up_exps.weight" for t in gguf.GGUFReader(str(path)).tensors)
+    dec = load_decoder(path, "cpu", torch.float32, executor="auto")
+    assert isinstance(dec.weights.experts, PackedExpertBanks)
+    ids = [5, 3, 9, 1, 7, 2]
+    assert rel_err(_engine_logits(dec, ids), hf_prefill_logits(model, ids)) <= TOL
 
 
 def test_split_set_loads_as_one_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
