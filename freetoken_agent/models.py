@@ -4,13 +4,13 @@ Contract: `resolve_model(spec)` returns an existing directory that holds `config
 tokenizer files the server reads, or raises `UsageError` with a one-line message naming the missing
 file or what to run:
 - `demo` and `demo:ARCH`: the cached demo model, written on first use (with progress);
-- an existing path: that directory (a `.gguf` file is refused: serving needs the tokenizer and chat
-  template of a Hugging Face directory);
+- an existing path: that directory, or a `.gguf` file (the first part of a split set): its tokenizer
+  and chat template come from the file's metadata (freetoken_agent/tokenizer/gguf.py);
 - otherwise an id `OWNER/NAME` is looked up in the Hugging Face cache (`$HF_HUB_CACHE`, `$HF_HOME`,
   default `~/.cache/huggingface/hub`) without any network access, at its `main` revision; a
   missing id says `freetoken-agent pull OWNER/NAME`.
 `check_model_dir(path)` is the file check alone. `load_tokenizer(path)` reads the directory's chat
-tokenizer, a file it cannot read being one `UsageError` line naming it. Importing this module
+tokenizer (a GGUF file's from its metadata), a file it cannot read being one `UsageError` line naming it. Importing this module
 imports neither torch nor huggingface_hub.
 """
 
@@ -39,7 +39,7 @@ def check_model_dir(path: Path) -> Path:
     """`path` if it holds a readable `config.json` and a `tokenizer.json`; else `UsageError` naming the file."""
     if not (path / "config.json").exists():
         gguf = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f" (it holds {gguf[0]}: GGUF files are read by `freetoken-agent bench --model FILE`)" if gguf else ""
+        hint = f" (it holds {gguf[0]}: pass the GGUF file itself, --model {path / gguf[0]})" if gguf else ""
         raise UsageError(f"{path / 'config.json'}: missing (not a Hugging Face model directory){hint}")
     for name in REQUIRED_FILES[1:]:
         if not (path / name).is_file():
@@ -60,6 +60,13 @@ def load_tokenizer(model_dir: Path) -> ChatTokenizer:
     """The chat tokenizer of `model_dir`; a file that cannot be read is one line naming it."""
     from freetoken_agent.tokenizer import ChatTokenizer
 
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        from freetoken_agent.tokenizer.gguf import chat_tokenizer_from_gguf
+
+        try:
+            return chat_tokenizer_from_gguf(model_dir)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     try:
         return ChatTokenizer.from_dir(model_dir)
     except OSError as e:
@@ -96,8 +103,7 @@ def resolve_model(spec: str) -> Path:
         return demo_model_dir(arch)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        raise UsageError(f"{path}: serving needs a Hugging Face model directory (its tokenizer and chat "
-                         f"template); GGUF files are read by `freetoken-agent bench --model` only")
+        return path  # the engine and the tokenizer read the file (and a split set's other parts)
     if path.is_dir():
         return check_model_dir(path)
     if path.exists():

@@ -5,7 +5,9 @@ gathered GEMM pair per distinct expert, weights read from the banks (moved to x'
 when the banks live elsewhere). Faster backends (the native CPU executor, the GPU expert cache)
 implement the same interface and are chosen through `create_executor(name, banks, device,
 threads)`: "torch", "native" (a `ConfigError` saying why when it cannot serve), or "auto": native
-when it can serve the configuration, otherwise torch, with the reason logged once.
+when it can serve the configuration, otherwise torch, with the reason logged once. Packed
+(quantized) banks get engine/moe/packed.py's executor, with the native `moe_packed` kernel under
+"native" / "auto" when it is built and the torch dequantizing one otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.moe.base import ExpertExecutor
-from engine.weights.layout import ExpertBanks
+from engine.weights.layout import ExpertBanks, PackedExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
@@ -90,9 +92,22 @@ _EXECUTORS: dict[str, Callable[[ExpertBanks, torch.device, int], ExpertExecutor]
 EXECUTORS = tuple(_EXECUTORS)
 
 
+def _packed(name: str, banks: PackedExpertBanks) -> ExpertExecutor:
+    from engine.moe.packed import PackedExpertExecutor, native_moe_packed
+
+    kernel = native_moe_packed() if name != "torch" else None
+    if kernel is None and name == "native":
+        raise ConfigError("the native expert executor cannot be used: native.packed (moe_packed) is not built")
+    if kernel is None and name == "auto":
+        log.info("expert executor: packed torch (the native moe_packed kernel is not built)")
+    return PackedExpertExecutor(banks, kernel, "native" if kernel is not None else "torch")
+
+
 def create_executor(name: str, banks: ExpertBanks, device: torch.device | str = "cpu", threads: int = 0) -> ExpertExecutor:
     try:
         factory = _EXECUTORS[name]
     except KeyError:
         raise ConfigError(f"unknown expert executor {name!r} (known: {', '.join(_EXECUTORS)})") from None
+    if isinstance(banks, PackedExpertBanks):
+        return _packed(name, banks)
     return factory(banks, torch.device(device), threads)

@@ -4,7 +4,11 @@ Contract: `GgufReader(path)` opens a `.gguf` file with the `gguf` package (memor
 read up front) and answers like `CheckpointReader` (engine/weights/reader.py): `names()`, `has`,
 `shape`, `nbytes`, `file_of`, `get(name)` under the checkpoint names `load_weights` asks for, so
 the same loader fills the same layout; `config()` is the model's config as a Hugging Face
-config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
+config dict, built from the GGUF metadata. A split set (`NAME-00001-of-0000N.gguf`, named by its
+first part) reads as one file. Tensors in F32, F16, BF16 or any quant type of engine/quant/formats.py:
+`get` dequantizes a quantized tensor to float32 (the loader casts it to the dense dtype);
+`packed(name)` gives a quantized tensor's raw rows (uint8 [..., row_bytes]) and its format, which the
+loader copies into packed expert banks as they are. Supported architectures:
 - `qwen3moe` (Qwen3-MoE): the tensors map one to one (llama.cpp stores Qwen3's projections
   unpermuted, NEOX rotary, softmax routing with normalised top-k weights, as Hugging Face does);
 - `qwen35moe` (Qwen3.5 / Qwen3.6-MoE, Gated DeltaNet hybrid), where llama.cpp's conventions differ
@@ -23,8 +27,8 @@ config dict, built from the GGUF metadata. Supported, in F32, F16 or BF16:
   [kv_lora, nope], transposed) and `attn_v_b` ([v, kv_lora]) newer converters write.
   These conventions are read from the gguf package's name map and llama.cpp's converter as
   documented; no file written by llama.cpp itself was available to check them against.
-Anything else (another architecture, a quantised tensor) raises `ConfigError` / `WeightError`
-naming it. Needs the `gguf` package (`pip install gguf`).
+Anything else (another architecture, a quant type without a format here) raises `ConfigError` /
+`WeightError` naming the file, the tensor and its type. Needs the `gguf` package (`pip install gguf`).
 
 Why: the peer benchmark (evals/peer/) runs llama.cpp on a GGUF; reading the same file gives both
 systems the same weights, byte for byte.
@@ -33,6 +37,7 @@ systems the same weights, byte for byte.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError, WeightError
+from engine.quant.formats import FORMATS, GGML_FORMATS
 
 _ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
@@ -59,6 +65,8 @@ _NAMES = {
     "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_proj",
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
+    # newer converters write gate and up as one tensor [E, 2I, H], gate rows first
+    "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj",
 }
 _LIN = "model.layers.{i}.linear_attn."
 _NAMES_35 = {
@@ -125,17 +133,64 @@ def _checkpoint_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]
     return None
 
 
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of a split set named by its first part (`-00001-of-0000N.gguf`), else [path]."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    if int(m.group(2)) != 1:
+        raise ConfigError(f"{path}: part {int(m.group(2))} of a split GGUF; name the first part "
+                          f"({m.group(1)}-00001-of-{m.group(3)}.gguf)")
+    count = int(m.group(3))
+    return [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _checked_reader(gguf: Any) -> Any:
+    """gguf's reader, checking each tensor's type and extent before it maps it, so a truncated file or
+    an unknown type is named by its tensor (the package's own errors name neither)."""
+
+    class CheckedReader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", errors="replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(f"tensor {name!r} has unknown type {int(raw_dtype[0])}") from None
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                n = int(np.prod(dims))
+                if n % block:
+                    raise ValueError(f"tensor {name!r} ({qtype.name}): {n} values are not whole {block}-value blocks")
+                end = start_offs + int(offset[0]) + n // block * size
+                if end > len(self.data):
+                    raise ValueError(f"tensor {name!r} ({qtype.name}) ends at byte {end}, past the end of the file "
+                                     f"({len(self.data)} bytes): truncated")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _open(gguf: Any, path: Path) -> Any:
+    try:
+        return _checked_reader(gguf)(str(path), "r")
+    except FileNotFoundError:
+        raise WeightError(f"{path}: file not found") from None
+    except Exception as e:  # gguf raises ValueError and friends for a bad file (truncated, unknown type)
+        raise WeightError(f"{path}: not a readable GGUF file ({e})") from None
+
+
 class GgufReader:
     def __init__(self, path: Path | str) -> None:
         gguf = _import_gguf()
         self.path = Path(path)
         self.model_dir = self.path  # what error messages name
-        try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except FileNotFoundError:
-            raise WeightError(f"{self.path}: file not found") from None
-        except Exception as e:  # gguf raises ValueError and friends for a bad file
-            raise WeightError(f"{self.path}: not a readable GGUF file ({e})") from None
+        readers = [_open(gguf, p) for p in split_parts(self.path)]
+        self._reader = readers[0]  # a split set's metadata is in its first part
+        self._file: dict[str, Path] = {}
         self._gguf = gguf
         self.arch = self._value("general.architecture")
         if self.arch not in _ARCHS:
@@ -143,10 +198,12 @@ class GgufReader:
                               f"(supported: {', '.join(_ARCHS)})")
         self._tensors: dict[str, Any] = {}
         patterns = _patterns(_TABLES[self.arch])
-        for t in self._reader.tensors:
-            name = _checkpoint_name(t.name, patterns)
-            if name is not None:
-                self._tensors[name] = t
+        for part, r in zip(split_parts(self.path), readers, strict=True):
+            for t in r.tensors:
+                name = _checkpoint_name(t.name, patterns)
+                if name is not None:
+                    self._tensors[name] = t
+                    self._file[name] = part
 
     # ---------------------------------------------------------------- metadata
     def _value(self, key: str, default: Any = None) -> Any:
@@ -166,7 +223,8 @@ class GgufReader:
         if "model.embed_tokens.weight" not in self._tensors:
             raise WeightError(f"{self.path}: no token_embd.weight")
         experts = "model.layers.0.mlp.experts.gate_proj"
-        dtype = self._tensor_dtype(self._tensors[experts]) if experts in self._tensors else torch.bfloat16
+        # the experts' float type, or bfloat16 for quantized experts (the dense dtype the user may override)
+        dtype = _FLOAT_TYPES.get(self.qtype(experts), torch.bfloat16) if experts in self._tensors else torch.bfloat16
         cfg: dict[str, Any] = {
             "model_type": _ARCHS[a], "vocab_size": self.shape("model.embed_tokens.weight")[0],
             "hidden_size": hidden, "num_hidden_layers": int(v(f"{a}.block_count")),
@@ -302,18 +360,67 @@ class GgufReader:
         return shape
 
     def file_of(self, name: str) -> Path:
-        return self.path
+        return self._file.get(name, self.path)
 
     def nbytes(self, name: str) -> int:
         if self._split_kv_b(name):
             return sum(self.nbytes(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
         return int(self._tensors[name].n_bytes)
 
+    def qtype(self, name: str) -> str:
+        """The tensor's GGML type name (`F32`, `Q4_K`, ...)."""
+        return str(self._gguf.GGMLQuantizationType(self._tensors[name].tensor_type).name)
+
+    def _kind(self, t: Any) -> str:
+        kind = str(self._gguf.GGMLQuantizationType(t.tensor_type).name)
+        if kind not in _FLOAT_TYPES and kind not in GGML_FORMATS:
+            raise WeightError(f"{self._where(t)}: tensor {t.name!r} is {kind}; supported: "
+                              f"{', '.join([*_FLOAT_TYPES, *GGML_FORMATS])}")
+        return kind
+
+    def _where(self, t: Any) -> Path:
+        return next((self._file[n] for n, v in self._tensors.items() if v is t), self.path)
+
     def _tensor_dtype(self, t: Any) -> torch.dtype:
-        kind = self._gguf.GGMLQuantizationType(t.tensor_type).name
-        if kind not in _FLOAT_TYPES:
-            raise WeightError(f"{self.path}: tensor {t.name!r} is {kind}; only F32, F16 and BF16 are supported")
-        return _FLOAT_TYPES[kind]
+        kind = self._kind(t)
+        return _FLOAT_TYPES.get(kind, torch.float32)  # a quantized tensor dequantizes to float32
+
+    def packed(self, name: str) -> tuple[str, torch.Tensor]:
+        """(format, uint8 rows [..., row_bytes]) of a quantized tensor, a view of the mapped file."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise WeightError(f"{self.path}: missing tensor {name!r}")
+        kind = self._kind(t)
+        if kind not in GGML_FORMATS:
+            raise WeightError(f"{self._where(t)}: tensor {t.name!r} is {kind}, not a quantized type")
+        with warnings.catch_warnings():  # a read-only view of the mapped file: the loader only copies from it
+            warnings.simplefilter("ignore", UserWarning)
+            return GGML_FORMATS[kind], torch.from_numpy(np.asarray(t.data))
+
+    # ---------------------------------------------------------------- packed experts (engine/weights/packed.py)
+    def expert_format(self, prefix: str) -> str | None:
+        t = self._tensors.get(prefix + "gate_proj", self._tensors.get(prefix + "gate_up_proj"))
+        return None if t is None else GGML_FORMATS.get(self._kind(t))  # an unsupported type raises here
+
+    def expert_rows(self, prefix: str, proj: str, experts: int, rows: int, cols: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        from engine.weights.packed import check_rows
+
+        name = prefix + proj
+        fused = proj != "down_proj" and name not in self._tensors and prefix + "gate_up_proj" in self._tensors
+        if fused:  # one [E, 2I, H] tensor: gate rows, then up rows
+            name, rows = prefix + "gate_up_proj", 2 * rows
+        t = self._tensors.get(name)
+        if t is None:
+            raise WeightError(f"{self.path}: missing tensor {name!r}")
+        if self.shape(name) != (experts, rows, cols):
+            raise WeightError(f"{self.file_of(name)}: tensor {t.name!r} has shape {list(self.shape(name))}, "
+                              f"expected {[experts, rows, cols]}")
+        fmt, data = self.packed(name)
+        what = f"{self.file_of(name)}: tensor {t.name!r} ({self.qtype(name)})"
+        data = check_rows(what, fmt, data, (experts, rows), cols)
+        if fused:
+            data = data[:, : rows // 2] if proj == "gate_proj" else data[:, rows // 2:]
+        return fmt, data, torch.ones(experts)
 
     def get(self, name: str) -> torch.Tensor:
         if self._split_kv_b(name):
@@ -321,13 +428,16 @@ class GgufReader:
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")
-        dtype = self._tensor_dtype(t)
+        kind = self._kind(t)
         data = np.asarray(t.data)
-        if dtype == torch.bfloat16:  # numpy has no bf16: the reader gives the raw 16-bit words
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if kind in GGML_FORMATS:
+            out = FORMATS[GGML_FORMATS[kind]].dequantize(torch.from_numpy(data), shape[-1])
+        elif kind == "BF16":  # numpy has no bf16: the reader gives the raw 16-bit words
             out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
         else:
             out = torch.from_numpy(data.copy())
-        out = out.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        out = out.reshape(shape)
         if self.arch == "qwen35moe":
             out = self._to_checkpoint(name, out)
         return out.reshape(self.shape(name))

@@ -8,7 +8,7 @@ every released Qwen MoE it equals the layer index).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,6 +105,48 @@ class ExpertBanks:
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every expert of every layer in host memory."""
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+
+@dataclass
+class PackedExpertBanks(ExpertBanks):
+    """Routed experts kept in their stored (quantized) bytes, per MoE layer (QUANT_LAYOUT.md):
+    `gate_up[l]` uint8 [E, 2I, row_bytes(fmt_gu[l], H)] (gate rows, then up rows), `down[l]` uint8
+    [E, H, row_bytes(fmt_d[l], I)], `gscale[l]` f32 [E, 3] (gate, up, down global scales; 1.0 for a
+    format without one). The float banks `w13` / `w2` it inherits are empty (0 rows, uint8): code
+    that reads float experts must check `isinstance(banks, PackedExpertBanks)` first."""
+
+    gate_up: list[torch.Tensor] = field(default_factory=list)
+    down: list[torch.Tensor] = field(default_factory=list)
+    fmt_gu: list[str] = field(default_factory=list)
+    fmt_d: list[str] = field(default_factory=list)
+    gscale: list[torch.Tensor] = field(default_factory=list)
+    hidden: int = 0
+    inter: int = 0
+
+    @classmethod
+    def empty(cls, num_experts: int, hidden: int, inter: int) -> PackedExpertBanks:
+        return cls(w13=torch.empty(0, 2 * inter, hidden, dtype=torch.uint8),
+                   w2=torch.empty(0, hidden, inter, dtype=torch.uint8), num_experts=num_experts, hidden=hidden,
+                   inter=inter)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() for t in (*self.gate_up, *self.down))
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (the largest over layers: formats may differ from layer to layer)."""
+        return max(g[0].numel() + d[0].numel() for g, d in zip(self.gate_up, self.down, strict=True))
+
+    @property
+    def bf16_bytes(self) -> int:
+        """What the same experts take in bfloat16."""
+        return len(self.gate_up) * self.num_experts * 3 * self.hidden * self.inter * 2
+
 
 @dataclass
 class DecoderWeights:
@@ -112,4 +154,4 @@ class DecoderWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     layers: list[LayerWeights]
-    experts: ExpertBanks
+    experts: ExpertBanks  # a PackedExpertBanks for quantized experts

@@ -11,6 +11,9 @@ of other towers (vision, MTP). Family name maps: MLA attention (`self_attn.q_a_p
 experts as `shared_expert` (+ `shared_expert_gate`, Qwen) or `shared_experts` (DeepSeek, GLM), and
 Qwen3-Next's fused Gated DeltaNet projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head)
 split into Qwen3.5's four. `progress(done, total)` is called as layers load.
+Quantized routed experts (a GGUF's quant types, an HF fp8 / nvfp4 / mxfp4 checkpoint) load packed,
+as stored, into `PackedExpertBanks` (engine/weights/packed.py); float experts into `ExpertBanks`.
+gpt-oss's experts (biases, clamped SwiGLU: the packed kernels run neither) dequantize at load.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from engine.weights.layout import (
     MlpWeights,
     MoeWeights,
 )
+from engine.weights.packed import load_packed_experts, packed_format
 from engine.weights.reader import CheckpointReader
 
 Progress = Callable[[int, int], None]
@@ -74,13 +78,16 @@ def load_weights(
     f = _Fetch(reader, device, dtype)
     p = cfg.weight_prefix
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    w13 = torch.empty(cfg.num_moe_layers * e, 2 * i, h, dtype=dtype)
-    w2 = torch.empty(cfg.num_moe_layers * e, h, i, dtype=dtype)
-    banks = ExpertBanks(w13=w13, w2=w2, num_experts=e, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
+    # gpt-oss's biased, clamped experts run on the float executors only: its MXFP4 dequantizes at load
+    packed = cfg.expert_layout != "gpt_oss" and packed_format(reader, cfg) is not None
+    rows = 0 if packed else cfg.num_moe_layers * e
+    banks = ExpertBanks(w13=torch.empty(rows, 2 * i, h, dtype=dtype), w2=torch.empty(rows, h, i, dtype=dtype),
+                        num_experts=e, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
                         limit=cfg.swiglu_limit)
     if cfg.expert_bias:
-        banks.b13 = torch.zeros(cfg.num_moe_layers * e, 2 * i, dtype=dtype)
-        banks.b2 = torch.zeros(cfg.num_moe_layers * e, h, dtype=dtype)
+        banks.b13 = torch.zeros(rows, 2 * i, dtype=dtype)
+        banks.b2 = torch.zeros(rows, h, dtype=dtype)
+    experts = load_packed_experts(reader, cfg) if packed else banks  # type: ignore[arg-type]
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
     norm_dtype = torch.float32 if cfg.norm_float32 else dtype
     layers = []
@@ -100,7 +107,7 @@ def load_weights(
             lw.moe = _moe(f, cfg, lp + "mlp.")
             if cfg.expert_layout == "gpt_oss":
                 gpt_oss_experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
-            else:
+            elif not packed:
                 _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
         else:
             di = cfg.dense_intermediate_size
@@ -116,7 +123,7 @@ def load_weights(
         lm_head = f.dense("lm_head.weight", cfg.vocab_size, h)
     if progress:
         progress(total, total)
-    return DecoderWeights(embed=embed, final_norm=final_norm, lm_head=lm_head, layers=layers, experts=banks)
+    return DecoderWeights(embed=embed, final_norm=final_norm, lm_head=lm_head, layers=layers, experts=experts)
 
 
 def _attention(f: _Fetch, cfg: ModelConfig, ap: str) -> AttentionWeights:

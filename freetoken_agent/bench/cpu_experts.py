@@ -26,13 +26,19 @@ from typing import Any
 from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
 
-FORMATS = ("bf16", "fp8", "mxfp4", "f32")
+NATIVE_FORMATS = ("bf16", "f32")  # the float banks' native executor; every other format runs packed
+# the packed formats of engine/quant/formats.py (listed here so defining the parser imports no torch)
+PACKED_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
+                  "iq4_xs", "mxfp4", "fp8", "nvfp4")
+FORMATS = NATIVE_FORMATS + PACKED_FORMATS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cpu-experts", help="native CPU expert executor vs plain-read bound vs torch")
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="expert shape (hidden, expert, top-k)")
-    p.add_argument("--format", default="bf16", choices=FORMATS, help="expert weight format")
+    p.add_argument("--format", default="bf16", choices=FORMATS,
+                   help="expert weight format: bf16 / f32 float banks, or a packed format (GGUF types, fp8, nvfp4, "
+                        "mxfp4 as stored; freetoken_agent/bench/packed_experts.py)")
     p.add_argument("--threads", default="0",
                    help="thread count, or a comma list to measure several (0 = one per physical core)")
     p.add_argument("--isa", default="auto", help="SIMD path: auto, all, or a comma list (avx512bf16,avx512,avx2,scalar)")
@@ -85,6 +91,11 @@ def _python_overhead_us(ft: Any) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.format in PACKED_FORMATS:
+        from freetoken_agent.bench.packed_experts import run_packed
+
+        shape = SHAPES[args.shape]
+        return run_packed(args, shape.hidden, shape.inter, shape.top_k, args.bank_gb or min(4.0, _available_gb() / 4))
     import torch
 
     from engine.moe.native import apply_native_options, load_native

@@ -283,7 +283,7 @@ class ModelBench:
             "gpu_memory": self.opts.gpu_memory or None,
             "gpu_budget": dataclasses.asdict(self.engine.gpu_budget) if self.engine.gpu_budget else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.expert_bytes * banks.w13.shape[0],
+            "expert_bytes": banks.expert_bytes, "expert_bank_bytes": banks.total_bytes,
             # per token over every layer: MLA's latent row, else the K and V heads (engine/cache/pools.py)
             "kv_bytes_per_token": KVPool.bytes_per_slot(self.cfg, self.dtype),
             "dense_bytes": dense_bytes(self.engine.decoder.weights, self.device), "load_s": round(self.load_s, 3),

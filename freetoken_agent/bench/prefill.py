@@ -68,7 +68,7 @@ def measure(bench: ModelBench, args: argparse.Namespace) -> dict[str, Any]:
         bench.timed_request(bench.random_prompt(n, -1 - i), 1)
     bandwidth, note = bench.calibration_bandwidth("stream")
     bank = bench.engine.decoder.weights.experts
-    bank_bytes = bank.expert_bytes * bank.w13.shape[0]
+    bank_bytes = bank.total_bytes
     runs = []
     index = 0
     from engine.gpu.executor import CachedExpertExecutor

@@ -26,7 +26,7 @@ def _dir(tmp_path: Path, **files: str) -> Path:
     ({"config__json": "{}", "tokenizer__json": "[1,"}, "tokenizer.json", "not valid JSON"),
     ({"config__json": "{}", "tokenizer__json": "{}", "tokenizer_config__json": "{,}"}, "tokenizer_config.json",
      "not valid JSON"),
-    ({"model-Q4_K_M__gguf": "x"}, "config.json", "bench --model FILE"),
+    ({"model-Q4_K_M__gguf": "x"}, "config.json", "pass the GGUF file itself"),
 ])
 def test_an_unreadable_model_file_is_named(tmp_path: Path, files: dict[str, str], culprit: str, words: str) -> None:
     d = _dir(tmp_path, **files)
@@ -43,11 +43,12 @@ def test_a_tokenizer_json_the_library_cannot_read_is_named(tmp_path: Path) -> No
         load_tokenizer(d)
 
 
-def test_a_gguf_file_and_a_plain_file_are_refused(tmp_path: Path) -> None:
+def test_a_bad_gguf_file_and_a_plain_file_are_refused(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_text("x")
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(UsageError, match="GGUF files are read by `freetoken-agent bench --model`"):
-        resolve_model(str(tmp_path / "x.gguf"))
+    assert resolve_model(str(tmp_path / "x.gguf")) == tmp_path / "x.gguf"  # a GGUF file is a model
+    with pytest.raises(UsageError, match=r"x\.gguf: not a readable GGUF file"):
+        load_tokenizer(tmp_path / "x.gguf")
     with pytest.raises(UsageError, match="not a model directory"):
         resolve_model(str(tmp_path / "notes.txt"))
     with pytest.raises(UsageError, match="unknown demo arch"):

@@ -1,0 +1,1 @@
+"""Packed (quantized) weight formats: the registry, reference dequantisers and load-time conversions."""
