@@ -59,6 +59,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "tool): measures the system, not the model")
     sw.add_argument("--turns", type=positive_int, default=3, help="scripted user turns per task (1-3)")
     sw.add_argument("--concurrency", type=positive_int, default=1, help="tasks run at once")
+    sw.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3"],
+                    help="the served model's tool-call format, for --scripted replies")
     sw.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(sw)
     oc = es.add_parser("openclaw", help="email / calendar assistant over local IMAP/SMTP and CalDAV (W4)")
@@ -111,7 +113,6 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.eval_command == "openclaw":
         from freetoken_agent.eval.openclaw import run_openclaw
 
-        with server(args) as url:
-            result = run_openclaw(args, url)
+        result = run_openclaw(args, args.base_url or "")
         return _finish(args, result, all(r.get("success") for r in result["runs"]))  # type: ignore[union-attr]
     raise ValueError(f"unknown eval {args.eval_command!r}")
