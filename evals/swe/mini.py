@@ -6,7 +6,7 @@ OpenAI chat completions with its `bash` tool to `base + "/v1"` as `openai/<model
 `LocalEnvironment(cwd=work)`. `run(task=...)` is the first user turn; `follow_up(text)` continues
 the same conversation: it answers the submit command's pending tool call with the command's
 output, appends the user message, and steps until the agent submits again (or its step limit).
-Importing this module needs mini-swe-agent installed (a test extra, not a product dependency).
+Importing it sets litellm's local price list (no download at run time). It needs mini-swe-agent installed (a test extra, not a product dependency).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # no banner on stdout at import
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no download of its price list
 
 import yaml
 from minisweagent.agents.default import DefaultAgent

@@ -64,7 +64,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sw.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(sw)
     oc = es.add_parser("openclaw", help="email / calendar assistant over local IMAP/SMTP and CalDAV (W4)")
+    oc.add_argument("--client", default="openclaw", choices=["openclaw", "mini-swe-agent"],
+                    help="the agent client driven (mini-swe-agent where OpenClaw is not installed)")
     oc.add_argument("--scripted", action="store_true", help="force each reply from the scenario's script")
+    oc.add_argument("--turns", type=positive_int, default=13, help="run the scenario's first N user turns")
+    oc.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3"],
+                    help="the served model's tool-call format, for --scripted replies")
     oc.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(oc)
 
@@ -113,6 +118,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.eval_command == "openclaw":
         from freetoken_agent.eval.openclaw import run_openclaw
 
-        result = run_openclaw(args, args.base_url or "")
+        with server(args) as url:
+            result = run_openclaw(args, url)
         return _finish(args, result, all(r.get("success") for r in result["runs"]))  # type: ignore[union-attr]
     raise ValueError(f"unknown eval {args.eval_command!r}")

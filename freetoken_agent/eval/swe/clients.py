@@ -3,7 +3,8 @@
 Contract: `drive(client, work, base, model, prompts, clients_dir, timeout)` runs the client against
 `base` (the scripted proxy or the server) in `work`, one user turn per prompt (the first starts the
 conversation, later ones continue it the client's way) and returns one dict per turn: `exit`
-(the client's exit status or end reason), `duration_s`, and `error` when it failed to run.
+(the client's exit status or end reason), `duration_s`, and `error` when it failed to run;
+`after(i)`, when given, is called once user turn `i` has ended (the eval checks its effect).
 - mini-swe-agent (PyPI, not a dependency of the product: evals/swe/mini.py): its `DefaultAgent` with `LitellmModel` (OpenAI chat completions with its
   `bash` tool, `api_base` = base) and `LocalEnvironment(cwd=work)`, its own default config; a turn
   ends when the agent submits (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`) or hits its step limit;
@@ -19,11 +20,15 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+AfterTurn = Callable[[int], None]
 
-def _drive_mini(work: Path, base: str, model: str, prompts: list[str], step_limit: int = 25) -> list[dict[str, Any]]:
+
+def _drive_mini(work: Path, base: str, model: str, prompts: list[str], after: AfterTurn | None,
+                step_limit: int = 25) -> list[dict[str, Any]]:
     try:
         from evals.swe.mini import agent_for
     except ImportError as e:
@@ -35,6 +40,8 @@ def _drive_mini(work: Path, base: str, model: str, prompts: list[str], step_limi
         try:
             res = agent.run(task=prompt) if i == 0 else agent.follow_up(prompt)
             out.append({"exit": res.get("exit_status"), "duration_s": round(time.monotonic() - t0, 1)})
+            if after is not None:
+                after(i)
         except Exception as e:  # the client's own failure ends the task, reported
             out.append({"exit": "error", "duration_s": round(time.monotonic() - t0, 1), "error": repr(e)[:500]})
             break
@@ -42,7 +49,7 @@ def _drive_mini(work: Path, base: str, model: str, prompts: list[str], step_limi
 
 
 def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir: Path,
-               timeout: float) -> list[dict[str, Any]]:
+               timeout: float, after: AfterTurn | None) -> list[dict[str, Any]]:
     from evals.clients.agents import CLIENTS, installed
     from evals.traces.capture import base_env, configure, turn_args
 
@@ -64,6 +71,8 @@ def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir
                                   timeout=timeout)
             out.append({"exit": proc.returncode, "duration_s": round(time.monotonic() - t0, 1),
                         "stderr_tail": proc.stderr.decode("utf-8", "replace")[-1000:]})
+            if after is not None:
+                after(i)
         except subprocess.TimeoutExpired:
             out.append({"exit": "timeout", "duration_s": round(time.monotonic() - t0, 1)})
             break
@@ -71,7 +80,7 @@ def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir
 
 
 def drive(client: str, work: Path, base: str, model: str, prompts: list[str], clients_dir: Path,
-          timeout: float = 900) -> list[dict[str, Any]]:
+          timeout: float = 900, after: AfterTurn | None = None) -> list[dict[str, Any]]:
     if client == "mini-swe-agent":
-        return _drive_mini(work, base, model, prompts)
-    return _drive_npm(client, work, base, prompts, clients_dir, timeout)
+        return _drive_mini(work, base, model, prompts, after)
+    return _drive_npm(client, work, base, prompts, clients_dir, timeout, after)

@@ -75,7 +75,7 @@ def _exchange_usage(ex: Exchange) -> dict[str, int]:
     return usage
 
 
-def _turns(inst: Instance, exchanges: list[Exchange], server: ServerSessions) -> list[dict[str, Any]]:
+def model_turns(name: str, exchanges: list[Exchange], server: ServerSessions) -> list[dict[str, Any]]:
     model = [e for e in exchanges if _is_model(e)]
     sids = list(dict.fromkeys(next((e.req_headers[k] for k in SESSION_HEADERS if e.req_headers.get(k)), "")
                               for e in model))
@@ -93,7 +93,7 @@ def _turns(inst: Instance, exchanges: list[Exchange], server: ServerSessions) ->
         if n and n > 1 and ttft is not None and ex.duration > ttft / 1000:
             tps = round((n - 1) / (ex.duration - ttft / 1000), 2)
         prompt = st.get("prompt_tokens", u.get("prompt"))
-        out.append({"run": inst.instance_id, "index": i, "status": ex.status, "path": ex.path.split("?")[0],
+        out.append({"run": name, "index": i, "status": ex.status, "path": ex.path.split("?")[0],
                     "prompt_tokens": prompt,
                     "reused_tokens": st.get("reused_tokens", u.get("cached")),
                     "recomputed_tokens": st.get("recomputed_tokens",
@@ -128,7 +128,7 @@ def run_task(inst: Instance, args: argparse.Namespace, base: str, model: str, se
     finally:
         proxy.stop()
     verdict = judge(inst, work)
-    turns = _turns(inst, exchanges, server)
+    turns = model_turns(inst.instance_id, exchanges, server)
     run = {"run": inst.instance_id, "success": verdict["success"], "tests": verdict["tests"],
            "client_turns": client_turns, **summarise(turns)}
     if not verdict["success"]:
