@@ -88,6 +88,13 @@ def server(args: argparse.Namespace) -> Iterator[str]:
         yield url
 
 
+def _baseline(args: argparse.Namespace, url: str, model: object, force: bool) -> float | None:
+    from freetoken_agent.eval.wire import baseline_decode
+
+    auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return baseline_decode(url, str(model) if model else None, force, auth)
+
+
 def _finish(args: argparse.Namespace, result: dict[str, object], ok: bool) -> int:
     from freetoken_agent.eval.report import markdown, write
 
@@ -98,6 +105,7 @@ def _finish(args: argparse.Namespace, result: dict[str, object], ok: bool) -> in
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from freetoken_agent.eval.report import add_decode_drop
     from freetoken_agent.progress import load_progress
 
     if args.eval_command == "replay":
@@ -108,17 +116,20 @@ def run_eval(args: argparse.Namespace) -> int:
         with server(args) as url, load_progress("replaying") as progress:
             result = replay(traces, url, force=args.force, tokenizer=tokenizer, api_key=args.api_key,
                             model=args.served_model, max_tokens=args.max_tokens, progress=progress)
+            add_decode_drop(result, _baseline(args, url, result["model"], args.force))
         return _finish(args, result, all(r["failed"] == 0 for r in result["runs"]))  # type: ignore[index]
     if args.eval_command == "swe":
         from freetoken_agent.eval.swe.run import run_swe
 
         with server(args) as url:
             result = run_swe(args, url)
+            add_decode_drop(result, _baseline(args, url, result["model"], args.scripted))
         return _finish(args, result, all(r.get("success") for r in result["runs"]))  # type: ignore[union-attr]
     if args.eval_command == "openclaw":
         from freetoken_agent.eval.openclaw import run_openclaw
 
         with server(args) as url:
             result = run_openclaw(args, url)
+            add_decode_drop(result, _baseline(args, url, result["model"], args.scripted))
         return _finish(args, result, all(r.get("success") for r in result["runs"]))  # type: ignore[union-attr]
     raise ValueError(f"unknown eval {args.eval_command!r}")

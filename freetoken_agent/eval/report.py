@@ -4,7 +4,9 @@ Contract: a turn is a dict with at least `run`, `index`, `status`, and (None whe
 `prompt_tokens`, `reused_tokens`, `recomputed_tokens`, `truly_new_tokens`, `ttft_ms`,
 `decode_tps`, `completion_tokens`, `divergence_cause`, `expert_cache_hit_rate`. `summarise(turns)`
 gives one run's aggregates: requests, failed, token sums, recomputed / truly new, mean and worst
-TTFT, mean decode tok/s. `write(out_dir, result)` writes `result.json` (the whole result),
+TTFT, mean decode tok/s. `add_decode_drop(result, baseline)` records the single-turn baseline
+(`baseline_decode_tps`) and each run's `decode_drop`, 1 - mean decode / baseline (the paper keeps
+it within 12 %). `write(out_dir, result)` writes `result.json` (the whole result),
 `report.md` (`markdown(result)`) and, when the result has turns with a TTFT, `ttft.png` (TTFT per
 turn, one line per run) and `tokens.png` (reused vs recomputed tokens per turn, stacked), with
 matplotlib's non-interactive backend; it returns the paths written.
@@ -40,6 +42,14 @@ def summarise(turns: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_decode_tps": round(sum(tps) / len(tps), 2) if tps else None}
 
 
+def add_decode_drop(result: dict[str, Any], baseline: float | None) -> dict[str, Any]:
+    result["baseline_decode_tps"] = baseline
+    for run in result.get("runs") or []:
+        mean = run.get("mean_decode_tps")
+        run["decode_drop"] = round(1 - mean / baseline, 3) if mean is not None and baseline else None
+    return result
+
+
 def _cell(v: Any) -> str:
     if v is None:
         return "-"
@@ -52,13 +62,13 @@ def _cell(v: Any) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# freetoken-agent eval {result.get('eval', '')}", ""]
-    for k in ("base_url", "model", "forced", "client", "note"):
+    for k in ("base_url", "model", "forced", "client", "baseline_decode_tps", "note"):
         if result.get(k) is not None:
             lines.append(f"- {k}: {result[k]}")
     lines += ["", "## Runs", ""]
     runs = result.get("runs") or []
     keys = [k for k in ("success", "requests", "failed", "prompt_tokens", "reused_tokens", "recomputed_tokens",
-                        "truly_new_tokens", "recomputed_per_new", "mean_ttft_ms", "worst_ttft_ms", "mean_decode_tps")
+                        "truly_new_tokens", "recomputed_per_new", "mean_ttft_ms", "worst_ttft_ms", "mean_decode_tps", "decode_drop")
             if any(k in r for r in runs)]
     lines.append("| run | " + " | ".join(keys) + " |")
     lines.append("|---|" + "---:|" * len(keys))

@@ -6,7 +6,9 @@ tool-call delta or block, any protocol), the time of the last such event, the to
 usage the server reports (prompt, cached and completion tokens; every protocol's shape) and the
 reply text. Non-streaming bodies are timed as a whole (TTFT = total). `decode_tps` is
 (completion - 1) / (last - first generated event) when both are known. `served_model(base)` is the
-first id of `GET /v1/models`, or None. `ServerSessions(base)` reads `/v1/sessions` (our server
+first id of `GET /v1/models`, or None. `baseline_decode(base, model, force)` is the decode rate of
+one single-turn request (a short prompt, 64 output tokens: forced with the benchmark-only field
+when `force`, else sampled), the reference for each run's decode drop. `ServerSessions(base)` reads `/v1/sessions` (our server
 only): `latest_turn()` is the newest turn of the most recently active session.
 """
 
@@ -150,3 +152,18 @@ class ServerSessions:
         s = max(items, key=lambda s: s.get("last_activity") or 0)
         turns = self.detail(str(s["id"])).get("turns") or []
         return (str(s["id"]), turns[-1]) if turns else None
+
+
+BASELINE_TEXT = " ".join(f"{i}" for i in range(1, 200))
+
+
+def baseline_decode(base: str, model: str | None, force: bool = True, headers: dict[str, str] | None = None,
+                    tokens: int = 64) -> float | None:
+    body: dict[str, Any] = {"model": model or "default", "stream": True, "max_tokens": tokens,
+                            "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "Count upwards from 1, numbers only."}]}
+    if force:
+        body["freetoken_forced_output"] = BASELINE_TEXT
+    with httpx.Client(timeout=600) as client:
+        s = send(client, base, "/v1/chat/completions", body, headers or {})
+    return None if s.decode_tps is None else round(s.decode_tps, 2)

@@ -76,6 +76,9 @@ def test_replay_cli_reports_what_the_server_saw(demo_server: str, tmp_path: Path
     run = result["runs"][0]
     assert run["requests"] == 4 and run["failed"] == 0
     assert run["worst_ttft_ms"] == max(t["ttft_ms"] for t in turns)
+    # the decode drop is against one single-turn request's decode rate, measured in the same run
+    assert result["baseline_decode_tps"] > 0
+    assert run["decode_drop"] == round(1 - run["mean_decode_tps"] / result["baseline_decode_tps"], 3)
     md = (out / "report.md").read_text()
     assert "| trace | 0 | 200 |" in md
     causes = {t["divergence_cause"] for t in turns} - {None}
