@@ -9,7 +9,7 @@ installed) through the 13 prompts of evals/openclaw/scenario.py (`--turns N`: th
 `--scripted`, the scenario's steps forced through the client's own shell tool, as `eval swe`
 does). After each user turn the calendar (read back over CalDAV) and the mail the SMTP sink
 received must equal the turn's expected state; `checks` lists each turn's verdict, and `success`
-is every turn's. Per model request the report has swe's fields (`/v1/sessions` on our server).
+is every turn's; a line per turn on stderr shows the progress. Per model request the report has swe's fields (`/v1/sessions` on our server).
 Not yet: the ~24k-token system context of the paper's setup and OpenClaw's idle watchdog setting.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -59,6 +60,8 @@ def run_openclaw(args: argparse.Namespace, base: str) -> dict[str, Any]:
                 sent = [(str(m["To"]), str(m["Subject"])) for m in svc.sent]
                 want = turns_run[i]
                 ok = events == want.events and sent == list(want.sent)
+                print(f"openclaw turn {i + 1}/{len(turns_run)}: {'ok' if ok else 'FAILED'} ({want.prompt})",
+                      file=sys.stderr, flush=True)
                 checks.append({"turn": i + 1, "prompt": want.prompt, "ok": ok, "events": events,
                                "sent": sent, "expected_events": want.events, "expected_sent": list(want.sent)})
 
