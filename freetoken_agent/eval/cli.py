@@ -63,7 +63,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     help="the served model's tool-call format, for --scripted replies")
     sw.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(sw)
-    oc = es.add_parser("openclaw", help="email / calendar assistant over local IMAP/SMTP and CalDAV (W4)")
+    oc = es.add_parser("openclaw", help="email / calendar assistant over local SMTP and CalDAV, 13 checked turns (W4)")
     oc.add_argument("--client", default="openclaw", choices=["openclaw", "mini-swe-agent"],
                     help="the agent client driven (mini-swe-agent where OpenClaw is not installed)")
     oc.add_argument("--scripted", action="store_true", help="force each reply from the scenario's script")
