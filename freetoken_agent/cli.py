@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken_agent.calibrate import add_calibrate_parser
     from freetoken_agent.configure import add_configure_parser
     from freetoken_agent.demo import ARCHES
+    from freetoken_agent.eval.cli import add_eval_parser
     from freetoken_agent.pull import add_pull_parser
     from freetoken_agent.serve import add_serve_parser
     from freetoken_agent.sessions.cli import add_sessions_parser
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", default=ARCHES[0], choices=ARCHES, help="model family")
     add_calibrate_parser(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -124,6 +126,10 @@ def _run(args: argparse.Namespace) -> int:
         from freetoken_agent.sessions.cli import run_sessions
 
         return run_sessions(args)
+    if args.command == "eval":
+        from freetoken_agent.eval.cli import run_eval
+
+        return run_eval(args)
     if args.command == "generate":
         from freetoken_agent.generate import run_generate
 

@@ -1,0 +1,1 @@
+"""`freetoken-agent eval swe`: SWE-bench-shaped tasks solved through a real agent client."""

@@ -1,0 +1,153 @@
+"""`freetoken-agent eval swe`: each task in a fresh checkout, the client driven through its user
+turns, then the task's tests decide.
+
+Contract: `run_swe(args, base)` loads the tasks (`--tasks`, `--only`), and for each one (up to
+`--concurrency` at once, the paper's W3): checks the repository out fresh (tasks.checkout), starts
+a recording proxy in front of `base` (with `--scripted` the `ScriptedProxy` of evals/traces,
+which sets the benchmark-only forced-output field from the task's script on every model request),
+drives the client through the first `--turns` user prompts (clients.drive), and judges the
+checkout with the task's tests (tasks.judge). A client that sends no session header of its own
+gets `x-session-id: eval-<task>-<salt>` from the proxy, so the task's server session is known;
+its turns are then read from `GET /v1/sessions/{id}` (our server), each with the decode rate
+from the proxy's timing ((completion - 1) / (request time - TTFT)). Returns the report dict
+(report.py): per task `success`, the tests, the client's turn exits and the token / TTFT sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+from evals.clients.proxy import Exchange, RecordingProxy
+from evals.traces.scripted import ScriptedProxy
+from freetoken_agent.eval.report import summarise
+from freetoken_agent.eval.swe.clients import drive
+from freetoken_agent.eval.swe.script import TaskScript, plans, prompts
+from freetoken_agent.eval.swe.tasks import Instance, checkout, judge, load_tasks
+from freetoken_agent.eval.wire import ServerSessions, served_model, usage_of
+
+SESSION_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "x-session-id", "session_id", "session-id")
+MODEL_SUFFIXES = ("/messages", "/chat/completions", "/responses")
+
+
+class _Named:
+    """Mixin: names the session of a client that sends no session header."""
+
+    session_id: str
+
+    def _forward(self, h: BaseHTTPRequestHandler, ex: Exchange) -> None:
+        if not any(k in ex.req_headers for k in SESSION_HEADERS):
+            h.headers["x-session-id"] = self.session_id
+            ex.req_headers["x-session-id"] = self.session_id
+        super()._forward(h, ex)  # type: ignore[misc]
+
+
+class NamedProxy(_Named, RecordingProxy):
+    pass
+
+
+class NamedScriptedProxy(_Named, ScriptedProxy):
+    pass
+
+
+def _is_model(ex: Exchange) -> bool:
+    return ex.method == "POST" and ex.path.split("?")[0].endswith(MODEL_SUFFIXES)
+
+
+def _exchange_usage(ex: Exchange) -> dict[str, int]:
+    usage: dict[str, int] = {}
+    text = ex.resp_body.decode("utf-8", "replace")
+    for chunk in ([text] if not text.lstrip().startswith(("data:", "event:")) else
+                  [ln[5:] for ln in text.splitlines() if ln.startswith("data:")]):
+        try:
+            got = usage_of(json.loads(chunk))
+        except ValueError:
+            continue
+        usage.update(got or {})
+    return usage
+
+
+def model_turns(name: str, exchanges: list[Exchange], server: ServerSessions) -> list[dict[str, Any]]:
+    model = [e for e in exchanges if _is_model(e)]
+    sids = list(dict.fromkeys(next((e.req_headers[k] for k in SESSION_HEADERS if e.req_headers.get(k)), "")
+                              for e in model))
+    server_turns: list[dict[str, Any]] = []
+    if server.available:
+        for sid in sids:
+            server_turns += [{**t, "server_session": sid} for t in server.detail(sid).get("turns") or []]
+    out = []
+    for i, ex in enumerate(model):
+        u = _exchange_usage(ex)
+        st = server_turns[i] if len(server_turns) == len(model) else {}
+        ttft = st.get("ttft_ms")
+        n = st.get("completion_tokens", u.get("completion"))
+        tps = None
+        if n and n > 1 and ttft is not None and ex.duration > ttft / 1000:
+            tps = round((n - 1) / (ex.duration - ttft / 1000), 2)
+        prompt = st.get("prompt_tokens", u.get("prompt"))
+        out.append({"run": name, "index": i, "status": ex.status, "path": ex.path.split("?")[0],
+                    "prompt_tokens": prompt,
+                    "reused_tokens": st.get("reused_tokens", u.get("cached")),
+                    "recomputed_tokens": st.get("recomputed_tokens",
+                                                None if prompt is None else prompt - u.get("cached", 0)),
+                    "truly_new_tokens": None, "ttft_ms": ttft, "decode_tps": tps, "completion_tokens": n,
+                    "divergence_cause": st.get("divergence_cause"),
+                    "expert_cache_hit_rate": st.get("expert_cache_hit_rate"),
+                    "server_session": st.get("server_session"), "request_s": round(ex.duration, 3)})
+    return out
+
+
+def run_task(inst: Instance, args: argparse.Namespace, base: str, model: str, server: ServerSessions,
+             family: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"fteval-swe-{inst.instance_id}-"))
+    work = checkout(inst, tmp / "work")
+    sid = f"eval-{inst.instance_id}-{uuid.uuid4().hex[:8]}"
+    proxy: RecordingProxy
+    if args.scripted:
+        proxy = NamedScriptedProxy(base, TaskScript(str(work), family, plans(inst, args.turns)), family)
+    else:
+        proxy = NamedProxy(base)
+    proxy.session_id = sid  # type: ignore[attr-defined]
+    proxy.start()
+    clients_dir = Path(args.clients_dir) if args.clients_dir else None
+    if clients_dir is None:
+        from evals.clients.agents import clients_dir_default
+
+        clients_dir = clients_dir_default()
+    try:
+        client_turns = drive(args.client, work, proxy.url, model, prompts(inst, args.turns), clients_dir)
+        exchanges = proxy.since(0)
+    finally:
+        proxy.stop()
+    verdict = judge(inst, work)
+    turns = model_turns(inst.instance_id, exchanges, server)
+    run = {"run": inst.instance_id, "success": verdict["success"], "tests": verdict["tests"],
+           "client_turns": client_turns, **summarise(turns)}
+    if not verdict["success"]:
+        run["test_output"] = verdict["output"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{inst.instance_id}: {'solved' if verdict['success'] else 'FAILED'} "
+          f"({len(turns)} model requests)", file=sys.stderr, flush=True)
+    return run, turns
+
+
+def run_swe(args: argparse.Namespace, base: str) -> dict[str, Any]:
+    tasks = load_tasks(args.tasks, args.only.split(",") if args.only else None)
+    model = served_model(base) or "default"
+    server = ServerSessions(base)
+    family = getattr(args, "family", "qwen3_5")
+    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+        results = list(pool.map(lambda t: run_task(t, args, base, model, server, family), tasks))
+    runs = [r for r, _ in results]
+    turns = [t for _, ts in results for t in ts]
+    return {"eval": "swe", "base_url": base, "model": model, "client": args.client, "forced": bool(args.scripted),
+            "tasks": args.tasks, "turns_per_task": args.turns, "concurrency": args.concurrency,
+            "solved": sum(1 for r in runs if r["success"]), "runs": runs, "turns": turns}
