@@ -16,8 +16,9 @@ echoes), and returns an `EchoOutcome`:
 - `differed`: when not reconciled, the first part that differs: `reasoning`, `content`,
   `tool_calls` (their number), `call N name`, `call N argument KEY` (a value the engine did not
   generate, or a key it did not), `call N arguments` (same arguments, other rendering), `rendering`
-  (anything else, e.g. a reply the template renders with other whitespace), `unfinished` (the
-  generation did not end with the turn's end token).
+  (anything else, e.g. a reply the template renders with other whitespace).
+A generation that stopped before the turn's end token (a forced or cut reply) matches an echo
+whose rendering continues with that token.
 
 Only the echo's own rendering is compared, in isolation: an assistant turn is delimited by the
 template's special turn tokens, so its tokens do not depend on the text around it. Argument
@@ -99,9 +100,6 @@ class EchoReconciler:
         def keep(differed: str | None) -> EchoOutcome:
             return EchoOutcome(message=echo, reconciled=False, changed=False, differed=differed)
 
-        end = self.tokenizer.eos_token or "<|im_end|>"
-        if not generated.endswith(end):
-            return keep("unfinished")
         if self._matches(self.segment(echo), generated):
             return EchoOutcome(message=echo, reconciled=True, changed=False, differed=None)
         calls: list[ToolCall] = []
@@ -125,9 +123,12 @@ class EchoReconciler:
             return EchoOutcome(message=candidate, reconciled=True, changed=True, differed=None)
         return keep(self._which(candidate, generated))
 
-    @staticmethod
-    def _matches(segment: str, generated: str) -> bool:
-        return segment.startswith(generated) and not segment[len(generated):].strip()
+    def _matches(self, segment: str, generated: str) -> bool:
+        if not segment.startswith(generated):
+            return False
+        rest = segment[len(generated):].strip()
+        return not rest or rest == self.tokenizer.eos_token
+
 
     def _which(self, m: ChatMessage, generated: str) -> str:
         """The first part of `m` whose rendering the generated text does not hold."""
