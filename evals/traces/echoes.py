@@ -114,7 +114,9 @@ def one_case(engine: Any, tok: ChatTokenizer, profile: str, kind: str, reconcile
     full = _render(tok, replace(req1, messages=[*first, generated]))
     assert full[:len(ids1)] == ids1
     reply = full[len(ids1):]
-    reply = reply[:reply.index(tok.token_to_id("<|im_end|>")) + 1]  # the model's turn ends on <|im_end|>
+    end = tok.token_to_id("<|im_end|>")
+    assert end is not None
+    reply = reply[:reply.index(end) + 1]  # the model's turn ends on <|im_end|>
     decode = [d for d in plan1.decode_anchors if reconcile or d.kind != "argument_end"]
     h1 = engine.submit(ids1, SamplingParams(max_tokens=len(reply) + 1), anchors=plan1.anchors, decode_anchors=decode,
                        session=plan1.engine_session, forced_output=reply)

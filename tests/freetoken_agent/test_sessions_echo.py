@@ -4,7 +4,6 @@ on the real tokenizers and chat templates of both families; no engine."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_manager_renders_the_echo_as_generated(tok: ChatTokenizer) -> None:
 
 def test_manager_reports_what_differed(tok: ChatTokenizer) -> None:
     # an unknown client's extra key is not dropped: the echo renders as sent, the report says why
-    mgr, before, ids2, plan2, n2, r2 = _session(tok, {"x-session-id": "s2"}, {**ARGS, "replace_all": False})
+    _, before, ids2, plan2, n2, r2 = _session(tok, {"x-session-id": "s2"}, {**ARGS, "replace_all": False})
     assert n2.messages[2] == r2.messages[2]
     assert plan2.divergence is not None and plan2.divergence.cause == "echo_mismatch"
     assert plan2.echo is not None and plan2.echo["differed"] == "call 0 argument replace_all"
