@@ -123,12 +123,14 @@ class SessionManager:
                 return req
             snap, known = sess.snapshot, dict(sess.echoes)
         messages = list(req.messages)
+        applied = set()
         for k, (client_key, rendered) in known.items():
             if k < len(messages) and messages[k].role == "assistant" and message_key(messages[k]) == client_key:
                 messages[k] = rendered
+                applied.add(k)
         k = len(snap.messages) if snap is not None else -1
         if snap is not None and snap.starts and k < len(messages) and messages[k].role == "assistant" \
-                and k not in known:
+                and k not in applied:
             generated = self.tokenizer.decode(snap.ids[snap.starts[-1]:])
             client = messages[k]
             outcome = self.echo.reconcile(client, generated, det.profile.echo_additions)
