@@ -56,10 +56,10 @@ EDIT = {"type": "function", "function": {"name": "Edit", "description": "Replace
                                              "required": ["file_path", "old_string", "new_string"]}}}
 
 
-def edit_arguments() -> dict[str, Any]:
-    """~1k tokens of old/new text: a function rewritten line by line."""
-    old = "".join(f"    total_{i} = compute_value(items[{i}], scale={i % 7}) + offset\n" for i in range(24))
-    new = "".join(f"    total_{i} = compute_value(items[{i}], scale={i % 7}, exact=True) + offset\n" for i in range(24))
+def edit_arguments(lines: int = 24) -> dict[str, Any]:
+    """Old/new text of a function rewritten line by line: ~1k tokens for 24 lines."""
+    old = "".join(f"    total_{i} = compute_value(items[{i}], scale={i % 7}) + offset\n" for i in range(lines))
+    new = "".join(f"    total_{i} = compute_value(items[{i}], scale={i % 7}, exact=True) + offset\n" for i in range(lines))
     return {"file_path": "/work/project/calc.py", "old_string": old, "new_string": new}
 
 
@@ -101,13 +101,13 @@ def _common(a: list[int], b: list[int]) -> int:
 SAME_FOR = {"claude-code": {"claude-code"}, "appended": {"claude-code"}}  # kinds semantically equal only there
 
 
-def first_request(engine: Any, tok: ChatTokenizer, profile: str, reconcile: bool) -> dict[str, Any]:
+def first_request(engine: Any, tok: ChatTokenizer, profile: str, reconcile: bool, lines: int = 24) -> dict[str, Any]:
     """The session's first request, its reply forced and decoded (so decode anchors fire)."""
     from engine.sampling import SamplingParams
 
     engine.reset_cache()
     mgr = SessionManager(tok, AnchorPolicy.SEMANTIC, engine=engine)
-    call = ToolCall(id="call_1f72", name="Edit", arguments=edit_arguments())
+    call = ToolCall(id="call_1f72", name="Edit", arguments=edit_arguments(lines))
     first = [ChatMessage(role="system", content="You are a coding agent."),
              ChatMessage(role="user", content="Make every total exact in calc.py.")]
     req1 = mgr.normalise(ChatRequest(messages=first, tools=[EDIT], headers=PROFILES[profile]))
@@ -160,8 +160,9 @@ def second_request(engine: Any, tok: ChatTokenizer, s: dict[str, Any], profile: 
 
 
 def run(model_dir: Path, cold: bool = False, profiles: list[str] | None = None,
-        kinds: list[str] | None = None, baseline: list[str] | None = None) -> list[dict[str, Any]]:
-    """`baseline`: the profiles also measured without reconciliation and argument anchors."""
+        kinds: list[str] | None = None, baseline: list[str] | None = None, lines: int = 24) -> list[dict[str, Any]]:
+    """`baseline`: the profiles also measured without reconciliation and argument anchors; `lines`:
+    the size of the Edit call (24: ~1k tokens)."""
     from engine.engine import Engine
     from engine.options import EngineOptions
     from engine.sampling import SamplingParams
@@ -171,10 +172,10 @@ def run(model_dir: Path, cold: bool = False, profiles: list[str] | None = None,
     rows = []
     with Engine(str(model_dir), opts) as engine:
         for profile in profiles or list(PROFILES):
-            s = first_request(engine, tok, profile, reconcile=True)
+            s = first_request(engine, tok, profile, reconcile=True, lines=lines)
             batch = [second_request(engine, tok, s, profile, kind, True) for kind in kinds or KINDS]
             if profile in (baseline or ()):
-                s = first_request(engine, tok, profile, reconcile=False)
+                s = first_request(engine, tok, profile, reconcile=False, lines=lines)
                 for row in batch:
                     row["baseline"] = second_request(engine, tok, s, profile, row["kind"], False)["recomputed"]
             rows += batch

@@ -141,7 +141,9 @@ class SessionManager:
                 if outcome.changed:
                     sess.echoes[k] = (message_key(client), outcome.message)
             messages[k] = outcome.message
-        if messages == req.messages:
+            if outcome.changed:
+                applied.add(k)
+        if not applied:  # (messages compare equal across argument order: count replacements instead)
             return req
         return dataclasses.replace(req, messages=messages)
 

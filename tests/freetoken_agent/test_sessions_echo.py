@@ -145,3 +145,11 @@ def test_decode_anchor_sequence_and_gap() -> None:
     assert decode_anchor_at([a, m], [1, 1, 1, 1, 6, 8, 9], 0) is None  # not preceded by (7, 8)
     assert decode_anchor_at([a, m], [7, 8, 9], 0, n=2) is None
     assert decode_anchor_at([a, m], [1, 2], 1) is m
+
+
+def test_manager_reorders_keys_for_any_client(tok: ChatTokenizer) -> None:
+    reordered = dict(reversed(list(ARGS.items())))
+    _, before, ids2, plan2, n2, _ = _session(tok, {"x-session-id": "s3"}, reordered)
+    assert list(n2.messages[2].tool_calls[0].arguments) == list(ARGS)  # the generated order
+    assert ids2[:len(before)] == before
+    assert plan2.divergence is not None and plan2.divergence.cause == "appended"
