@@ -6,8 +6,10 @@ Contract:
   "assistant_start", "tool_result_start", "before_runtime_context", "prompt_end", "position", ...);
   the engine only stores and reports it. Legacy `submit(checkpoints=[p])` means
   `Anchor(p, "position", 0)`.
-- `DecodeAnchor(token_id, kind, priority)`: while decoding, each time the engine generates
-  `token_id`, snapshot the state after that token. A token's state only exists once the next step
+- `DecodeAnchor(token_id, kind, priority, preceded_by, min_gap)`: while decoding, each time the
+  engine generates `token_id` right after the tokens `preceded_by`, at least `min_gap` tokens
+  after the request's last decode checkpoint (or the start of its output), snapshot the state
+  after that token (`decode_anchor_at` picks the one that fires, the highest priority). A token's state only exists once the next step
   has fed it through the model, so the checkpoint's position is (index of the token in
   prompt + output) + 1 and it is taken at the end of that next step. A request that ends on the
   token (stop token, max_tokens, forced output exhausted) runs that one extra step before it
@@ -45,6 +47,7 @@ exact for those layers; only Gated DeltaNet (conv window + SSM state) needs snap
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PROTECT_PER_SESSION = 2  # a returning session's best snapshots that are evicted last
@@ -63,6 +66,26 @@ class DecodeAnchor:
     token_id: int  # checkpoint right after the engine generates this token (see module docstring)
     kind: str
     priority: int = 0
+    preceded_by: tuple[int, ...] = ()  # ... when the output before it ends with these ids
+    min_gap: int = 0  # ... and at least this many tokens after the last decode checkpoint
+
+
+def decode_anchor_at(anchors: Sequence[DecodeAnchor], output: Sequence[int], last: int,
+                     n: int | None = None) -> DecodeAnchor | None:
+    """The decode anchor that fires on token `n - 1` of `output` (default: its last token), None if
+    none does; `last` is the output length when the previous decode anchor fired (0 if none has)."""
+    n = len(output) if n is None else n
+    if n <= 0:
+        return None
+    token, best = output[n - 1], None
+    for a in anchors:
+        if a.token_id != token or n - last < a.min_gap or (best is not None and a.priority <= best.priority):
+            continue
+        k = len(a.preceded_by)
+        if k and (n - 1 < k or tuple(output[n - 1 - k:n - 1]) != a.preceded_by):
+            continue
+        best = a
+    return best
 
 
 @dataclass

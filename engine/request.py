@@ -113,6 +113,7 @@ class Request:
     session: str | None = None
     forced: list[int] | None = None  # replay: these ids replace the sampled ones, then "stop"
     pending_anchor: DecodeAnchor | None = None  # generated last step: checkpoint after this step
+    decode_anchor_at: int = 0  # len(output) when a decode anchor last fired
     finish_pending: str | None = None  # finish reason held back for that one extra step
     finish_error: EngineError | None = None  # with finish_pending "error": a failed draw, nothing cached
     kv_tail: list[int] = field(default_factory=list)  # KV slots taken while passes were in flight, not yet in kv_slots

@@ -23,7 +23,7 @@ from collections import deque
 
 import torch
 
-from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta
+from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta, decode_anchor_at
 from engine.cache.checkpoints import CheckpointStore
 from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
@@ -310,11 +310,10 @@ class Scheduler:
         req.finish_pending, req.finish_error = reason, error
 
     def _decode_anchor(self, req: Request, token: int) -> DecodeAnchor | None:
-        best = None
-        for a in req.decode_anchors:
-            if a.token_id == token and (best is None or a.priority > best.priority):
-                best = a
-        return best
+        anchor = decode_anchor_at(req.decode_anchors, req.output, req.decode_anchor_at)
+        if anchor is not None:
+            req.decode_anchor_at = len(req.output)
+        return anchor
 
     def _checkpoint(self, req: Request, meta: SnapshotMeta) -> None:
         """Publishes the computed prefix (prompt + output so far) to the radix cache and keeps a

@@ -19,8 +19,12 @@ ascending, one per position (the highest priority wins), every position in [1, l
 `prompt_end` sits at len(ids) - 1: the engine always computes the last prompt token (it needs its
 logits), so that is the deepest state a resend of the same prompt can start from.
 `decode_anchors(priority_of)` gives `</think>` (thinking_end), `<tool_call>` (tool_call_start; also
-the opener of the Qwen3.5 XML format) and `<|im_end|>` (message_end); every policy keeps
-`message_end`, the request's true end, which the next turn of an append-only client extends.
+the opener of the Qwen3.5 XML format), the close of an argument value inside a generated call
+(`argument_end`, where the template's format has a distinctive one: `</parameter>` + newline;
+at most one every `ARGUMENT_MIN_GAP` generated tokens, so only long calls get them) and
+`<|im_end|>` (message_end); every policy keeps `message_end`, the request's true end, which the
+next turn of an append-only client extends. An echo of a long call that differs late (a key the
+client appended, a value it rewrote) then resumes from the last argument boundary before it.
 
 The harmony format (gpt-oss) has its own boundary tokens: turns open with `<|start|>` (one per
 harmony message, so an assistant turn may hold several and the positions of messages are not
@@ -36,11 +40,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from freetoken_agent.service.types import ChatMessage
-from freetoken_agent.sessions.engine_api import Anchor, DecodeAnchor
+from freetoken_agent.sessions.echo import argument_close
+from freetoken_agent.sessions.engine_api import Anchor, DecodeAnchor, decode_anchor_at
 from freetoken_agent.sessions.profiles import CARRIER_MARK
 from freetoken_agent.tokenizer import ChatTokenizer
 
 POSITIONAL_STRIDE = 8192
+ARGUMENT_MIN_GAP = 128  # generated tokens between two argument_end checkpoints, at least
 
 
 class AnchorPolicy(StrEnum):
@@ -98,6 +104,7 @@ class AnchorPlanner:
         self.decode_ids: dict[str, int | None] = {}
         for kind, tid in self.decode_tokens:
             self.decode_ids.setdefault(kind, tid)
+        self.argument_close = argument_close(tokenizer)
 
     def message_starts(self, ids: Sequence[int], messages: Sequence[ChatMessage],
                        has_tools: bool) -> list[int] | None:
@@ -167,13 +174,25 @@ class AnchorPlanner:
     def decode_anchors(self, policy: AnchorPolicy, priority_of: Callable[[str], int]) -> list[DecodeAnchor]:
         kinds = ("thinking_end", "tool_call_start", "message_end") if policy is AnchorPolicy.SEMANTIC \
             else ("message_end",)
-        return [DecodeAnchor(token_id=tid, kind=k, priority=priority_of(k))
-                for k, tid in self.decode_tokens if k in kinds and tid is not None]
+        out = [DecodeAnchor(token_id=tid, kind=k, priority=priority_of(k))
+               for k, tid in self.decode_tokens if k in kinds and tid is not None]
+        if policy is AnchorPolicy.SEMANTIC and self.argument_close:
+            close = self.argument_close
+            out.append(DecodeAnchor(token_id=close[-1], kind="argument_end", priority=priority_of("argument_end"),
+                                    preceded_by=close[:-1], min_gap=ARGUMENT_MIN_GAP))
+        return out
 
     def realised_decode_positions(self, prompt_len: int, output: Sequence[int],
                                   decode: Sequence[DecodeAnchor]) -> list[tuple[int, str]]:
         """Where the decode anchors fired in a finished generation: (position in prompt + output, kind).
         The engine feeds a final anchor token through one extra step, so the reply's closing
         `<|im_end|>` gets its checkpoint too (engine/anchors.py)."""
-        kinds = {d.token_id: d.kind for d in decode}
-        return [(prompt_len + i + 1, kinds[t]) for i, t in enumerate(output) if t in kinds]
+        out: list[tuple[int, str]] = []
+        last = 0
+        ids = {d.token_id for d in decode}
+        for i, t in enumerate(output):
+            a = decode_anchor_at(decode, output, last, i + 1) if t in ids else None
+            if a is not None:
+                last = i + 1
+                out.append((prompt_len + i + 1, a.kind))
+        return out

@@ -18,7 +18,8 @@ Contract: `first_difference(a, b)` is the length of the common prefix of two id 
 - `compaction`: the history after the system prompt was replaced by a summary.
 - `rewrite`: any other change at message `divergence_message`.
 The comparison is message by message on canonical keys (`normalise.message_key`), starting from
-the message whose token span contains `position`.
+the message whose token span contains `position`: edits to earlier messages that render the same
+tokens (OpenClaw strips the reasoning of turns the template no longer shows) are not the cause.
 """
 
 from __future__ import annotations
@@ -84,8 +85,11 @@ def classify(prev: Snapshot, messages: Sequence[ChatMessage], tools: tuple[str, 
         return Divergence(pos, "system_changed", 0)
     k = _message_at(new_starts, pos)
     old = prev.messages
-    # First message that differs on canonical keys, from the start: robust when token spans are unknown.
-    j = next((i for i in range(min(len(old), len(messages))) if message_key(old[i]) != message_key(messages[i])),
+    # First message that differs on canonical keys, from the one whose tokens hold the divergence
+    # (earlier messages rendered the same tokens: a change there, such as reasoning the client
+    # stripped from a turn the template no longer shows, did not cause it); from the start when
+    # token spans are unknown.
+    j = next((i for i in range(k or 0, min(len(old), len(messages))) if message_key(old[i]) != message_key(messages[i])),
              None)
     if j is None:
         if pos >= prev.prompt_len:  # inside the previous reply, which the client echoed

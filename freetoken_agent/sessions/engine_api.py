@@ -1,6 +1,6 @@
 """The engine's anchor API as the session manager uses it.
 
-Contract: re-exports `Anchor`, `DecodeAnchor` and `ReuseInfo` from `engine.anchors`.
+Contract: re-exports `Anchor`, `DecodeAnchor`, `ReuseInfo` and `decode_anchor_at` from `engine.anchors`.
 `reuse_of(handle)` is the handle's `ReuseInfo` or None (not admitted yet, or an engine that does
 not report it); `engine_checkpoints(engine, session)` is the engine's checkpoint listing
 (`Engine.checkpoints(session=...)`) or None when the engine cannot list them; inspection never
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.anchors import Anchor, DecodeAnchor, ReuseInfo
+from engine.anchors import Anchor, DecodeAnchor, ReuseInfo, decode_anchor_at
 
-__all__ = ["Anchor", "DecodeAnchor", "ReuseInfo", "engine_checkpoints", "reuse_of"]
+__all__ = ["Anchor", "DecodeAnchor", "ReuseInfo", "decode_anchor_at", "engine_checkpoints", "reuse_of"]
 
 
 def reuse_of(handle: Any) -> ReuseInfo | None:

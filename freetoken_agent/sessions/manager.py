@@ -1,7 +1,12 @@
 """The session manager: every chat request passes through it before the engine and after it.
 
 Contract (used by `ChatService`, from one asyncio loop):
-- `normalise(req)` -> the request to render (see `normalise.py`).
+- `normalise(req)` -> the request to render (see `normalise.py`), with the session's echoes
+  reconciled (`echo.py`): the client's echo of the reply the engine generated for the session's
+  previous request, when it is semantically that reply, is replaced by the message that renders
+  to the generated text (arguments in generated order, the profile's `echo_additions` dropped);
+  earlier echoes reconciled so are replaced the same way on every later request, so the prefix
+  the engine cached keeps matching.
 - `plan(req, ids)` (req normalised, ids its rendered prompt) -> `RequestPlan`: the client profile,
   the session id (the client's own id, else a hash of system prompt + first user message; None for
   a side request without a client id), whether it is a side request, the engine session tag, the
@@ -10,7 +15,8 @@ Contract (used by `ChatService`, from one asyncio loop):
   change any session.
 - `record(plan, ids, output, handle, ttft_ms, finish_reason)` files the finished turn: reused and
   recomputed tokens (from the engine's `ReuseInfo` when it reports one, else its cached-token
-  count), the checkpoint that served it, and, for main requests, remembers the request as the
+  count), the checkpoint that served it, the echo's outcome (`echo`: reconciled, rewritten, or
+  which part differed), and, for main requests, remembers the request as the
   session's new reference and teaches the per-client kind scores (`learning.py`). The turn's
   `checkpoints_held` / `checkpoint_bytes` (the session's checkpoints in the engine right after it)
   are filled in shortly after, off the event loop.
@@ -27,6 +33,7 @@ session's record. Sub-agents (parent headers) are sessions of their own with a `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from array import array
@@ -37,9 +44,10 @@ from typing import Any
 from freetoken_agent.service.types import ChatMessage, ChatRequest
 from freetoken_agent.sessions.anchors import AnchorPlanner, AnchorPolicy
 from freetoken_agent.sessions.divergence import Divergence, Snapshot, classify
+from freetoken_agent.sessions.echo import EchoOutcome, EchoReconciler
 from freetoken_agent.sessions.engine_api import Anchor, DecodeAnchor, engine_checkpoints, reuse_of
 from freetoken_agent.sessions.learning import KindScores, serving_anchor
-from freetoken_agent.sessions.normalise import normalise, system_text, tool_names
+from freetoken_agent.sessions.normalise import message_key, normalise, system_text, tool_names
 from freetoken_agent.sessions.profiles import Detection, detect, prefix_key
 from freetoken_agent.tokenizer import ChatTokenizer
 
@@ -60,6 +68,7 @@ class RequestPlan:
     tools: tuple[str, ...]
     starts: list[int] | None
     divergence: Divergence | None
+    echo: dict[str, Any] | None = None  # the outcome for the echo of the previous reply
 
     @property
     def client(self) -> str:
@@ -82,6 +91,10 @@ class Session:
     anchors: list[dict[str, Any]] = field(default_factory=list)            # last main plan, for inspection
     main_tools: tuple[str, ...] | None = None
     main_system: str | None = None
+    # message index -> (the client's echo, as message_key, the message rendered for it)
+    echoes: dict[int, tuple[str, ChatMessage]] = field(default_factory=dict)
+    # (message index, key of the message rendered) -> outcome of reconciling that echo
+    echo_outcomes: OrderedDict[tuple[int, str], EchoOutcome] = field(default_factory=OrderedDict)
 
 
 class SessionManager:
@@ -91,13 +104,48 @@ class SessionManager:
         self.policy = AnchorPolicy(policy)
         self.engine = engine
         self.planner = AnchorPlanner(tokenizer)
+        self.echo = EchoReconciler(tokenizer)
         self.scores = KindScores()
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ before the engine
     def normalise(self, req: ChatRequest) -> ChatRequest:
-        return normalise(req)
+        return self._reconcile(normalise(req))
+
+    def _reconcile(self, req: ChatRequest) -> ChatRequest:
+        det = detect(req)
+        if det.side is not None:
+            return req
+        with self._lock:
+            sess = self._sessions.get(det.session_key or prefix_key(req))
+            if sess is None:
+                return req
+            snap, known = sess.snapshot, dict(sess.echoes)
+        messages = list(req.messages)
+        applied = set()
+        for k, (client_key, rendered) in known.items():
+            if k < len(messages) and messages[k].role == "assistant" and message_key(messages[k]) == client_key:
+                messages[k] = rendered
+                applied.add(k)
+        k = len(snap.messages) if snap is not None else -1
+        if snap is not None and snap.starts and k < len(messages) and messages[k].role == "assistant" \
+                and k not in applied:
+            generated = self.tokenizer.decode(snap.ids[snap.starts[-1]:])
+            client = messages[k]
+            outcome = self.echo.reconcile(client, generated, det.profile.echo_additions)
+            with self._lock:
+                sess.echo_outcomes[(k, message_key(outcome.message))] = outcome
+                while len(sess.echo_outcomes) > 8:
+                    sess.echo_outcomes.popitem(last=False)
+                if outcome.changed:
+                    sess.echoes[k] = (message_key(client), outcome.message)
+            messages[k] = outcome.message
+            if outcome.changed:
+                applied.add(k)
+        if not applied:  # (messages compare equal across argument order: count replacements instead)
+            return req
+        return dataclasses.replace(req, messages=messages)
 
     def plan(self, req: ChatRequest, ids: list[int]) -> RequestPlan:
         det = detect(req)
@@ -127,14 +175,21 @@ class SessionManager:
         else:
             decode = self.planner.decode_anchors(self.policy, priority_of)
         divergence = None
+        echo = None
         if not side and sess is not None and sess.snapshot is not None:
             divergence = classify(sess.snapshot, messages, tools, ids, starts)
+            k = len(sess.snapshot.messages)
+            with self._lock:
+                outcome = sess.echo_outcomes.get((k, message_key(messages[k]))) if k < len(messages) else None
+            if outcome is not None:
+                echo = {"message": k, "reconciled": outcome.reconciled, "rewritten": outcome.changed,
+                        "differed": outcome.differed}
         # Side requests carry no tag: a shared "<id>#side" tag would make the side calls look like a
         # returning conversation to the engine, whose policy then protects their snapshots.
         tag = None if side else sid
         return RequestPlan(detection=det, session_id=sid, side=side, engine_session=tag, anchors=anchors,
                            decode_anchors=decode, messages=messages, tools=tools, starts=starts,
-                           divergence=divergence)
+                           divergence=divergence, echo=echo)
 
     # ------------------------------------------------------------------ after the engine
     def record(self, plan: RequestPlan, ids: list[int], output: list[int], handle: Any,
@@ -208,7 +263,7 @@ class SessionManager:
             "state_reused_tokens": state_pos, "checkpoint_position": state_pos if state_pos else None,
             "checkpoint_kind": kind, "from_host": from_host,
             "divergence_position": div.position if div else None, "divergence_cause": div.cause if div else None,
-            "divergence_message": div.message if div else None,
+            "divergence_message": div.message if div else None, "echo": plan.echo,
             "would_serve_position": would[0] if would else None, "would_serve_kind": would[1] if would else None,
             "anchors": len(plan.anchors), "decode_anchors": [d.kind for d in plan.decode_anchors],
             "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3), "expert_cache_hit_rate": None,

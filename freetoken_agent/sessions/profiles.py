@@ -4,11 +4,13 @@ Contract: `detect(req)` (on a normalised `ChatRequest`) returns a `Detection`: t
 the session key the client itself gives (or None: the manager then hashes the prefix), where the
 key came from, the parent session of a sub-agent, and why the request is a side request (title,
 summary, compaction, ...) or None for a main-conversation request. Each profile carries the base
-priority of every anchor kind, higher for the boundaries its edits are known to leave intact
-(facts in shared/research/agent-clients.md):
+priority of every anchor kind, higher for the boundaries its edits are known to leave intact, and
+`echo_additions`, the arguments it adds to a call it echoes (`echo.py` drops them again when the
+engine did not generate them) (facts in shared/research/agent-clients.md):
 
 - claude-code: append-only, but clears old tool results and drops unsigned thinking, so tool-result
-  and assistant starts rank high; `X-Claude-Code-Session-Id`, sub-agents `x-claude-code-agent-id`.
+  and assistant starts rank high; `X-Claude-Code-Session-Id`, sub-agents `x-claude-code-agent-id`;
+  its echo of an Edit call carries `"replace_all": false` (first) when the model left it out.
 - opencode: append-only, optional prune replaces old tool outputs; `x-session-id` /
   `x-session-affinity`, sub-agents `x-parent-session-id`; a title request comes first.
 - openclaw: every request ends in a runtime-context carrier removed on the next request, and
@@ -46,6 +48,7 @@ BASE_PRIORITIES: Mapping[str, int] = MappingProxyType({
     "message_end": 35,         # decode: right after the reply's <|im_end|>
     "thinking_end": 15,        # decode: right after </think>
     "tool_call_start": 10,     # decode: right after <tool_call>
+    "argument_end": 10,        # decode: after an argument value of a long generated call
     "positional": 10,          # baseline policy: every N tokens
 })
 
@@ -67,6 +70,8 @@ class ClientProfile:
     side_headers: tuple[tuple[str, str], ...] = ()  # (header, exact lower-case value) of side requests
     priorities: Mapping[str, int] = field(default_factory=lambda: BASE_PRIORITIES)
     edits: tuple[str, ...] = ()                # history edits this client makes (documentation, inspection)
+    # (tool name or "*", key, value): arguments the client adds to a call when it echoes it
+    echo_additions: tuple[tuple[str, str, object], ...] = ()
 
     def priority(self, kind: str) -> int:
         return self.priorities.get(kind, 0)
@@ -83,7 +88,8 @@ CLAUDE_CODE = ClientProfile(
     side_markers=("Generate a concise, sentence-case title", "Please write a 5-10 word title",
                   "Your task is to create a detailed summary of the conversation so far"),
     priorities=_priorities(tool_result_start=35, assistant_start=40),
-    edits=("appended", "tool_result_cleared", "reasoning_dropped", "compaction"))
+    edits=("appended", "tool_result_cleared", "reasoning_dropped", "compaction"),
+    echo_additions=(("Edit", "replace_all", False),))
 OPENCODE = ClientProfile(
     name="opencode", session_headers=("x-session-id", "x-session-affinity"), parent_headers=("x-parent-session-id",),
     user_agents=("opencode/",), markers=("You are opencode",),

@@ -20,7 +20,7 @@ from tests.freetoken_agent.sessions_support import asst, render, req, sys_, tool
 
 PROMPT_KINDS = ["system_end", "user_start", "assistant_start", "tool_result_start", "system_turn_start",
                 "before_carrier", "reply_start", "prompt_end"]
-DECODE_KINDS = ["thinking_end", "tool_call_start", "message_end"]
+DECODE_KINDS = ["thinking_end", "tool_call_start", "argument_end", "message_end"]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     )
     ids = render(tok, conversation)
     plan = SessionManager(tok, AnchorPolicy.SEMANTIC).plan(conversation, ids)
-    # the reply, forced, so the decode anchors are realised: thinking, a tool call, end of message
+    # the reply, forced, so the decode anchors are realised: thinking, a tool call whose first
+    # argument is long enough for an argument_end checkpoint after it, end of message
+    command = "pytest -q " + " ".join(f"tests/test_{i}.py" for i in range(40))
     reply = tok.encode("Subtraction is the bug.</think>\n\n<tool_call>\n<function=bash>\n<parameter=command>\n"
-                       "pytest -q\n</parameter>\n</function>\n</tool_call><|im_end|>")
+                       f"{command}\n</parameter>\n<parameter=timeout>\n60\n</parameter>\n</function>\n"
+                       "</tool_call><|im_end|>")
     return model, tok, ids, plan, reply
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sessions_support import asst, make_tokenizer, recorded, render, req, sys_, to_request, tool, user
+from sessions_support import TOOLS, asst, make_tokenizer, recorded, render, req, sys_, to_request, tool, user
 
 from freetoken_agent.service import ChatRequest
 from freetoken_agent.sessions import AnchorPolicy, SessionManager
@@ -160,6 +160,13 @@ def test_side_request_low_priority_and_few_anchors(tok: ChatTokenizer, tmp_path:
     assert pt.engine_session is None and pm.engine_session == pm.session_id == pt.session_id
     assert {a.kind for a in pt.anchors} <= {"system_end", "prompt_end"} and not pt.decode_anchors
     assert max(a.priority for a in pt.anchors) < min(a.priority for a in pm.anchors)
-    assert {d.kind for d in pm.decode_anchors} == {"thinking_end", "tool_call_start", "message_end"}
-    assert {d.token_id for d in pm.decode_anchors} == {tok.token_to_id(t) for t in
-                                                       ("</think>", "<tool_call>", "<|im_end|>")}
+    single = [d for d in pm.decode_anchors if d.kind != "argument_end"]
+    assert {d.kind for d in single} == {"thinking_end", "tool_call_start", "message_end"}
+    assert {d.token_id for d in single} == {tok.token_to_id(t) for t in ("</think>", "<tool_call>", "<|im_end|>")}
+    # the close of an argument value: Qwen3.5's XML calls have one, Qwen3's JSON calls none
+    close = [d for d in pm.decode_anchors if d.kind == "argument_end"]
+    xml = "<function=" in tok.apply_chat_template([{"role": "user", "content": "q"}], tools=TOOLS)
+    assert len(close) == (1 if xml else 0)
+    if close:
+        assert tok.decode([*close[0].preceded_by, close[0].token_id]) == "</parameter>\n"
+        assert close[0].min_gap > 0
