@@ -23,7 +23,7 @@ from engine.gpu.budget import GpuBudget, dense_bytes, split_gpu_memory
 from engine.gpu.executor import create_cached_executor
 from engine.model.decoder import Decoder
 from engine.options import EngineOptions
-from engine.weights.layout import ExpertBanks
+from engine.weights.layout import ExpertBanks, PackedExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
@@ -101,13 +101,17 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
 
 
 def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:
-    device = torch.device(opts.device)
-    if device.type != "cuda":
-        raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
     banks = decoder.weights.experts
+    if isinstance(banks, PackedExpertBanks):
+        raise ConfigError(f"the GPU expert cache does not hold packed experts yet; this model's are "
+                          f"{'/'.join(sorted({*banks.fmt_gu, *banks.fmt_d}))}: run with --gpu-memory off "
+                          "(they then run on the CPU expert executor)")
     if banks.b13 is not None or banks.activation != "silu":
         raise ConfigError(f"the GPU expert cache runs silu experts without biases; these have biases and "
                           f"{banks.activation} (gpt-oss): run with --gpu-memory off")
+    device = torch.device(opts.device)
+    if device.type != "cuda":
+        raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")
     freed = host_embedding(decoder) if opts.gpu.host_embed else 0
     if freed:
         log.info("token embedding in page-locked host memory: %.2f GiB more for expert slots", freed / 2**30)

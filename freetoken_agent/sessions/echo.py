@@ -41,7 +41,7 @@ from freetoken_agent.service.types import ChatMessage, ToolCall
 from freetoken_agent.tokenizer import ChatTokenizer
 
 _USER = {"role": "user", "content": "q"}
-_TOOL = {"role": "tool", "content": "r", "tool_call_id": "c"}
+_TOOL = {"role": "tool", "content": "r", "tool_call_id": "c", "name": "f"}  # named: harmony needs it
 _SENTINEL = "\u2063v\u2063"  # a value no template rewrites
 
 

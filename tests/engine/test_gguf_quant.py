@@ -336,3 +336,14 @@ def test_generate_runs_a_quantized_gguf(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out.strip().splitlines()
     ids = json.loads(out[-1])
     assert len(ids) == 5 and all(0 <= i < VOCAB for i in ids)
+
+
+def test_the_gpu_expert_cache_refuses_packed_experts_by_name(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A packed model under --gpu-memory gets one line naming its formats and the way out, not a
+    failure deep in the cache."""
+    from engine.errors import ConfigError
+
+    path = tmp_path / "q4_k_m.gguf"
+    write_quant_gguf(make_hf_model(_spec(seed=4)), path, CASES["q4_k_m"])
+    with pytest.raises(ConfigError, match=r"packed experts.*q4_k.*--gpu-memory off"):
+        make_engine(path, device="cpu", dtype="float32", gpu_memory=2**30)
