@@ -343,6 +343,7 @@ def test_stream_disconnect_frees_the_slot(endless: ServerProcess, path: str) -> 
         delays.append(wait_idle(endless, 2.0))
     wait_idle(endless, 120)
     assert all(d < 2.0 for d in delays), f"seconds until the slot was freed, per round: {delays}"
+    assert endless.metrics()["freetoken_request_kv_tokens"] == 0, "KV of abandoned streams is still held"
     assert_alive(endless)
 
 
@@ -355,6 +356,7 @@ def test_nonstream_disconnect_frees_the_slot(endless: ServerProcess) -> None:
         assert wait_idle(endless, 2.0) < 2.0, "a non-streaming generation kept running after its client left"
     finally:
         wait_idle(endless, 120)
+    assert endless.metrics()["freetoken_request_kv_tokens"] == 0, "KV of the abandoned request is still held"
     assert_alive(endless)
 
 
