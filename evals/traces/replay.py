@@ -283,7 +283,8 @@ def server_sessions(base: str, api_key: str | None = None) -> list[dict[str, Any
             d = httpx.get(f"{base}/v1/sessions/{sid}", headers=headers, timeout=30)
             if d.status_code == 200:
                 detail = d.json()
-        turns = detail.get("turns") if isinstance(detail.get("turns"), list) else []
+        raw_turns = detail.get("turns")
+        turns: list[dict[str, Any]] = raw_turns if isinstance(raw_turns, list) else []
         out.append({"id": sid, "client": detail.get("client") or detail.get("profile"), "turns": len(turns),
                     "prompt_tokens": sum(t.get("prompt_tokens") or 0 for t in turns),
                     "reused_tokens": sum(t.get("reused_tokens") or 0 for t in turns),

@@ -58,6 +58,7 @@ class ScriptedProxy(RecordingProxy):
         body = ex.body_json() if ex.method == "POST" else None
         req = normalise(ex.path, body, ex.req_headers) if isinstance(body, dict) else None
         if req is not None and not isinstance(req.tool_choice, dict) and req.tool_choice != "required":
+            assert isinstance(body, dict)  # normalise() ran on it
             reply = self.script.reply(req)
             forced = render(reply, self.family, thinking_on(req))
             ex.client_body = body  # type: ignore[attr-defined]
