@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import FULL_ATTENTION, _get, _rope
+from engine.config_fields import FULL_ATTENTION
+from engine.config_fields import field_of as _get
+from engine.config_fields import rope_fields as _rope
 from engine.errors import ConfigError
 
 # transformers' defaults where a config leaves a key out
