@@ -129,7 +129,7 @@ def reply_of(req: dict[str, Any]) -> Reply | None:
 
 
 # ---------------------------------------------------------------------------------------------- the wire
-def _generated(event: dict[str, Any]) -> bool:
+def carries_output(event: dict[str, Any]) -> bool:
     """Does this SSE payload carry generated output (any protocol)?"""
     kind = event.get("type", "")
     if kind in ("content_block_start", "content_block_delta"):
@@ -192,7 +192,7 @@ def send(client: httpx.Client, base: str, req: dict[str, Any], body: dict[str, A
                 event = json.loads(payload)
             except ValueError:
                 continue
-            if ttft is None and _generated(event):
+            if ttft is None and carries_output(event):
                 ttft = time.monotonic() - t0
             usage = _usage(event) or usage
     p, c = usage or (None, None)

@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
+from freetoken_agent.bench.timing import timed as _timed
 
 NATIVE_FORMATS = ("bf16", "f32")  # the float banks' native executor; every other format runs packed
 # the packed formats of engine/quant/formats.py (listed here so defining the parser imports no torch)
@@ -60,18 +61,6 @@ def _available_gb() -> float:
     except OSError:
         pass
     return 8.0
-
-
-def _timed(fn: Callable[[], None], seconds: float) -> float:
-    """Seconds per call, over at least `seconds` and 5 calls."""
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if n >= 5 and dt >= seconds:
-            return dt / n
 
 
 def _python_overhead_us(ft: Any) -> float:

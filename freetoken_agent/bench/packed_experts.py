@@ -15,20 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
-
-def _timed(fn: Callable[[], None], seconds: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if n >= 3 and dt >= seconds:
-            return dt / n
+from freetoken_agent.bench.timing import timed as _timed
 
 
 def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, bank_gb: float) -> int:

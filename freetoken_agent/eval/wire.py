@@ -21,18 +21,7 @@ from typing import Any
 
 import httpx
 
-
-def _generated(event: dict[str, Any]) -> bool:
-    kind = event.get("type", "")
-    if kind in ("content_block_start", "content_block_delta"):
-        return True
-    if kind.startswith("response.") and (kind.endswith(".delta") or kind == "response.output_item.added"):
-        return True
-    for choice in event.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            return True
-    return False
+from evals.traces.replay import carries_output
 
 
 def usage_of(event: dict[str, Any]) -> dict[str, int] | None:
@@ -104,7 +93,7 @@ def send(client: httpx.Client, base: str, path: str, body: dict[str, Any], heade
                 event = json.loads(payload)
             except ValueError:
                 continue
-            if _generated(event):
+            if carries_output(event):
                 last = time.monotonic() - t0
                 first = last if first is None else first
             # Anthropic reports input at message_start and output at message_delta: merge both
