@@ -360,7 +360,7 @@ class Engine:
             return False
         banks = self.decoder.weights.experts
         free, reserved, total = (probe or (lambda: device_memory(self.opts.device)))()
-        target = follow_target(self.gpu_budget, banks.expert_bytes, banks.w13.shape[0], free, reserved, total)
+        target = follow_target(self.gpu_budget, banks.expert_bytes, banks.rows, free, reserved, total)
         if target is None:
             return False
         before = self.gpu_budget.total

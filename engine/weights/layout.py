@@ -102,6 +102,11 @@ class ExpertBanks:
         return moe_index * self.num_experts + expert
 
     @property
+    def rows(self) -> int:
+        """Experts of every MoE layer together (bank rows: moe_index * E + expert)."""
+        return self.w13.shape[0]
+
+    @property
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
@@ -141,6 +146,10 @@ class PackedExpertBanks(ExpertBanks):
     def expert_bytes(self) -> int:
         """Bytes of one expert (the largest over layers: formats may differ from layer to layer)."""
         return max(g[0].numel() + d[0].numel() for g, d in zip(self.gate_up, self.down, strict=True))
+
+    @property
+    def rows(self) -> int:
+        return len(self.gate_up) * self.num_experts
 
     @property
     def bf16_bytes(self) -> int:
