@@ -31,8 +31,8 @@ python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build
 at "native built"
 case "${PART:-build}" in
 build)
-    for f in ${CPU_FORMATS:-q4_k q8_0 q6_k}; do
-        timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --no-torch --json \
+    for f in ${CPU_FORMATS:-q4_k q8_0}; do
+        timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch --json \
             > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
         at "cpu-experts $f: exit $?"
     done
