@@ -40,6 +40,12 @@ gpu.split_expert off turns it off, on insists) has each decode step split one mi
 intermediate rows between a partial fetch and the CPU (engine/gpu/policy.py `split_share`), so
 the two sides can balance to a fraction of an expert instead of a whole one; `adapt` then defaults
 to on (gpu.adapt_ratio off turns it off).
+
+Packed (quantized) banks (`PackedExpertBanks`) get a `PackedPool` (engine/gpu/quant/pool.py) of
+packed slots instead of `ExpertSlots`: a fetch copies the expert's stored bytes, the GPU computes
+from them with the packed kernels (engine/gpu/quant/), the CPU part runs on the packed executor
+(engine/moe/packed.py; the native moe_packed kernel serves the decode steps' host tasks). No expert
+split; `adapt` defaults to on, since the starting ratio comes from a bf16 calibration.
 """
 
 from __future__ import annotations

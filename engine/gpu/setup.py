@@ -3,11 +3,13 @@
 Contract: `attach_expert_cache(decoder, opts, dtype)` moves an embedding table that is not also the
 LM head into page-locked host memory (`host_embedding`; the option gpu.host_embed off keeps it on the GPU),
 splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host
-expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more),
+expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more; packed
+banks per layer tensor),
 resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for this machine
 in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them there and
 logs that it did: never a silent default), and replaces the decoder's executor with a
-`CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA or when the cap is too small.
+`CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA, when the cap is too small,
+or for experts with biases or another activation than silu (gpt-oss).
 """
 
 from __future__ import annotations
