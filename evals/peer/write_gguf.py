@@ -4,7 +4,7 @@
 Contract:
     python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe --layers N --experts 128
         --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
-        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --threads N]
+        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --quant bf16|q8_0|q4_k_m --threads N]
         qwen35moe only: [--shared-inter 512 --full-attn-interval 4 --linear-key-heads 16
         --linear-value-heads 32 --linear-head-dim 128 --conv-kernel 4 --rope-dim 64
         --rope-sections 11,11,10,0]
@@ -35,6 +35,14 @@ Contract:
   exp(-softplus(alpha)), in (0, 1): activations stay finite.
   Values depend only on --seed, the tensor's name and its shape (never on --threads), so two runs
   with the same arguments write byte-identical files.
+- --quant bf16 (the default): matrices in --dtype as above. --quant q8_0 / q4_k_m: the file
+  llama.cpp's `llama-quantize` would make of the bf16 one with that type (LLAMA_FTYPE_MOSTLY_Q8_0 /
+  MOSTLY_Q4_K_M): each tensor in the type it would choose (evals/peer/gguf_quant.py: Q4_K, Q6_K for
+  output.weight and for attn_v / attn_qkv / ffn_down* on its use_more_bits layers, Q8_0 / Q5_K with
+  exactly 8 experts, Q5_0 / Q5_1 / Q8_0 / F16 where a row is not whole blocks; norms, routers,
+  ssm_conv1d and 1-D tensors stay float32), its bytes written directly as random valid blocks
+  (no float weights, no quantizer) whose dequantized values have mean ~0 and the std the bf16 file's
+  tensor has (--scales).
 - The tokenizer (every tokenizer.* key) is copied from --vocab-from, by default llama.cpp's
   models/ggml-vocab-qwen2.gguf (Qwen2/Qwen3's 151936-token BPE vocabulary); the embedding and
   output matrices take its vocabulary size.
@@ -72,8 +80,12 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gguf_quant as gq  # a sibling module (this file also runs as a script)
+
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 1 << 22  # elements per random-number chunk (and per worker task); fixed so output is thread-independent
+QCHUNK = 1 << 15  # quantized blocks per chunk, likewise
 GIB = float(1 << 30)
 FILE_TYPE = {"bf16": 32, "f16": 1}  # llama_ftype: MOSTLY_BF16, MOSTLY_F16
 
@@ -137,8 +149,11 @@ class TensorSpec:
     def numel(self) -> int:
         return int(np.prod(self.shape))
 
-    def nbytes(self, dtype: str) -> int:
-        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for every float32 tensor."""
+    def nbytes(self, dtype: str, qtype: int | None = None) -> int:
+        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for every float32 tensor; in
+        `qtype` (a ggml type id of gguf_quant) when given."""
+        if qtype is not None:
+            return self.numel // self.shape[-1] * gq.row_bytes(qtype, self.shape[-1])
         return self.numel * (2 if self.kind == "mat" else 4)
 
 
@@ -232,8 +247,7 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
     """Fill out[index*CHUNK : ...] (a flat view) with this chunk's deterministic random values."""
     lo = index * CHUNK
     hi = min(lo + CHUNK, out.size)
-    key = (zlib.crc32(spec.name.encode()), index)
-    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key)))
+    rng = _chunk_rng(spec, seed, index)
     tmp = rng.standard_normal(hi - lo, dtype=np.float32)
     tmp *= np.float32(std)
     if spec.kind in F32_RANDOM:
@@ -244,7 +258,34 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
         out[lo:hi] = tmp.astype(np.float16)
 
 
-def make_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, dtype: str) -> np.ndarray:
+def _chunk_rng(spec: TensorSpec, seed: int, index: int) -> np.random.Generator:
+    key = (zlib.crc32(spec.name.encode()), index)
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
+def fill_quant_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: float, qtype: int) -> None:
+    """Fill blocks [index*QCHUNK, ...) of out (uint8 [blocks, block_bytes]) with random valid blocks."""
+    lo = index * QCHUNK
+    hi = min(lo + QCHUNK, out.shape[0])
+    out[lo:hi] = gq.fill_blocks(_chunk_rng(spec, seed, index), qtype, hi - lo, std)
+
+
+def make_quant_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, qtype: int) -> np.ndarray:
+    """A matrix as `qtype` blocks: uint8 [*shape[:-1], row bytes]."""
+    n_blocks = spec.numel // gq.BLOCK[qtype][0]
+    arr = np.empty((n_blocks, gq.BLOCK[qtype][1]), dtype=np.uint8)
+    futures = [pool.submit(fill_quant_chunk, arr, spec, seed, c, std, qtype) for c in range(-(-n_blocks // QCHUNK))]
+    for f in futures:
+        f.result()
+    return arr.reshape(*spec.shape[:-1], gq.row_bytes(qtype, spec.shape[-1]))
+
+
+def make_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, dtype: str,
+                qtype: int | None = None) -> np.ndarray:
+    if qtype is not None and qtype in gq.UNIT_RMS:
+        return make_quant_tensor(pool, spec, seed, std, qtype)
+    if qtype == gq.F16:  # a matrix whose rows are not whole blocks (llama-quantize's last fallback)
+        dtype = "f16"
     if spec.kind == "norm":
         return np.ones(spec.shape, dtype=np.float32)
     if spec.kind == "const":
@@ -334,7 +375,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="residual (default): embedding std 1 and residual-stream writers --std / sqrt(2 x layers), "
                         "routing near-uniform; uniform: --std everywhere (routing collapses)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16")
+    p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16", help="the matrices' type with --quant bf16")
+    p.add_argument("--quant", choices=["bf16", *gq.FTYPES], default="bf16",
+                   help="bf16 (default: float matrices of --dtype), or the tensor types llama-quantize gives "
+                        "a q8_0 / q4_k_m file, written as random valid blocks")
     p.add_argument("--vocab-from", type=Path, default=None,
                    help="GGUF to copy the tokenizer from (default: models/ggml-vocab-qwen2.gguf of the "
                         "llama.cpp tree in $LLAMA_CPP_DIR, /tmp/llama.cpp or .peer-cpu/llama.cpp, else "
@@ -345,6 +389,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="rewrite --out even when OUT.args.json says it already holds these weights")
     args = p.parse_args(argv)
+    if args.quant != "bf16" and args.dtype != "bf16":
+        p.error(f"--dtype {args.dtype}: only with --quant bf16 (a --quant {args.quant} file's types follow llama-quantize)")
     other = QWEN3_ONLY if args.arch == "qwen35moe" else QWEN35_ONLY
     given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
     if given:
@@ -412,6 +458,8 @@ def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
     stamp = {k: getattr(args, k) for k in keys} | {"chunk": CHUNK, "writer": "write_gguf.py v1"}
     if args.scales != "uniform":  # the files before --scales were uniform: their stamps stay valid
         stamp |= {"scales": args.scales}
+    if args.quant != "bf16":
+        stamp |= {"quant": args.quant, "qchunk": QCHUNK}
     if args.arch != "qwen3moe":
         stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in QWEN35_ONLY}
     return stamp
@@ -447,7 +495,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
     writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}, {args.scales} scales), written by "
                            "freetoken-agent evals/peer/write_gguf.py; not a trained model")
-    writer.add_file_type(FILE_TYPE[args.dtype])
+    writer.add_file_type(gq.FTYPES[args.quant][0] if args.quant in gq.FTYPES else FILE_TYPE[args.dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if arch == "qwen35moe":
         add_qwen35moe_hparams(writer, arch, shape, args)
@@ -469,17 +517,24 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
         specs = tensor_specs(shape)
 
-    total = sum(t.nbytes(args.dtype) for t in specs)
-    experts = sum(t.nbytes(args.dtype) for t in specs if "_exps." in t.name)
+    qtypes = quant_types(specs, args)
+    total = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs)
+    experts = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs if "_exps." in t.name)
     layout = ""
     if arch == "qwen35moe":
         n_full = sum(shape.is_full_attention(i) for i in range(shape.layers))
         layout = f", {n_full} full-attention + {shape.layers - n_full} Gated DeltaNet layers"
     print(f"write_gguf: {arch}, {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts)"
-          f"{layout}, {args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+          f"{layout}, {args.quant if qtypes else args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+    if qtypes:
+        mix: dict[str, int] = {}
+        for q in qtypes.values():
+            mix[gq.TYPE_NAME[q]] = mix.get(gq.TYPE_NAME[q], 0) + 1
+        print("write_gguf: tensor types " + ", ".join(f"{k} x{v}" for k, v in sorted(mix.items())), flush=True)
     if args.plan:
         for t in specs:
-            print(f"  {t.name:32s} {t.kind:6s} {t.shape!s:24s} {t.nbytes(args.dtype) / 2**20:10.2f} MiB")
+            kind = gq.TYPE_NAME[qtypes[t.name]] if qtypes else t.kind
+            print(f"  {t.name:32s} {kind:6s} {t.shape!s:24s} {t.nbytes(args.dtype, qtypes.get(t.name)) / 2**20:10.2f} MiB")
         return {"bytes": float(total), "seconds": 0.0}
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -490,6 +545,15 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit(f"write_gguf.py: {args.out.parent} has {free / GIB:.1f} GiB free, the file needs "
                          f"{total / GIB:.1f} GiB")
     for t in specs:
+        qt = qtypes.get(t.name)
+        if qt in gq.UNIT_RMS:
+            rb = gq.row_bytes(qt, t.shape[-1])
+            writer.add_tensor_info(t.name, (*t.shape[:-1], rb), np.dtype(np.uint8), t.nbytes(args.dtype, qt),
+                                   raw_dtype=gguf.GGMLQuantizationType(qt))
+            continue
+        if qt == gq.F16:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float16), t.nbytes(args.dtype, qt))
+            continue
         np_dtype: Any = np.uint16 if (t.kind == "mat" and args.dtype == "bf16") else (
             np.float16 if t.kind == "mat" else np.float32)
         raw = gguf.GGMLQuantizationType.BF16 if (t.kind == "mat" and args.dtype == "bf16") else None
@@ -515,7 +579,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
 
     with ThreadPoolExecutor(max(1, args.threads)) as pool, ThreadPoolExecutor(1) as io:
         pending: Future[None] | None = None
-        for arr in _generate(pool, specs, args):
+        for arr in _generate(pool, specs, args, qtypes):
             if pending is not None:
                 pending.result()
             pending = io.submit(write_one, arr)
@@ -573,9 +637,20 @@ def tensor_std(spec: TensorSpec, args: argparse.Namespace) -> float:
     return float(args.std) / math.sqrt(2 * args.layers)
 
 
-def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace) -> Iterator[np.ndarray]:
+def quant_types(specs: list[TensorSpec], args: argparse.Namespace) -> dict[str, int]:
+    """{name: ggml type} of every tensor for --quant q8_0 / q4_k_m (gguf_quant.tensor_types, the source
+    being the bf16 file: matrices bf16, the rest float32); {} for --quant bf16."""
+    if args.quant == "bf16":
+        return {}
+    src = [(t.name, t.shape, gq.BF16 if t.kind == "mat" else gq.F32) for t in specs]
+    return gq.tensor_types(src, args.quant, args.layers, args.experts)
+
+
+def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace,
+              qtypes: dict[str, int]) -> Iterator[np.ndarray]:
     for t in specs:
-        yield make_tensor(pool, t, args.seed, tensor_std(t, args), args.dtype)
+        qt = qtypes.get(t.name)
+        yield make_tensor(pool, t, args.seed, tensor_std(t, args), args.dtype, None if qt in (gq.F32, gq.BF16) else qt)
 
 
 def main(argv: list[str] | None = None) -> int:
