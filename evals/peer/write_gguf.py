@@ -81,7 +81,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gguf_quant as gq  # a sibling module (this file also runs as a script)
+import gguf_mla as gm  # sibling modules (this file also runs as a script)
+import gguf_quant as gq
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 1 << 22  # elements per random-number chunk (and per worker task); fixed so output is thread-independent
@@ -196,11 +197,14 @@ def tensor_specs(s: Shape) -> list[TensorSpec]:
     return specs
 
 
-def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
+def qwen35moe_tensor_specs(s: Shape, fused_ba: bool = False) -> list[TensorSpec]:
     """Every tensor llama.cpp's qwen35moe loader asks for (load_arch_tensors in src/models/qwen35moe.cpp),
     shapes in numpy order (the reverse of the loader's ne): untied output, separate q (query and gate
     interleaved per head, hence 2x) / k / v in full-attention layers, fused qkv plus a z gate in
-    Gated DeltaNet layers, separate gate and up expert banks, the shared expert and its gate."""
+    Gated DeltaNet layers, separate gate and up expert banks, the shared expert and its gate.
+    `fused_ba`: qwen3next's instead (src/models/qwen3next.cpp), the same but for one `ssm_ba`
+    [2 x value heads, hidden] (per key head: its value heads' beta rows, then their alpha rows) in
+    place of ssm_beta and ssm_alpha."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     key_dim = s.linear_key_heads * s.linear_head_dim
     value_dim = s.linear_value_heads * s.linear_head_dim
@@ -228,8 +232,9 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_conv1d.weight", (conv_dim, s.conv_kernel), "vec"),
                 TensorSpec(b + "ssm_dt.bias", (s.linear_value_heads,), "const", 0.0),
                 TensorSpec(b + "ssm_a", (s.linear_value_heads,), "const", -1.0),  # -exp(A_log), A_log = 0
-                TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
-                TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat"),
+                *([TensorSpec(b + "ssm_ba.weight", (2 * s.linear_value_heads, s.hidden), "mat")] if fused_ba else [
+                    TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
+                    TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat")]),
                 TensorSpec(b + "ssm_norm.weight", (s.linear_head_dim,), "norm"),
                 TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat", role="residual"),
             ]
@@ -327,7 +332,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 QWEN35_ONLY = ("shared_inter", "full_attn_interval", "linear_key_heads", "linear_value_heads", "linear_head_dim",
                "conv_kernel", "rope_dim", "rope_sections")
-QWEN3_ONLY = ("ff",)
+# Qwen3-Next-80B-A3B (engine/weights/shapes.py): the Qwen3.5 hybrid's layer with 512 experts top-10,
+# all 48 layers; NEOX partial rotary (no IMRoPE sections)
+ARCH_DEFAULTS["qwen3next"] = {**ARCH_DEFAULTS["qwen35moe"], "layers": 48, "experts": 512, "top_k": 10}
+ARCH_DEFAULTS["deepseek2"] = dict(gm.GLM_FLASH)
+# the options each architecture takes beyond the common ones
+ARCH_ONLY: dict[str, tuple[str, ...]] = {"qwen3moe": ("ff",), "qwen35moe": QWEN35_ONLY,
+                                         "qwen3next": QWEN35_ONLY[:-1], "deepseek2": ("ff", *gm.OPTIONS)}
+HYBRIDS = ("qwen35moe", "qwen3next")
 PARTIAL_ROTARY = 0.25  # Qwen3.5/3.6's partial_rotary_factor: rope.dimension_count = head_dim / 4
 
 
@@ -344,7 +356,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
     p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3moe",
-                   help="qwen3moe (Qwen3-MoE) or qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid)")
+                   help="qwen3moe (Qwen3-MoE), qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid), qwen3next "
+                        "(Qwen3-Next) or deepseek2 (MLA; GLM-4.7-Flash's shape)")
     p.add_argument("--layers", type=int, default=None, help="qwen3moe 24, qwen35moe 20")
     p.add_argument("--experts", type=int, default=None, help="qwen3moe 128, qwen35moe 256")
     p.add_argument("--top-k", type=int, default=None, help="experts used per token (8)")
@@ -369,6 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="qwen35moe: rotated dims per head (head_dim * 0.25, i.e. 64)")
     p.add_argument("--rope-sections", type=str, default=None,
                    help="qwen35moe: IMRoPE sections, 4 comma-separated ints (11,11,10,0 for --rope-dim 64)")
+    gm.add_options(p)
     p.add_argument("--rms-eps", type=float, default=1e-6)
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--scales", choices=["residual", "uniform"], default="residual",
@@ -391,14 +405,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quant != "bf16" and args.dtype != "bf16":
         p.error(f"--dtype {args.dtype}: only with --quant bf16 (a --quant {args.quant} file's types follow llama-quantize)")
-    other = QWEN3_ONLY if args.arch == "qwen35moe" else QWEN35_ONLY
-    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    other = {k for only in ARCH_ONLY.values() for k in only} - set(ARCH_ONLY[args.arch])
+    given = [f"--{k.replace('_', '-')}" for k in sorted(other) if getattr(args, k) is not None]
     if given:
-        p.error(f"{', '.join(given)}: only for --arch {'qwen3moe' if args.arch == 'qwen35moe' else 'qwen35moe'}")
+        p.error(f"{', '.join(given)}: not an option of --arch {args.arch}")
     for key, value in ARCH_DEFAULTS[args.arch].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.arch == "qwen35moe":
+    if args.arch in HYBRIDS:
         check_qwen35(p, args)
     return args
 
@@ -409,14 +423,17 @@ def check_qwen35(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.rope_dim = int(args.head_dim * PARTIAL_ROTARY)
     if not (0 < args.rope_dim <= args.head_dim and args.rope_dim % 2 == 0):
         p.error(f"--rope-dim {args.rope_dim}: need an even number in (0, --head-dim {args.head_dim}]")
-    if args.rope_sections is None:
+    if args.arch == "qwen3next":  # NEOX rotary over rope_dim: no sections
+        pass
+    elif args.rope_sections is None:
         args.rope_sections = mrope_sections(args.rope_dim)
     else:
         try:
             args.rope_sections = [int(x) for x in args.rope_sections.split(",")]
         except ValueError:
             p.error(f"--rope-sections {args.rope_sections!r}: need 4 comma-separated ints")
-    if len(args.rope_sections) != 4 or min(args.rope_sections) < 0 or sum(args.rope_sections[:3]) == 0:
+    if args.arch == "qwen35moe" and (len(args.rope_sections) != 4 or min(args.rope_sections) < 0
+                                     or sum(args.rope_sections[:3]) == 0):
         p.error(f"--rope-sections {args.rope_sections}: need 4 non-negative ints, one of the first 3 positive")
     if args.full_attn_interval < 1 or args.layers % args.full_attn_interval != 0:
         p.error(f"--layers {args.layers} is not a multiple of --full-attn-interval {args.full_attn_interval}: "
@@ -461,7 +478,7 @@ def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
     if args.quant != "bf16":
         stamp |= {"quant": args.quant, "qchunk": QCHUNK}
     if args.arch != "qwen3moe":
-        stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in QWEN35_ONLY}
+        stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in ARCH_ONLY[args.arch]}
     return stamp
 
 
@@ -485,7 +502,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     n_vocab = copy_tokenizer(gguf, writer, vocab_path)
     shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
                   args.head_dim, n_vocab)
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
                       args.head_dim, n_vocab, args.shared_inter, args.full_attn_interval, args.linear_key_heads,
                       args.linear_value_heads, args.linear_head_dim, args.conv_kernel)
@@ -497,9 +514,12 @@ def write(args: argparse.Namespace) -> dict[str, float]:
                            "freetoken-agent evals/peer/write_gguf.py; not a trained model")
     writer.add_file_type(gq.FTYPES[args.quant][0] if args.quant in gq.FTYPES else FILE_TYPE[args.dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         add_qwen35moe_hparams(writer, arch, shape, args)
-        specs = qwen35moe_tensor_specs(shape)
+        specs = qwen35moe_tensor_specs(shape, fused_ba=arch == "qwen3next")
+    elif arch == "deepseek2":
+        gm.add_deepseek2_hparams(writer, arch, args, shape.vocab)
+        specs = [TensorSpec(*t) for t in gm.deepseek2_tensors(args, shape.vocab)]
     else:
         writer.add_uint32(f"{arch}.context_length", args.ctx)
         writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
@@ -521,7 +541,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     total = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs)
     experts = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs if "_exps." in t.name)
     layout = ""
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         n_full = sum(shape.is_full_attention(i) for i in range(shape.layers))
         layout = f", {n_full} full-attention + {shape.layers - n_full} Gated DeltaNet layers"
     print(f"write_gguf: {arch}, {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts)"
@@ -611,7 +631,8 @@ def add_qwen35moe_hparams(writer: Any, arch: str, shape: Shape, args: argparse.N
     writer.add_uint32(f"{arch}.attention.value_length", shape.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_eps)
     writer.add_uint32(f"{arch}.rope.dimension_count", args.rope_dim)
-    writer.add_array(f"{arch}.rope.dimension_sections", [int(x) for x in args.rope_sections])
+    if arch == "qwen35moe":  # IMRoPE; qwen3next rotates rope_dim dims (NEOX)
+        writer.add_array(f"{arch}.rope.dimension_sections", [int(x) for x in args.rope_sections])
     writer.add_float32(f"{arch}.rope.freq_base", args.rope_base)
     writer.add_uint32(f"{arch}.expert_count", shape.experts)
     writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
