@@ -13,6 +13,7 @@ engine's prefill logits on the GGUF equal transformers' on the model (float32, r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,7 +81,8 @@ def _gguf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_qwen3next_gguf(model: torch.nn.Module, path: Path) -> Path:
-    c, a = model.config, "qwen3next"
+    c: Any = model.config
+    a = "qwen3next"
     w = gguf.GGUFWriter(str(path), a)
     for key, value in {"context_length": 512, "embedding_length": H, "block_count": c.num_hidden_layers,
                        "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
