@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Write a qwen3moe or qwen35moe GGUF with random weights of a given shape, for the llama.cpp peer benchmark.
+"""Write a qwen3moe, qwen35moe, qwen3next or deepseek2 GGUF with random weights, for the llama.cpp peer benchmark.
 
 Contract:
-    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe --layers N --experts 128
+    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe|qwen3next|deepseek2 --layers N --experts 128
         --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
         --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --quant bf16|q8_0|q4_k_m --threads N]
         qwen35moe only: [--shared-inter 512 --full-attn-interval 4 --linear-key-heads 16
         --linear-value-heads 32 --linear-head-dim 128 --conv-kernel 4 --rope-dim 64
-        --rope-sections 11,11,10,0]
+        --rope-sections 11,11,10,0]; qwen3next the same but --rope-sections
+        deepseek2 only: [--ff 10240 --q-lora 768 --kv-lora 512 --qk-nope 192 --qk-rope 64 --v-head 256
+        --first-dense 1 --shared-experts 1 --routed-scale 1.8]
 
 - --arch qwen3moe (the default): Qwen3-30B-A3B's per-layer shape with 24 layers instead of 48 (the
   GPU machine's disk holds that file: 27 GiB (29 GB) of experts, 29 GiB (31 GB) in all).
@@ -19,6 +21,11 @@ Contract:
   experts, 32 GiB in all). --layers must be a multiple of --full-attn-interval. Tensor names,
   shapes and keys are those llama.cpp's loader reads (src/models/qwen35moe.cpp of the peer's commit);
   no MTP layer.
+- --arch qwen3next (Qwen3-Next-80B-A3B, all 48 layers: 512 experts top-10, otherwise qwen35moe's
+  layer): as qwen35moe but with one `ssm_ba` [2 x value heads, hidden] instead of ssm_beta and
+  ssm_alpha, NEOX partial rotary (no rope.dimension_sections) (src/models/qwen3next.cpp).
+- --arch deepseek2 (MLA; GLM-4.7-Flash's shape, all 47 layers, which llama.cpp runs as deepseek2):
+  evals/peer/gguf_mla.py.
 - Matrices are normal(0, std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
   --scales residual (the default): std is --std except for the token embedding (1.0) and the
