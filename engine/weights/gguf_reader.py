@@ -17,6 +17,10 @@ loader copies into packed expert banks as they are. Supported architectures:
   value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
   heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
   evals/peer/check_logits.py runs both programs on one file and compares their logits;
+- `qwen3next` (Qwen3-Next): as qwen35moe (norms as multipliers, `ssm_a` = -exp(A_log)), but its
+  value heads are in grouped order already (llama.cpp's qwen3next graph repeats each key head over
+  its value heads, as Hugging Face does) and beta / alpha come as one `ssm_ba` laid out as Hugging
+  Face's `in_proj_ba`, read as `in_proj_b` / `in_proj_a`; llama.cpp normalises the top-k weights;
 - `glm4moe` (GLM-4.5 / 4.6 / 4.7): the tensors map one to one (NEOX partial rotary as Hugging
   Face stores it); `block_count` counts the next-token-prediction layers, which are left out;
   sigmoid routing (`expert_gating_func` 2) with `exp_probs_b` as the correction bias;
@@ -47,7 +51,8 @@ import torch
 from engine.errors import ConfigError, WeightError
 from engine.quant.formats import FORMATS, GGML_FORMATS
 
-_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next", "glm4moe": "glm4_moe",
+          "deepseek2": "deepseek_v3"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,6 +91,9 @@ _NAMES_35 = {
     "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
     "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
 }
+# Qwen3-Next: Qwen3.5's names, but beta and alpha in one ssm_ba (in_proj_a / in_proj_b are read out of it)
+_NAMES_NEXT = {**{k: v for k, v in _NAMES_35.items() if not k.startswith(("blk.{i}.ssm_beta", "blk.{i}.ssm_alpha"))},
+               "blk.{i}.ssm_ba.weight": _LIN + "in_proj_ba.weight"}
 _ATT = "model.layers.{i}.self_attn."
 _MLP = "model.layers.{i}.mlp."
 _NAMES_GLM = {
@@ -106,7 +114,8 @@ _NAMES_DS2 = {
     "blk.{i}.attn_kv_a_mqa.bias": _ATT + "kv_a_proj_with_mqa.bias",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
 }
-_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "glm4moe": _NAMES_GLM, "deepseek2": _NAMES_DS2}
+_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "qwen3next": _NAMES_NEXT, "glm4moe": _NAMES_GLM,
+           "deepseek2": _NAMES_DS2}
 # Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
             "model.norm.weight")
@@ -248,7 +257,10 @@ class GgufReader:
         if a == "deepseek2":
             return {**cfg, **self._glm4moe(cfg), **self._deepseek2(cfg)}
         value_heads = int(v(f"{a}.ssm.time_step_rank"))
-        return {**cfg, "architectures": ["Qwen3_5MoeForCausalLM"],
+        if a == "qwen3next":  # llama.cpp's qwen3next graph normalises the top-k weights
+            cfg |= {"architectures": ["Qwen3NextForCausalLM"], "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "mlp_only_layers": []}
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], **cfg,
                 "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", head_dim)) / head_dim,
                 "full_attention_interval": int(v(f"{a}.full_attention_interval", 4)),
                 "shared_expert_intermediate_size": int(v(f"{a}.expert_shared_feed_forward_length", 0)),
@@ -309,6 +321,21 @@ class GgufReader:
         return (name.endswith("self_attn.kv_b_proj.weight") and name not in self._tensors
                 and name.replace("kv_b_proj", "k_b_proj") in self._tensors)
 
+    def _ba_source(self, name: str) -> str | None:
+        """qwen3next: in_proj_a / in_proj_b, read out of in_proj_ba (per key head: its value heads' b
+        rows, then their a rows, as Hugging Face's Qwen3-Next stores it)."""
+        if self.arch != "qwen3next" or not name.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")):
+            return None
+        src = name.rsplit(".in_proj_", 1)[0] + ".in_proj_ba.weight"
+        return src if src in self._tensors else None
+
+    def _ba_part(self, name: str, src: str) -> torch.Tensor:
+        kh = int(self._value(f"{self.arch}.ssm.group_count"))
+        ba = self.get(src)
+        per = ba.shape[0] // (2 * kh)
+        part = ba.view(kh, 2 * per, -1)
+        return (part[:, per:] if name.endswith("in_proj_a.weight") else part[:, :per]).reshape(kh * per, -1)
+
     def _grouped_heads(self) -> torch.Tensor:
         """For each value head in grouped order (Hugging Face's), its index in tiled order (llama.cpp's)."""
         kh, vh = int(self._value(f"{self.arch}.ssm.group_count")), int(self._value(f"{self.arch}.ssm.time_step_rank"))
@@ -322,10 +349,12 @@ class GgufReader:
             return t - 1
         if not name.startswith("model.layers.") or ".linear_attn." not in name:
             return t.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else t
-        perm = self._grouped_heads()
         kind = name.rsplit(".linear_attn.", 1)[1]
         if kind == "A_log":
             t = torch.log(-t.float())
+        if self.arch == "qwen3next":  # its value heads are in grouped order already
+            return t.reshape(t.shape[0], 1, -1) if kind == "conv1d.weight" else t
+        perm = self._grouped_heads()
         if kind in ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight"):
             return t[perm]
         head = int(self._value(f"{self.arch}.ssm.inner_size")) // len(perm)
@@ -345,12 +374,15 @@ class GgufReader:
         return list(self._tensors)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors or self._split_kv_b(name)
+        return name in self._tensors or self._split_kv_b(name) or self._ba_source(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
         if self._split_kv_b(name):
             k_b, v_b = (self.shape(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
             return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+        if (ba := self._ba_source(name)) is not None:
+            rows, cols = self.shape(ba)
+            return (rows // 2, cols)
         # GGUF lists dimensions fastest first; a row-major tensor's shape is the reverse
         shape = tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
         if name.endswith("linear_attn.conv1d.weight"):
@@ -365,6 +397,8 @@ class GgufReader:
     def nbytes(self, name: str) -> int:
         if self._split_kv_b(name):
             return sum(self.nbytes(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
+        if (ba := self._ba_source(name)) is not None:
+            return self.nbytes(ba) // 2
         return int(self._tensors[name].n_bytes)
 
     def qtype(self, name: str) -> str:
@@ -425,6 +459,8 @@ class GgufReader:
     def get(self, name: str) -> torch.Tensor:
         if self._split_kv_b(name):
             return self._kv_b(name)
+        if (ba := self._ba_source(name)) is not None:
+            return self._ba_part(name, ba)
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")
@@ -438,7 +474,7 @@ class GgufReader:
         else:
             out = torch.from_numpy(data.copy())
         out = out.reshape(shape)
-        if self.arch == "qwen35moe":
+        if self.arch in ("qwen35moe", "qwen3next"):
             out = self._to_checkpoint(name, out)
         return out.reshape(self.shape(name))
 
