@@ -59,7 +59,7 @@ def main() -> None:
             w2 = torch.randn(a.slots, a.hidden, a.inter, device=dev, dtype=torch.bfloat16) * 0.02
             per_expert = (w13[0].numel() + w2[0].numel()) * 2
 
-            def run(i: int) -> None:
+            def run(i: int, w13: torch.Tensor = w13, w2: torch.Tensor = w2) -> None:
                 kernels.expert_rows(x, choices[i % 64], w, w13, w2)
         else:
             fmt = ExpertFormat(name, name, a.hidden, a.inter)

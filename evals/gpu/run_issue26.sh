@@ -71,4 +71,5 @@ sbs)
     ;;
 esac
 python3 evals/gpu/summary.py "$R" 2>/dev/null | tail -30
+python3 -m evals.gpu.quant_summary "$R"
 at "done"
