@@ -237,3 +237,40 @@ def test_gguf_logits(mxfp4, gguf_file, executor: str) -> None:
         slots = torch.cat([slots, alloc(kv, 1)])
         rows.append(decoder_pass(dec, kv, [(a[pos:pos + 1], pos, slots)]))
     assert rel_err(torch.cat(rows), hf_prefill_logits(model, a)) <= TOL
+
+
+# ---------------------------------------------------------------------------------------- bench shapes
+def test_bench_shapes_keep_mxfp4_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --shape gpt-oss-*` builds random MXFP4 experts kept packed: the real shapes' bank bytes
+    are the MXFP4 bytes (17 per 32 values), the tiny shape's blocks have rms ~0.02, do not depend on
+    the fill threads, and run through both packed executors to the same logits."""
+    from engine.moe.executor import create_executor
+    from engine.weights import dummy
+    from engine.weights.dummy import dummy_config, dummy_weights
+    from engine.weights.shapes import SHAPES
+
+    for name, gb in (("gpt-oss-20b", 10.15), ("gpt-oss-120b", 60.91)):
+        shape = SHAPES[name]
+        assert shape.expert_format == "mxfp4"
+        assert round(shape.layers * shape.experts * 3 * shape.hidden * shape.inter * 17 / 32 / 1e9, 2) == gb
+    cfg = dummy_config("tiny-gpt-oss")
+    monkeypatch.setattr(dummy, "MXFP4_TASK", 17 * 8 * 3)  # many fill tasks per bank
+    w = dummy_weights(cfg, "cpu", torch.float32, seed=2, fill_threads=1)
+    banks = w.experts
+    assert isinstance(banks, PackedExpertBanks) and set(banks.fmt_gu) | set(banks.fmt_d) == {"mxfp4"}
+    assert banks.total_bytes == cfg.num_moe_layers * cfg.num_experts * 3 * 64 * 32 * 17 // 32
+    assert banks.b13 is not None and banks.activation == "swiglu_clamped"
+    gate_up = FORMATS["mxfp4"].dequantize(banks.gate_up[0], 64)
+    assert 0.015 < float(gate_up.std()) < 0.03 and abs(float(gate_up.mean())) < 0.002
+    again = dummy_weights(cfg, "cpu", torch.float32, seed=2, fill_threads=3).experts
+    assert isinstance(again, PackedExpertBanks)
+    assert all(torch.equal(a, b) for a, b in zip(banks.gate_up + banks.down, again.gate_up + again.down, strict=True))
+    from engine.model.decoder import Decoder
+
+    logits = []
+    for executor in EXECUTORS:
+        dec = Decoder(cfg, w, create_executor(executor, banks))
+        assert isinstance(dec.executor, PackedExpertExecutor) and dec.executor.name == executor
+        kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
+        logits.append(decoder_pass(dec, kv, [(list(range(10)), 0, alloc(kv, 10))]))
+    assert torch.isfinite(logits[0]).all() and rel_err(logits[1], logits[0]) <= TOL
