@@ -97,6 +97,28 @@ def test_experts_stay_packed_and_take_the_files_bytes(mxfp4, caplog: pytest.LogC
         assert torch.equal(banks.b2[rows], ex.down_proj_bias)
 
 
+def test_bad_expert_tensors_name_file_and_tensor(mxfp4, tmp_path: Path) -> None:
+    from engine.errors import WeightError
+
+    path, _, _ = mxfp4
+    tensors = load_file(str(path / "model.safetensors"))
+    key = "model.layers.1.mlp.experts."
+    cases: dict[str, tuple[dict[str, torch.Tensor | None], str]] = {  # name: (changed tensors, the error)
+        "scales": ({key + "gate_up_proj_scales": tensors[key + "gate_up_proj_scales"][..., :1]},
+                   rf"model.safetensors: tensor '{key}gate_up_proj_scales' has shape \[6, 64, 1\], expected "
+                   r"\[6, 64, 2\]"),
+        "bias": ({key + "gate_up_proj_bias": None}, rf"missing tensor '{key}gate_up_proj_bias'"),
+    }
+    for name, (change, match) in cases.items():
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text((path / "config.json").read_text())
+        broken = {k: v for k, v in {**tensors, **change}.items() if v is not None}
+        write_tensors(bad, broken)
+        with pytest.raises(WeightError, match=match):
+            load_decoder(bad, executor="torch")
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_prefill_logits(mxfp4, executor: str) -> None:
     path, model, _ = mxfp4
