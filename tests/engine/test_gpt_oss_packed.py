@@ -151,9 +151,9 @@ def test_decode_steps(mxfp4, make_engine, executor: str) -> None:  # type: ignor
 _ATT = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
 
-def write_gguf(model: Any, quantized: dict[str, torch.Tensor], path: Path) -> dict[str, int]:
-    """The model as llama.cpp's converter lays out gpt-oss (experts MXFP4 from `quantized`, every
-    other tensor F32); returns the expert tensors' bytes."""
+def write_gguf(model: Any, quantized: dict[str, torch.Tensor], path: Path, float_experts: bool = False) -> dict[str, int]:
+    """The model as llama.cpp's converter lays out gpt-oss (experts MXFP4 from `quantized`, or F32
+    with `float_experts`, every other tensor F32); returns the MXFP4 expert tensors' bytes."""
     import gguf
 
     c = model.config
@@ -200,9 +200,16 @@ def write_gguf(model: Any, quantized: dict[str, torch.Tensor], path: Path) -> di
         f32(b + "ffn_gate_inp.bias", layer.mlp.router.bias)
         key = f"model.layers.{li}.mlp.experts."
         blocks, scales = quantized[key + "gate_up_proj_blocks"], quantized[key + "gate_up_proj_scales"]
-        mx(b + "ffn_gate_exps.weight", mxfp4_rows(blocks[:, 0::2], scales[:, 0::2]))
-        mx(b + "ffn_up_exps.weight", mxfp4_rows(blocks[:, 1::2], scales[:, 1::2]))
-        mx(b + "ffn_down_exps.weight", mxfp4_rows(quantized[key + "down_proj_blocks"], quantized[key + "down_proj_scales"]))
+        if float_experts:  # [E, out, in], gate and up apart
+            ex = layer.mlp.experts
+            f32(b + "ffn_gate_exps.weight", ex.gate_up_proj[..., 0::2].transpose(1, 2))
+            f32(b + "ffn_up_exps.weight", ex.gate_up_proj[..., 1::2].transpose(1, 2))
+            f32(b + "ffn_down_exps.weight", ex.down_proj.transpose(1, 2))
+        else:
+            mx(b + "ffn_gate_exps.weight", mxfp4_rows(blocks[:, 0::2], scales[:, 0::2]))
+            mx(b + "ffn_up_exps.weight", mxfp4_rows(blocks[:, 1::2], scales[:, 1::2]))
+            mx(b + "ffn_down_exps.weight", mxfp4_rows(quantized[key + "down_proj_blocks"],
+                                                      quantized[key + "down_proj_scales"]))
         bias = layer.mlp.experts.gate_up_proj_bias
         f32(b + "ffn_gate_exps.bias", bias[:, 0::2])
         f32(b + "ffn_up_exps.bias", bias[:, 1::2])
@@ -259,6 +266,20 @@ def test_gguf_logits(mxfp4, gguf_file, executor: str) -> None:
         slots = torch.cat([slots, alloc(kv, 1)])
         rows.append(decoder_pass(dec, kv, [(a[pos:pos + 1], pos, slots)]))
     assert rel_err(torch.cat(rows), hf_prefill_logits(model, a)) <= TOL
+
+
+def test_gguf_with_float_experts(mxfp4, tmp_path: Path) -> None:
+    """A gpt-oss GGUF with F32 experts loads into float banks (gate and up apart in the file)."""
+    from engine.weights.layout import ExpertBanks
+
+    _, model, quantized = mxfp4
+    path = tmp_path / "tiny-gpt-oss-f32.gguf"
+    write_gguf(model, quantized, path, float_experts=True)
+    dec = load_decoder(path, dtype=torch.float32, executor="torch")
+    assert type(dec.weights.experts) is ExpertBanks and dec.weights.experts.b13 is not None
+    a = tokens(12, 9)
+    kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
+    assert rel_err(decoder_pass(dec, kv, [(a, 0, alloc(kv, 12))]), hf_prefill_logits(model, a)) <= TOL
 
 
 # ---------------------------------------------------------------------------------------- bench shapes
