@@ -29,6 +29,10 @@ loader copies into packed expert banks as they are. Supported architectures:
   `rope.scaling.*` (mscale = mscale_all_dim = yarn_log_multiplier / 0.1), rope dims interleaved as
   in the checkpoint; `kv_b_proj` is `attn_kv_b`, or rebuilt from the split `attn_k_b` (per head
   [kv_lora, nope], transposed) and `attn_v_b` ([v, kv_lora]) newer converters write.
+- `gpt-oss`: one to one, with the attention biases and sinks (`attn_sinks`), the router with its
+  bias (`ffn_gate_inp`), and the experts as separate `ffn_{gate,up,down}_exps` with `.bias` each
+  (llama.cpp's converter splits Hugging Face's interleaved gate_up; engine/weights/gpt_oss.py
+  reads them); even layers slide (llama.cpp's pattern), YaRN from `rope.scaling.*`.
   These conventions are read from the gguf package's name map and llama.cpp's converter as
   documented; no file written by llama.cpp itself was available to check them against.
 Anything else (another architecture, a quant type without a format here) raises `ConfigError` /
@@ -52,7 +56,7 @@ from engine.errors import ConfigError, WeightError
 from engine.quant.formats import FORMATS, GGML_FORMATS
 
 _ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next", "glm4moe": "glm4_moe",
-          "deepseek2": "deepseek_v3"}
+          "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -114,8 +118,21 @@ _NAMES_DS2 = {
     "blk.{i}.attn_kv_a_mqa.bias": _ATT + "kv_a_proj_with_mqa.bias",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
 }
+_EXP = "model.layers.{i}.mlp.experts."
+_NAMES_GPT_OSS = {
+    **{k: v for k, v in _NAMES.items() if not k.startswith(("blk.{i}.ffn_norm", "blk.{i}.ffn_gate_inp",
+                                                             "blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm"))},
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.attn_{x}.bias": f"{_ATT}{x}_proj.bias" for x in "qkv"},
+    "blk.{i}.attn_output.bias": _ATT + "o_proj.bias",
+    "blk.{i}.attn_sinks.weight": _ATT + "sinks",
+    "blk.{i}.ffn_gate_inp.weight": _MLP + "router.weight",
+    "blk.{i}.ffn_gate_inp.bias": _MLP + "router.bias",
+    # experts as separate gate / up / down matrices (engine/weights/gpt_oss.py), biases beside them
+    **{f"blk.{{i}}.ffn_{x}_exps.bias": f"{_EXP}{x}_proj_bias" for x in ("gate", "up", "down")},
+}
 _TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "qwen3next": _NAMES_NEXT, "glm4moe": _NAMES_GLM,
-           "deepseek2": _NAMES_DS2}
+           "deepseek2": _NAMES_DS2, "gpt-oss": _NAMES_GPT_OSS}
 # Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
             "model.norm.weight")
@@ -256,6 +273,8 @@ class GgufReader:
             return {**cfg, **self._glm4moe(cfg)}
         if a == "deepseek2":
             return {**cfg, **self._glm4moe(cfg), **self._deepseek2(cfg)}
+        if a == "gpt-oss":
+            return {**cfg, **self._gpt_oss(cfg)}
         value_heads = int(v(f"{a}.ssm.time_step_rank"))
         if a == "qwen3next":  # llama.cpp's qwen3next graph normalises the top-k weights
             cfg |= {"architectures": ["Qwen3NextForCausalLM"], "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -309,6 +328,26 @@ class GgufReader:
                 "rope_type": "yarn", "factor": float(v(f"{a}.rope.scaling.factor")),
                 "original_max_position_embeddings": int(v(f"{a}.rope.scaling.original_context_length")),
                 "mscale": mscale or None, "mscale_all_dim": mscale or None, "rope_theta": cfg["rope_theta"]}
+        return out
+
+    def _gpt_oss(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """gpt-oss: even layers slide over `attention.sliding_window` tokens (llama.cpp's pattern of
+        2), YaRN as released (beta 32 / 1, no truncation), alpha 1.702 and limit 7 (llama.cpp's
+        constants: the file does not carry them)."""
+        a, v = self.arch, self._value
+        n = cfg["num_hidden_layers"]
+        out: dict[str, Any] = {
+            "architectures": ["GptOssForCausalLM"], "intermediate_size": cfg["moe_intermediate_size"],
+            "num_local_experts": cfg["num_experts"], "sliding_window": int(v(f"{a}.attention.sliding_window")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        }
+        if str(v(f"{a}.rope.scaling.type", "none")) == "yarn":
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": float(v(f"{a}.rope.scaling.factor")), "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": int(v(f"{a}.rope.scaling.original_context_length")),
+                "rope_theta": cfg["rope_theta"]}
         return out
 
     def _kv_b(self, name: str) -> torch.Tensor:

@@ -6,8 +6,8 @@ past it), 6 query heads over 2 KV heads (3 per group), attention biases, learned
 expert weights large enough that the clamped SwiGLU clamps. Checked: prefill logits at every
 position (one pass, continued from cached KV across the window boundary, a ragged batch), the
 engine's decode steps against the reference's cached decode, prefix reuse (a cached prefix plus a
-suffix equals the full prefill), MXFP4 experts (`_blocks` / `_scales`) against transformers' own
-dequantization, and the CUDA decode kernel's sinks under Triton's interpreter.
+suffix equals the full prefill), and the CUDA decode kernel's sinks under Triton's interpreter.
+MXFP4 experts (kept packed): tests/engine/test_gpt_oss_packed.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_prefill_logits, hf_step_logits, rel_err, write_tensors
-from safetensors.torch import load_file
+from checkpoints import hf_prefill_logits, hf_step_logits, rel_err
 from triton_interpreter import run_in_interpreter
 
 from engine.cache.pools import KVPool, StatePool
@@ -153,34 +152,6 @@ def test_decode_and_prefix_reuse(tiny: tuple[Path, torch.nn.Module], make_engine
     ref2 = hf_step_logits(model, ext, out2[:-1])
     assert rel_err(torch.stack(list(h2.logits)), ref2) <= TOL
     assert rel_err(torch.stack(list(h2.logits))[:1], hf_prefill_logits(model, ext)[-1:]) <= TOL
-
-
-def test_mxfp4_experts_equal_transformers_dequantization(tmp_path: Path) -> None:
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from engine.weights.gpt_oss import dequantize_mxfp4
-
-    e, h, i = 6, 64, 32  # MXFP4 blocks hold 32 values: dims are multiples of 32
-    model = build(tmp_path / "bf16", seed=4, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
-                  layer_types=["sliding_attention", "full_attention"])
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for li, layer in enumerate(model.model.layers):
-            for name, out_dim, in_dim in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-                key = f"model.layers.{li}.mlp.experts.{name}"
-                blocks = torch.randint(0, 256, (e, out_dim, in_dim // 32, 16), generator=g, dtype=torch.uint8)
-                scales = torch.randint(122, 130, (e, out_dim, in_dim // 32), generator=g, dtype=torch.uint8)
-                ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
-                assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), ref)
-                getattr(layer.mlp.experts, name).copy_(ref)
-                del tensors[key]
-                tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-    write_tensors(tmp_path / "bf16", tensors)
-    dec = load_decoder(tmp_path / "bf16")
-    a = tokens(20, 7)
-    kv = KVPool(dec.cfg, 64, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, kv.alloc(20))]), hf_prefill_logits(model, a)) <= TOL
 
 
 def test_decode_kernel_sinks_in_triton_interpreter() -> None:
