@@ -21,8 +21,9 @@ export PYTHONPATH=/tmp/site:$PWD
 export FREETOKEN_CACHE_DIR=$R/cache
 F="python3 -m freetoken_agent"
 t0=$(date +%s)
-at() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . ; }
+pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
+at() { echo "[$(( $(date +%s) - t0 )) s] $*"; pack; }  # results packed after every step: a killed call keeps them
+left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - t0) )); }  # seconds this call has left
 trap pack EXIT
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:.*\(avx512[a-z_0-9]*\).*/Flags: has avx512 (\1 ...)/' > "$R/cpu.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/cpu.txt"
@@ -46,6 +47,10 @@ build)
     at "gemv probe: exit $?"
     wait $build
     at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
+    # the side by side's model, for a next call on this machine while it is warm
+    [ "$(left)" -gt 90 ] && timeout $(( $(left) - 20 )) python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m \
+        --seed 0 --out /tmp/peer/q4km.gguf > "$R/gguf.log" 2>&1
+    at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
     ;;
 sbs)
     [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
@@ -54,16 +59,19 @@ sbs)
     [ -f "$GGUF" ] || timeout 240 python3 evals/peer/write_gguf.py ${GGUF_ARGS:---layers 48} --quant q4_k_m --seed 0 \
         --out "$GGUF" > "$R/gguf.log" 2>&1 || { tail -5 "$R/gguf.log"; exit 1; }
     at "gguf: $(du -h "$GGUF" | cut -f1)"
-    python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-48,30,22,14}" --threads 8 \
+    python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-48,34,23,11}" --threads 8 \
         --prompts "${PROMPTS:-16384}" --gen 128 --ubatch 2048 --reps "${REPS:-2}" --load-mode none \
         --timeout "${PEER_S:-120}" --out-dir "$R" | tail -8
     at "peer done"
     $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
     for cap in ${CAPS:-8GiB 12GiB 16GiB}; do
+        [ "$(left)" -gt 60 ] || break
         timeout "${DEC_S:-150}" $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" \
             --cpu-threads 8 --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
         at "decode $cap: exit $?"
         [ "${PROMPTS:-16384}" = 0 ] && continue
+        case " ${PREFILL_CAPS:-12GiB} " in *" $cap "*) ;; *) continue ;; esac
+        [ "$(left)" -gt 60 ] || break
         timeout "${PRE_S:-120}" $F bench prefill --model "$GGUF" --gpu-memory "$cap" --cpu-threads 8 \
             --prompt-tokens "${PROMPTS:-16384}" --chunk 8192 --json > "$R/pre_ours_$cap.json" 2> "$R/pre_ours_$cap.err"
         at "prefill $cap: exit $?"
