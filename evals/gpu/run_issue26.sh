@@ -76,6 +76,10 @@ sbs)
             --prompt-tokens "${PROMPTS:-16384}" --chunk 8192 --json > "$R/pre_ours_$cap.json" 2> "$R/pre_ours_$cap.err"
         at "prefill $cap: exit $?"
     done
+    # every expert on the CPU (llama.cpp's -ncmoe 48 next to it): dense on the GPU, experts on moe_packed
+    [ "$(left)" -gt 60 ] && timeout "${DEC_S:-150}" $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory off \
+        --cpu-threads 8 --tokens 64 --reps 2 --json > "$R/dec_ours_cpu.json" 2> "$R/dec_ours_cpu.err"
+    at "decode, experts on the CPU: exit $?"
     ;;
 esac
 python3 evals/gpu/summary.py "$R" 2>/dev/null | tail -30
