@@ -146,7 +146,9 @@ def _kernel_check() -> None:
     sinks = torch.randn(heads, generator=g)
     kc, vc = torch.randn(4 * ring, kv_heads, dim, generator=g), torch.randn(4 * ring, kv_heads, dim, generator=g)
     shape = [(40, 1, 3), (12, 4, 1), (3, 2, 2)]  # (cached, new, state slot)
-    entries, pos, start = [], [], 0
+    entries: list[SeqEntry] = []
+    pos: list[int] = []
+    start = 0
     for cached, new, slot in shape:
         entries.append(SeqEntry(start, new, cached, torch.zeros(cached + new, dtype=torch.long), slot))
         pos.extend(range(cached, cached + new))
