@@ -4,6 +4,8 @@ Contract: `Decoder(cfg, weights, executor)`; `forward(batch, kv, states)` runs t
 layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returning hidden states
 [N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
 the LM head in float32. No family-specific code paths beyond the traits in the config.
+Full-attention layers attend over the KV pool, sliding-window layers over each sequence's ring in
+the state pool (engine/cache/pools.py), Gated DeltaNet layers carry their state there too.
 
 The layers run in one place, `run(input_ids, meta, kv, states)`, which reads everything about the
 pass besides the hidden states from its `PassMeta` (engine/model/batch.py). An eager pass builds
@@ -122,8 +124,11 @@ class Decoder:
         dev = self.device
         ring = None
         if self._ring_index:
-            slots = torch.tensor([s.state_slot for s in batch.seqs for _ in range(s.length)], dtype=torch.long)
-            ring = DecodeMeta.for_ring(batch.positions, slots.to(dev), self._ring)
+            if all(s.length == 1 for s in batch.seqs):
+                slots = batch.state_slots(dev)  # made once per batch: the pass meta's too
+            else:
+                slots = torch.tensor([s.state_slot for s in batch.seqs for _ in range(s.length)]).to(dev)
+            ring = DecodeMeta.for_ring(batch.positions, slots, self._ring)
         return DecodeMeta.build(batch, dev), ring
 
     def run(self, input_ids: torch.Tensor, meta: PassMeta, kv: KVPool, states: StatePool) -> torch.Tensor:

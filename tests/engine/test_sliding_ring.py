@@ -11,7 +11,8 @@ A tiny gpt-oss (layers [sliding, full, sliding], window 8: rings of 8 + 7 rows) 
   are one ring per sequence whatever its length, as `memory_report()["kv_bytes"]` says;
 - the CUDA path under Triton's interpreter: the decode kernel over rings (several tokens of one
   sequence in a pass, rings wrapped) equals the per-sequence core, and the decoder with the kernel
-  tables (the captured pass's ring table from its state slots included) equals transformers.
+  tables (the captured pass's ring table from its state slots included) equals transformers;
+- on the GPU machine (marked gpu): the engine on CUDA, captured graphs and overlapped decode.
 """
 
 from __future__ import annotations
@@ -125,6 +126,30 @@ def test_a_long_context_keeps_one_ring_per_sequence(tiny: tuple[Path, torch.nn.M
     full_bytes = held * report["full_per_token"]
     sliding_bytes = s.cache.num_snapshots * report["sliding_per_sequence"]  # the request's end snapshot
     assert s.cache.num_snapshots == 1 and sliding_bytes * held <= full_bytes * (WINDOW + 7) * 2
+    assert_no_leaks(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_rings_match_transformers(tiny: tuple[Path, torch.nn.Module], make_engine, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA (captured decode graphs, the split-K kernel over rings, optionally the overlapped
+    decode): concurrent requests past the window, then reuse past it, against transformers (f32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, model = tiny
+    engine = make_engine(path, device="cuda", executor="torch", prefill_chunk=6, max_running=3,
+                         overlap_decode=overlap)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [tokens(33, 61), tokens(5, 62), tokens(17, 63)]
+    handles = [engine.submit(p, params, capture_logits=True, anchors=[Anchor(len(p) - 2, "user_start", 1)])
+               for p in prompts]
+    outs = [h.result(timeout=300) for h in handles]
+    for prompt, h, out in zip(prompts, handles, outs, strict=True):
+        assert rel_err(_logits(h), hf_step_logits(model, prompt, out[:-1])) <= TOL
+    ext = prompts[0] + outs[0] + tokens(3, 64)
+    h = engine.submit(ext, params, capture_logits=True)
+    out = h.result(timeout=300)
+    assert h.reuse is not None and h.reuse.kv_tokens == len(prompts[0]) + len(outs[0]) - 1
+    assert rel_err(_logits(h), hf_step_logits(model, ext, out[:-1])) <= TOL
     assert_no_leaks(engine)
 
 
