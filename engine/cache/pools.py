@@ -160,7 +160,6 @@ class _StateSlots:
     def free(self, slot: int) -> None:
         self._slots.give([slot])
 
-
     def _parts(self) -> tuple[torch.Tensor, ...]:
         return self.conv, self.ssm, self.ring_k, self.ring_v
 

@@ -8,9 +8,10 @@ slots, or with `ring` > 0 (sliding-window layers) the state pool's rings of that
 addressed by each sequence's state slot and the position (`cache_rows`). With sinks (`w.sinks`, one
 logit per head) each head's softmax also counts exp(sink) in its denominator, as if over one more
 key whose value is zero. It is three parts: `attention_inputs` (projections, norms, rotary), the mix
-across tokens, `attention_output` (gate, o_proj). The mix is the split-K decode kernel when the pass meta carries its device-side lengths
-(`meta.decode`, and `meta.ring` for ring layers: decode-sized passes on CUDA, captured or not, so a
-step computes the same either way), else `attention_core`, which walks `meta.batch`'s sequences.
+across tokens, `attention_output` (gate, o_proj). The mix is the split-K decode kernel when the
+pass meta carries its device-side lengths (`meta.decode`, and `meta.ring` for ring layers:
+decode-sized passes on CUDA, captured or not, so a step computes the same either way), else
+`attention_core`, which walks `meta.batch`'s sequences.
 """
 
 from __future__ import annotations
