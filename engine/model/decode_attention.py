@@ -5,8 +5,8 @@ KV slot of each new token (`new_slots` [n]), each token's sequence's KV slots in
 (`table` [n, capacity] int32) and how many keys each token attends (`lengths` [n] int32: its
 position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale, sinks=None,
 ring=0)` writes the new keys and values into the cache slots and returns every query's causal
-attention over its sequence's keys (GQA; with `window`, only the last `window` keys; with `sinks` [heads], each head's
-softmax denominator also counts exp(sink)) as [n, heads * head_dim].
+attention over its sequence's keys (GQA; with `window`, only the last `window` keys; with `sinks`
+[heads], each head's softmax denominator also counts exp(sink)) as [n, heads * head_dim].
 
 Nothing in `decode_attention` depends on a host value that changes between steps (the grid is fixed
 by n, the heads and the split count; the kernel loops up to the lengths it loads), so it can be
