@@ -69,19 +69,27 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decoder_pass(dec, kv, seqs: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def pools(cfg: ModelConfig, kv_tokens: int, seqs: int = 2) -> tuple[KVPool, StatePool]:
+    """The KV pool (full-attention layers) and the state pool (the sliding-window layers' rings)."""
+    cpu = torch.device("cpu")
+    return KVPool(cfg, kv_tokens, torch.float32, cpu), StatePool(cfg, seqs, torch.float32, cpu)
+
+
+def decoder_pass(dec, kv, states, seqs: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One forward pass; sequence i of `seqs` owns state slot i (its rings)."""
     ids, pos, entries = [], [], []
-    for toks, cached, slots in seqs:
-        entries.append(SeqEntry(len(ids), len(toks), cached, slots, -1))
+    for i, (toks, cached, slots) in enumerate(seqs):
+        entries.append(SeqEntry(len(ids), len(toks), cached, slots, i))
         ids.extend(toks)
         pos.extend(range(cached, cached + len(toks)))
     batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), entries)
-    return dec.logits(dec.forward(batch, kv, StatePool(dec.cfg, 1, torch.float32, torch.device("cpu"))))
+    return dec.logits(dec.forward(batch, kv, states))
 
 
 def test_config_map() -> None:
     cfg = ModelConfig.from_dict(tiny_config().to_dict())  # type: ignore[attr-defined]
-    assert cfg.family == "gpt_oss" and cfg.full_attention_layer_ids == (0, 1, 2) and not cfg.is_hybrid
+    assert cfg.family == "gpt_oss" and cfg.full_attention_layer_ids == (1,) and cfg.is_hybrid
+    assert cfg.sliding_attention_layer_ids == (0, 2)
     assert [cfg.window_of(i) for i in range(3)] == [8, None, 8]
     assert (cfg.router_kind, cfg.moe_intermediate_size, cfg.attention_bias, cfg.qk_norm) == ("topk_softmax", 24,
                                                                                               True, False)
@@ -111,8 +119,8 @@ def test_bench_shapes() -> None:
             small.num_kv_heads, small.head_dim, small.vocab_size) == (24, 32, 4, 2880, 64, 8, 64, 201088)
     assert small.layer_types[:2] == ("sliding_attention", "full_attention") and small.rope_scaling.factor == 32.0
     dec = dummy_decoder(dummy_config("tiny-gpt-oss"), "cpu", torch.float32, 0, executor="torch")
-    kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
-    logits = decoder_pass(dec, kv, [(list(range(10)), 0, kv.alloc(10))])
+    kv, states = pools(dec.cfg, 32)
+    logits = decoder_pass(dec, kv, states, [(list(range(10)), 0, kv.alloc(10))])
     assert logits.shape == (10, 512) and torch.isfinite(logits).all()
 
 
@@ -121,16 +129,16 @@ def test_prefill_logits_every_position(tiny: tuple[Path, torch.nn.Module]) -> No
     dec = load_decoder(path)
     a, b = tokens(40, 1), tokens(11, 2)
     ref_a, ref_b = hf_prefill_logits(model, a), hf_prefill_logits(model, b)
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, kv.alloc(40))]), ref_a) <= TOL
+    kv, states = pools(dec.cfg, 128)
+    assert rel_err(decoder_pass(dec, kv, states, [(a, 0, kv.alloc(40))]), ref_a) <= TOL
     # continued from the cache: 13 cached tokens (past the window of 8), then 27 more
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
+    kv, states = pools(dec.cfg, 128)
     first = kv.alloc(13)
-    got1 = decoder_pass(dec, kv, [(a[:13], 0, first)])
-    got2 = decoder_pass(dec, kv, [(a[13:], 13, torch.cat([first, kv.alloc(27)]))])
+    got1 = decoder_pass(dec, kv, states, [(a[:13], 0, first)])
+    got2 = decoder_pass(dec, kv, states, [(a[13:], 13, torch.cat([first, kv.alloc(27)]))])
     assert rel_err(torch.cat([got1, got2]), ref_a) <= TOL
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
-    got = decoder_pass(dec, kv, [(b, 0, kv.alloc(11)), (a, 0, kv.alloc(40))])
+    kv, states = pools(dec.cfg, 128)
+    got = decoder_pass(dec, kv, states, [(b, 0, kv.alloc(11)), (a, 0, kv.alloc(40))])
     assert rel_err(got[:11], ref_b) <= TOL and rel_err(got[11:], ref_a) <= TOL
 
 
