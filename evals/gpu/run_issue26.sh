@@ -39,9 +39,10 @@ build)
     done
     (bash evals/peer/build.sh --export > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!
-    timeout "${TEST_S:-300}" python3 -m pytest -q -x -p no:cacheprovider tests/engine/gpu_quant \
+    timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/engine/gpu_quant \
         tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
-        tests/engine/gpu_cache/test_prefill_stream_cuda.py > "$R/gpu_tests.log" 2>&1
+        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py tests/engine/test_gpt_oss.py \
+        tests/engine/test_decode_attention.py tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
     at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
     timeout 120 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k,q8_0 > "$R/gemv.jsonl" 2> "$R/gemv.err"
     at "gemv probe: exit $?"
