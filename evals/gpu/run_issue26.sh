@@ -39,7 +39,7 @@ build)
     done
     (bash evals/peer/build.sh --export > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!
-    timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/engine/gpu_quant \
+    timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
         tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
         tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py tests/engine/test_gpt_oss.py \
         tests/engine/test_decode_attention.py tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
