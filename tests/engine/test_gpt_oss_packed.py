@@ -19,7 +19,7 @@ import pytest
 import torch
 from checkpoints import hf_prefill_logits, hf_step_logits, rel_err, write_tensors
 from safetensors.torch import load_file
-from test_gpt_oss import build, decoder_pass, tokens
+from test_gpt_oss import build, decoder_pass, pools, tokens
 
 from engine.cache.pools import KVPool
 from engine.config import ModelConfig
@@ -126,12 +126,12 @@ def test_prefill_logits(mxfp4, executor: str) -> None:
     assert isinstance(dec.executor, PackedExpertExecutor) and dec.executor.name == executor
     a = tokens(20, 7)
     ref = hf_prefill_logits(model, a)
-    kv = KVPool(dec.cfg, 64, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, alloc(kv, 20))]), ref) <= TOL
-    kv = KVPool(dec.cfg, 64, torch.float32, torch.device("cpu"))  # 11 cached (past the window of 8), then 9
+    kv, states = pools(dec.cfg, 64)
+    assert rel_err(decoder_pass(dec, kv, states, [(a, 0, alloc(kv, 20))]), ref) <= TOL
+    kv, states = pools(dec.cfg, 64)  # 11 cached (past the window of 8), then 9
     first = alloc(kv, 11)
-    got = torch.cat([decoder_pass(dec, kv, [(a[:11], 0, first)]),
-                     decoder_pass(dec, kv, [(a[11:], 11, torch.cat([first, alloc(kv, 9)]))])])
+    got = torch.cat([decoder_pass(dec, kv, states, [(a[:11], 0, first)]),
+                     decoder_pass(dec, kv, states, [(a[11:], 11, torch.cat([first, alloc(kv, 9)]))])])
     assert rel_err(got, ref) <= TOL
 
 
@@ -258,13 +258,13 @@ def test_gguf_logits(mxfp4, gguf_file, executor: str) -> None:
     dec = load_decoder(gguf_file[0], dtype=torch.float32, executor=executor)
     assert isinstance(dec.executor, PackedExpertExecutor) and dec.executor.name == executor
     a = tokens(14, 8)
-    kv = KVPool(dec.cfg, 64, torch.float32, torch.device("cpu"))
+    kv, states = pools(dec.cfg, 64)
     first = alloc(kv, 10)  # prefill past the window, then decode steps of one token each
-    rows = [decoder_pass(dec, kv, [(a[:10], 0, first)])]
+    rows = [decoder_pass(dec, kv, states, [(a[:10], 0, first)])]
     slots = first
     for pos in range(10, 14):
         slots = torch.cat([slots, alloc(kv, 1)])
-        rows.append(decoder_pass(dec, kv, [(a[pos:pos + 1], pos, slots)]))
+        rows.append(decoder_pass(dec, kv, states, [(a[pos:pos + 1], pos, slots)]))
     assert rel_err(torch.cat(rows), hf_prefill_logits(model, a)) <= TOL
 
 
@@ -278,8 +278,8 @@ def test_gguf_with_float_experts(mxfp4, tmp_path: Path) -> None:
     dec = load_decoder(path, dtype=torch.float32, executor="torch")
     assert type(dec.weights.experts) is ExpertBanks and dec.weights.experts.b13 is not None
     a = tokens(12, 9)
-    kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, alloc(kv, 12))]), hf_prefill_logits(model, a)) <= TOL
+    kv, states = pools(dec.cfg, 32)
+    assert rel_err(decoder_pass(dec, kv, states, [(a, 0, alloc(kv, 12))]), hf_prefill_logits(model, a)) <= TOL
 
 
 # ---------------------------------------------------------------------------------------- bench shapes
@@ -314,6 +314,6 @@ def test_bench_shapes_keep_mxfp4_packed(monkeypatch: pytest.MonkeyPatch) -> None
     for executor in EXECUTORS:
         dec = Decoder(cfg, w, create_executor(executor, banks))
         assert isinstance(dec.executor, PackedExpertExecutor) and dec.executor.name == executor
-        kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
-        logits.append(decoder_pass(dec, kv, [(list(range(10)), 0, alloc(kv, 10))]))
+        kv, states = pools(dec.cfg, 32)
+        logits.append(decoder_pass(dec, kv, states, [(list(range(10)), 0, alloc(kv, 10))]))
     assert torch.isfinite(logits[0]).all() and rel_err(logits[1], logits[0]) <= TOL
