@@ -4,6 +4,7 @@
 #               q6_k at 6, 8 and 16 threads against the read bound), then, while llama.cpp builds in
 #               the background (evals/peer/build.sh --export), the packed GPU tests and the packed
 #               GEMV probe (evals/gpu/packed_gemv_probe.py).
+#   PART=one    the build, the GGUF and the GPU tests at once, then both decodes, then prefill (one call)
 #   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
 #               llama-bench at each -ncmoe of NCMOE (decode, PROMPTS prefill), then ours at each cap
 #               of CAPS (bench decode / bench prefill on the same file, 8 threads), and llama.cpp's
@@ -52,6 +53,45 @@ build)
     [ "$(left)" -gt 90 ] && timeout $(( $(left) - 20 )) python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m \
         --seed 0 --out /tmp/peer/q4km.gguf > "$R/gguf.log" 2>&1
     at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
+    ;;
+one)
+    # everything in one call: llama.cpp builds and the GGUF is written while the GPU tests run; then
+    # both systems' decode on a quiet machine, then what time is left: prefill, the CPU kernels
+    (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
+    build=$!
+    GGUF=/tmp/peer/q4km.gguf
+    (timeout 400 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 4 --out "$GGUF" \
+        > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
+    gguf=$!
+    timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
+        tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
+        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py \
+        tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
+    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    wait $gguf
+    at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
+    wait $build
+    at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
+    timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
+    at "calibrated"
+    python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-34,23,11}" --threads 8 --prompts 0 --gen 128 \
+        --ubatch 2048 --reps 2 --load-mode none --timeout 90 --out-dir "$R" | tail -6
+    at "peer decode done"
+    for cap in ${CAPS:-8GiB 12GiB 16GiB}; do
+        [ "$(left)" -gt 50 ] || break
+        timeout 120 $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" --cpu-threads 8 \
+            --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
+        at "decode $cap: exit $?"
+    done
+    if [ "$(left)" -gt 100 ]; then
+        mkdir -p "$R/pp"
+        python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe 23 --threads 8 --prompts 16384 --gen 0 --ubatch 2048 \
+            --reps 1 --load-mode none --timeout 80 --out-dir "$R/pp" | tail -3
+        at "peer prefill done"
+    fi
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) $F bench prefill --model "$GGUF" --gpu-memory 12GiB \
+        --cpu-threads 8 --prompt-tokens 16384 --chunk 8192 --json > "$R/pre_ours_12GiB.json" 2> "$R/pre_ours_12GiB.err"
+    at "prefill 12GiB: exit $?"
     ;;
 sbs)
     [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
