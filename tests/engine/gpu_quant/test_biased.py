@@ -64,10 +64,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
-def check_gemv(device: str) -> int:
+def check_gemv(device: str, pairs: list[tuple[str, str, int, int]] = PAIRS) -> int:
     from engine.gpu.quant.gemv import packed_expert_rows, packed_slot_experts
 
-    for i, (fgu, fd, h, inter) in enumerate(PAIRS):
+    for i, (fgu, fd, h, inter) in enumerate(pairs):
         c = Case(fgu, fd, h, inter, device, seed=40 + i)
         x = torch.randn(3, h, generator=c.g)
         ids = torch.tensor([[2, 0], [-1, 3], [1, 2]])
@@ -97,23 +97,23 @@ def check_gemv(device: str) -> int:
         split = packed_expert_rows(dev[0], dev[2], dev[3], garbage, c.fmt, copy_dst, land,
                                    activation="swiglu_clamped", alpha=ALPHA, limit=LIMIT)
         assert torch.equal(split, rows)
-    return len(PAIRS)
+    return len(pairs)
 
 
-def check_grouped(device: str) -> int:
+def check_grouped(device: str, pairs: list[tuple[str, str, int, int]] = PAIRS, tokens: int = 5) -> int:
     from engine.gpu.quant.grouped import packed_grouped_experts
 
-    for i, (fgu, fd, h, inter) in enumerate(PAIRS):
+    for i, (fgu, fd, h, inter) in enumerate(pairs):
         c = Case(fgu, fd, h, inter, device, seed=50 + i)
-        x = torch.randn(5, h, generator=c.g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(4, generator=c.g)[:2] for _ in range(5)])
-        w = torch.rand(5, 2, generator=c.g)
+        x = torch.randn(tokens, h, generator=c.g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=c.g)[:2] for _ in range(tokens)])
+        w = torch.rand(tokens, 2, generator=c.g)
         xd, idd, wd, slot_of = (t.to(device) for t in (x, ids, w, c.slot_of))
         for act in ("swiglu_clamped", "silu"):
             got = packed_grouped_experts(xd, idd, wd, slot_of, c.slots, c.fmt, activation=act, alpha=ALPHA,
                                          limit=LIMIT).cpu()
             _close(got, c.reference(x.float(), ids, w, act))
-    return len(PAIRS)
+    return len(pairs)
 
 
 def check_unchanged_without_bias(device: str) -> int:
@@ -179,6 +179,35 @@ def test_biased_experts_cuda() -> None:
     assert check_gemv("cuda") == 2
     assert check_grouped("cuda") == 2
     assert check_unchanged_without_bias("cuda") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_biased_experts_gpt_oss_shape_cuda() -> None:
+    """gpt-oss's expert shape (H = I = 2880, MXFP4): both kernels against the reference, then the
+    decode GEMV's time for one token and top-4 (CUDA graph replay), biased clamped SwiGLU next to
+    silu without biases on the same slots (printed: the epilogue's cost)."""
+    from functools import partial
+
+    from test_gemv import _graph_time
+
+    from engine.gpu.quant.gemv import packed_expert_rows
+
+    shape = [("mxfp4", "mxfp4", 2880, 2880)]
+    assert check_gemv("cuda", shape) == 1
+    assert check_grouped("cuda", shape, tokens=64) == 1
+    c = Case("mxfp4", "mxfp4", 2880, 2880, "cuda", seed=70)
+    plain = PackedSlots(c.slots.data, c.slots.gscale)
+    x = torch.randn(1, 2880, device="cuda", dtype=torch.bfloat16)
+    sid = c.slot_of[:4].view(1, 4).cuda()
+    w = torch.rand(1, 4, device="cuda")
+    biased = _graph_time(partial(packed_expert_rows, x, sid, w, c.slots, c.fmt, activation="swiglu_clamped",
+                                 alpha=ALPHA, limit=LIMIT))
+    silu = _graph_time(partial(packed_expert_rows, x, sid, w, plain, c.fmt))
+    read = 4 * c.fmt.nbytes
+    print(f"\n{torch.cuda.get_device_name()} gpt-oss expert GEMV, 1 token, top-4: biased clamped "
+          f"{biased * 1e6:.1f} us ({read / biased / 1e9:.0f} GB/s), silu {silu * 1e6:.1f} us "
+          f"({read / silu / 1e9:.0f} GB/s)")
 
 
 def test_biased_experts_in_triton_interpreter() -> None:
