@@ -7,7 +7,9 @@ layer's bytes copied as they are stored (a GGUF tensor's rows; an HF checkpoint'
 losslessly by engine/quant/hf.py), so host memory for the experts is their bytes in the file and no
 float copy of an expert exists at any point. Each layer keeps its own formats (Q4_K_M mixes q4_k and
 q6_k). Errors name the file, the tensor and its type: a gate and up of different types, a row size
-that does not match the type, a type without a packed format.
+that does not match the type, a type without a packed format. The banks' `file_bytes` counts the
+rows read: a GGUF file's tensor bytes exactly (an HF checkpoint's fp8 / nvfp4 experts: their rows
+with the scales folded in, within a few percent of the file's).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def load_packed_experts(reader: PackedSource, cfg: ModelConfig) -> PackedExpertB
         banks.fmt_gu.append(fg)
         banks.fmt_d.append(fd)
         banks.gscale.append(torch.stack([sg, su, sd], dim=1).float().contiguous())
+        banks.file_bytes += gate.numel() + up.numel() + down.numel()
     return banks
 
 

@@ -156,14 +156,25 @@ class ModelBench:
             self.engine = Engine(self.model, self.opts)
             self.load_s = time.perf_counter() - t0
             return
+        expert_bytes, expert_format = self.dummy_expert_bytes()
         self.note(f"building random weights of {self.shape.name} ({self.cfg.num_layers} layers, "
-                  f"{self.shape.bank_bytes(self.cfg.num_moe_layers, self.dtype.itemsize) / 1e9:.1f} GB of experts, "
-                  f"seed {args.seed}) on {args.device}")
+                  f"{expert_bytes / 1e9:.1f} GB of {expert_format} experts, seed {args.seed}) on {args.device}")
         t0 = time.perf_counter()
         decoder = dummy_decoder(self.cfg, self.device, self.dtype, args.seed, self.opts.executor,
                                 self.opts.native_pool_threads)
         self.engine = Engine.from_decoder(decoder, self.opts)
         self.load_s = time.perf_counter() - t0
+
+    def dummy_expert_bytes(self) -> tuple[int, str]:
+        """The random experts' bytes and their format, as built (engine/weights/dummy.py): gpt-oss's
+        MXFP4, kept packed; every other family's in the engine dtype."""
+        cfg = self.cfg
+        if cfg.expert_layout == "gpt_oss":
+            from engine.quant.formats import FORMATS
+
+            h, i, mx = cfg.hidden_size, cfg.moe_intermediate_size, FORMATS["mxfp4"]
+            return cfg.num_moe_layers * cfg.num_experts * (2 * i * mx.row_bytes(h) + h * mx.row_bytes(i)), "mxfp4"
+        return self.shape.bank_bytes(cfg.num_moe_layers, self.dtype.itemsize), str(self.dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ running
     def note(self, text: str) -> None:

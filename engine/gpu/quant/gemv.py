@@ -1,21 +1,28 @@
 """Decode-step routed experts over packed slots (1..8 tokens): the packed counterpart of
 engine/gpu/kernels.py's `expert_rows` / `slot_experts`, same plan contract, the CPU kernel's
-arithmetic (native/packed.py: f32 accumulation, h = silu(g) * u kept f32, no activation quantisation).
+arithmetic (native/packed.py: f32 accumulation, h = act(g, u) kept f32, no activation quantisation).
 
 Contract:
 - `packed_expert_rows(x [N, H] bf16/f16/f32, slot_ids [N, k], weights [N, k], slots: PackedSlots,
-  fmt: ExpertFormat (the layer's), copy_dst=None, between=None) -> [N * k, H] float32`: entry e's
-  weight * down(silu(gate x) * up x), gate / up / down the slot's packed rows dequantised in
-  registers (times the slot's gscale), zeros for entries without a slot (slot id < 0). With
+  fmt: ExpertFormat (the layer's), copy_dst=None, between=None, *, activation="silu", alpha=1.702,
+  limit=7.0) -> [N * k, H] float32`: entry e's weight * (down h + b_down), h = act(gate x + b_gate,
+  up x + b_up), gate / up / down the slot's packed rows dequantised in registers (times the slot's
+  gscale), the biases the slot's `slots.bias` row (none when the slots have no bias block), act
+  engine/moe/packed.py's `activate`: "silu" silu(g) * u, or "swiglu_clamped" (gpt-oss) g clamped
+  above at limit, u to [-limit, limit], (u + 1) * g * sigmoid(alpha g); zeros for entries without a
+  slot (slot id < 0); ValueError for another activation. With
   `copy_dst` (the slots a fetch is filling, -1 padded) and `between` (what waits for it), the
   entries in other slots run first, then `between()`, then the fetched ones (engine/gpu/kernels.py's
   `_phase_slot`, shared): hits compute while the copies fly. The rows do not depend on which slot
   holds an expert.
-- `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None) -> [N, H] float32`: those rows
-  summed per token in ascending expert id (`combine_experts`, shared), plus the CPU branch's part.
+- `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None, *, activation="silu",
+  alpha=1.702, limit=7.0) -> [N, H] float32`: those rows summed per token in ascending expert id
+  (`combine_experts`, shared), plus the CPU branch's part.
+- `ACTIVATIONS`: activation name -> the kernels' ACT code; `activate` (jit): h from g and u, shared
+  with engine/gpu/quant/grouped.py.
 
 How: one program per (entry, tile of 16 output rows; 128 under the interpreter): gate_up's programs
-take gate or up rows (written f32 [N * k, 2I]), down's apply silu(gate) * up as they read them.
+take gate or up rows (written f32 [N * k, 2I], biases added), down's apply act(gate, up) as they read them.
 Each walks K (H for gate_up, I for down) 256 values a step as [rows, blocks, values in a block]
 tiles, so a block's scale fields are read once (dequant_at); the f32 products accumulate in the
 tile, reduced once after the loop (the bf16 kernel's measured choice). A slot's gate_up rows start
@@ -43,14 +50,34 @@ from engine.options import triton_interpreted
 # thread as the bf16 kernel's [16, 128] at 4 (untuned: the gpu test prints the GB/s to tune against)
 _ROWS = 128 if triton_interpreted() else 16
 _STEP = 256
+ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}
+
+
+def activation_code(activation: str) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation]
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, gu_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
+def activate(g, u, ACT: tl.constexpr, ALPHA, LIMIT):
+    """h from f32 g and u: silu(g) * u (ACT 0), or the clamped SwiGLU (ACT 1): g <= LIMIT,
+    -LIMIT <= u <= LIMIT, (u + 1) * g * sigmoid(ALPHA g) (= silu(ALPHA g) / ALPHA)."""
+    if ACT == 0:
+        h = silu(g) * u
+    else:
+        gc = tl.minimum(g, LIMIT)
+        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        h = (uc + 1.0) * (silu(gc * ALPHA) / ALPHA)
+    return h
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, b_ptr, gu_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
                     K: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr,
-                    ROWS: tl.constexpr, NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr,
-                    COPIES_P: tl.constexpr):
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, PHASE: tl.constexpr,
+                    COPIES: tl.constexpr, COPIES_P: tl.constexpr):
     # rows of w13 (gate rows 0..I-1, then up rows): each program one matrix's tile, so one
     # accumulator (registers for more programs a multiprocessor)
     e = tl.program_id(0)
@@ -73,13 +100,17 @@ def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, gu_ptr, dst_ptr, H: tl.const
                 bmask = blk < H // QB
                 xv = tl.load(x_ptr + t * H + blk * QB + j, mask=bmask, other=0.0).to(tl.float32)
                 tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gs, FMT) * xv
-            tl.store(gu_ptr + e * 2 * INTER + rows, tl.sum(tl.sum(tile, axis=2), axis=1), mask=rmask)
+            acc = tl.sum(tl.sum(tile, axis=2), axis=1)
+            if HAS_BIAS:  # gate bias rows 0..I-1, up bias rows I..2I-1 of the slot's bias row
+                acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + rows, mask=rmask, other=0.0)
+            tl.store(gu_ptr + e * 2 * INTER + rows, acc, mask=rmask)
 
 
 @triton.jit
-def _down_kernel(gu_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                 FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, ROWS: tl.constexpr,
+def _down_kernel(gu_ptr, slot_ptr, w_ptr, gs_ptr, b_ptr, wt_ptr, y_ptr, dst_ptr, alpha, limit, H: tl.constexpr,
+                 INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr,
                  NB: tl.constexpr, PHASE: tl.constexpr, COPIES: tl.constexpr, COPIES_P: tl.constexpr):
     e = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -99,9 +130,12 @@ def _down_kernel(gu_ptr, slot_ptr, w_ptr, gs_ptr, wt_ptr, y_ptr, dst_ptr, H: tl.
                 bmask = blk < INTER // QB
                 g = tl.load(gu_ptr + e * 2 * INTER + blk * QB + j, mask=bmask, other=0.0)
                 u = tl.load(gu_ptr + e * 2 * INTER + INTER + blk * QB + j, mask=bmask, other=0.0)
-                hv = silu(g) * u  # h, f32
+                hv = activate(g, u, ACT, alpha, limit)  # h, f32
                 tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gd, FMT) * hv
-            y = tl.sum(tl.sum(tile, axis=2), axis=1) * tl.load(wt_ptr + e)
+            y = tl.sum(tl.sum(tile, axis=2), axis=1)
+            if HAS_BIAS:  # the down bias after the gate and up biases in the slot's bias row
+                y += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + rows, mask=rmask, other=0.0)
+            y = y * tl.load(wt_ptr + e)
             tl.store(y_ptr + e * H + rows, y, mask=rmask)
 
 
@@ -113,9 +147,11 @@ def _check(x: torch.Tensor, slots: PackedSlots, fmt: ExpertFormat) -> None:
 
 def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: PackedSlots,
                        fmt: ExpertFormat, copy_dst: torch.Tensor | None = None,
-                       between: Callable[[], None] | None = None) -> torch.Tensor:
+                       between: Callable[[], None] | None = None, *, activation: str = "silu",
+                       alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """See the module docstring."""
     _check(x, slots, fmt)
+    act = activation_code(activation)
     n, hidden = x.shape
     k = slot_ids.shape[1]
     inter = fmt.inter
@@ -133,24 +169,29 @@ def packed_expert_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.T
     phased = copy_dst is not None and between is not None
     dst = copy_dst.contiguous() if copy_dst is not None and phased else slot_flat  # unused in phase 0
     copies = dst.numel() if phased else 1
+    bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
     common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "ROWS": _ROWS, "COPIES": copies,
+              "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None,
               "COPIES_P": triton.next_power_of_2(copies), "num_warps": 8}
     for phase in ((1, 2) if phased else (0,)):
         if phase == 2:
             assert between is not None
             between()
         _gate_up_kernel[(entries, triton.cdiv(2 * inter, _ROWS))](
-            x, slot_flat, slots.data, slots.gscale, gu, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
+            x, slot_flat, slots.data, slots.gscale, bias, gu, dst, hidden, inter, K=k, FMT=fg.code, QB=fg.block,
             QBB=fg.block_bytes, RB=fmt.gu_row_bytes, NB=max(1, _STEP // fg.block), PHASE=phase, **common)
         _down_kernel[(entries, triton.cdiv(hidden, _ROWS))](
-            gu, slot_flat, slots.data, slots.gscale, w, y, dst, hidden, inter, FMT=fd.code, QB=fd.block,
+            gu, slot_flat, slots.data, slots.gscale, bias, w, y, dst, float(alpha), float(limit), hidden, inter,
+            ACT=act, FMT=fd.code, QB=fd.block,
             QBB=fd.block_bytes, RB=fmt.d_row_bytes, NB=max(1, _STEP // fd.block), PHASE=phase, **common)
     return y
 
 
 def packed_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                        slots: PackedSlots, fmt: ExpertFormat, cpu: torch.Tensor | None = None) -> torch.Tensor:
+                        slots: PackedSlots, fmt: ExpertFormat, cpu: torch.Tensor | None = None, *,
+                        activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """See the module docstring."""
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    combine_experts(packed_expert_rows(x, slot_ids, weights, slots, fmt), ids, out, cpu)
+    rows = packed_expert_rows(x, slot_ids, weights, slots, fmt, activation=activation, alpha=alpha, limit=limit)
+    combine_experts(rows, ids, out, cpu)
     return out

@@ -3,11 +3,13 @@ engine/gpu/grouped.py's `grouped_experts`, on the same expert-sorted layout (`gr
 shared), with the CPU kernel's arithmetic (f32 accumulation, h kept f32).
 
 Contract: `packed_grouped_experts(x [N, H] bf16/f16/f32, ids [N, k], weights [N, k], slot_of [E],
-slots: PackedSlots, fmt: ExpertFormat (the layer's), layout=None) -> [N, H] float32`: for each
-token the sum over its k entries of weight * down(silu(gate x) * up x), expert e's packed rows read
-from slot `slot_of[e]` and dequantised in registers (times the slot's gscale). Every routed expert
-must have a slot; a token's k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the
-caller queued it already.
+slots: PackedSlots, fmt: ExpertFormat (the layer's), layout=None, *, activation="silu", alpha=1.702,
+limit=7.0) -> [N, H] float32`: for each token the sum over its k entries of weight * (down h +
+b_down), h = act(gate x + b_gate, up x + b_up), expert e's packed rows read from slot `slot_of[e]`
+and dequantised in registers (times the slot's gscale), its biases from the slot's `slots.bias` row
+(none without a bias block), act engine/gpu/quant/gemv.py's `activate` ("silu" or gpt-oss's
+"swiglu_clamped"; ValueError for another). Every routed expert must have a slot; a token's k ids
+are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it already.
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
 BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
@@ -24,8 +26,9 @@ import triton
 import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout, group_entries
-from engine.gpu.quant.dequant import dequant_at, silu
+from engine.gpu.quant.dequant import dequant_at
 from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.gemv import activate, activation_code
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
@@ -56,9 +59,10 @@ def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.c
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K,
+def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K, alpha, limit,
                     H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(INTER, BLOCK_N)
@@ -86,14 +90,19 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, row_entry_ptr, block_slot_ptr, h_ptr, 
             wu = _weight_tile(row_u, k0, cmask[None, :], gu, FMT, QB, QBB, H, BLOCK_K)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], silu(acc_g) * acc_u,
+        if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
+            b_row = b_ptr + s.to(tl.int64) * BSTRIDE
+            acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
+            acc_u += tl.load(b_row + INTER + cols, mask=cmask, other=0.0)[None, :]
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], activate(acc_g, acc_u, ACT, alpha, limit),
                  mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr, y_ptr,
+def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_slot_ptr, y_ptr,
                  H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
@@ -115,6 +124,8 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr
                          mask=rmask[:, None] & kmask[None, :], other=0.0)
             wt = _weight_tile(row_d, k0, cmask[None, :], gd, FMT, QB, QBB, INTER, BLOCK_K)
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
         e = tl.where(rmask, entry, 0)
         wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
         tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
@@ -122,9 +133,11 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, weight_ptr, row_entry_ptr, block_slot_ptr
 
 
 def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
-                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None) -> torch.Tensor:
+                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
+                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """See the module docstring."""
     slots.check(fmt)
+    act = activation_code(activation)
     n, hidden = x.shape
     k = ids.shape[1]
     inter = fmt.inter
@@ -138,13 +151,16 @@ def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     x = x.contiguous()
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
+    bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
     common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block, "PRECISION": _PRECISION,
-              "num_warps": _WARPS, "num_stages": _STAGES}
+              "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None, "num_warps": _WARPS,
+              "num_stages": _STAGES}
     _gate_up_kernel[(blocks * triton.cdiv(inter, _GATE_UP_N),)](
-        x, slots.data, slots.gscale, row_entry, block_slot, h, k, H=hidden, INTER=inter, FMT=fg.code,
+        x, slots.data, slots.gscale, bias, row_entry, block_slot, h, k, float(alpha), float(limit), H=hidden,
+        INTER=inter, ACT=act, FMT=fg.code,
         QB=fg.block, QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N, BLOCK_K=_GATE_UP_K, **common)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
-        h, slots.data, slots.gscale, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
+        h, slots.data, slots.gscale, bias, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
         QB=fd.block, QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
     return y.view(n, k, hidden).sum(dim=1)
