@@ -262,18 +262,20 @@ class HostTask:
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
                                  row_bytes[1], banks_w13.shape[0], slot_rows, stream, context,
                                  word.data_ptr(), deadline_ms, scratch, banks_w2.shape[2],
-                                 banks_w2.shape[1], banks_w13.element_size(), 0, 0, 0, 0)
+                                 banks_w2.shape[1], banks_w13.element_size(), 0, 0, 0, 0, 0, 0, 0)
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
 
     def serve_packed_fetch(self, copy: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                            gscale: torch.Tensor | None, row_offset: int, slots: torch.Tensor,
                            down_offset: int, slot_gscale: torch.Tensor, stream: int, context: int,
-                           word: torch.Tensor, deadline_ms: int = 5000) -> None:
+                           word: torch.Tensor, deadline_ms: int = 5000, bias: torch.Tensor | None = None,
+                           slot_bias: torch.Tensor | None = None) -> None:
         """`serve_fetch` for packed experts (engine/gpu/quant/slots.py): copy-list entry r >= 0 copies
         bank expert r - row_offset of one layer's page-locked `gate_up` [E, 2I, rb] and `down`
         [E, H, rb'] (uint8) into slot copy[n + i] of `slots` ([S, stride] uint8 on the GPU: gate_up
         bytes first, down bytes `down_offset` later), and with `gscale` ([E, 3] float32, page-locked)
-        the expert's global scales into `slot_gscale` [S, 3]. No split expert."""
+        the expert's global scales into `slot_gscale` [S, 3]; with `bias` ([E, W] float32, page-locked,
+        this layer's rows) its biases into `slot_bias` [S, W]. No split expert."""
         if deadline_ms <= 0:
             _fail(f"deadline_ms must be positive, got {deadline_ms}")
         if self._words is not None:
@@ -301,12 +303,22 @@ class HostTask:
                     and tuple(slot_gscale.shape) == (slots.shape[0], 3)):
                 _fail("gscale must be a contiguous float32 [E, 3] bank and slot_gscale [S, 3] on the GPU")
             gs_bank, gs_slot = gscale.data_ptr(), slot_gscale.data_ptr()
+        bias_bank = bias_slot = bias_bytes = 0
+        if bias is not None:
+            if not (slot_bias is not None and bias.dtype == slot_bias.dtype == torch.float32 and bias.is_contiguous()
+                    and slot_bias.is_contiguous() and slot_bias.is_cuda and bias.dim() == slot_bias.dim() == 2
+                    and bias.shape[0] == gate_up.shape[0] and bias.shape[1] == slot_bias.shape[1]
+                    and slot_bias.shape[0] == slots.shape[0]):
+                _fail("bias must be a contiguous float32 [E, W] bank and slot_bias [S, W] on the GPU")
+            assert slot_bias is not None
+            bias_bank, bias_slot, bias_bytes = bias.data_ptr(), slot_bias.data_ptr(), bias.shape[1] * 4
         _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, gate_up.data_ptr(),
                                  down.data_ptr(), slots.data_ptr(), slots.data_ptr() + down_offset, gu_bytes,
                                  d_bytes, gate_up.shape[0], slots.shape[0], stream, context, word.data_ptr(),
-                                 deadline_ms, -1, 0, 0, 0, row_offset, slots.stride(0), gs_bank, gs_slot)
-        self._fetch_buffers = (copy, gate_up, down, slots, slot_gscale, word) + ((gscale,) if gscale is not None
-                                                                                 else ())
+                                 deadline_ms, -1, 0, 0, 0, row_offset, slots.stride(0), gs_bank, gs_slot,
+                                 bias_bank, bias_slot, bias_bytes)
+        self._fetch_buffers = (copy, gate_up, down, slots, slot_gscale, word,
+                               *(t for t in (gscale, bias, slot_bias) if t is not None))
 
     def fetch(self) -> None:
         """The task's fetch issued in this thread, as the poller does before each run (a test hook)."""

@@ -168,12 +168,19 @@ class DeviceStep:
                 from native.packed import PackedHostTask
 
                 gs = banks.gscale[layer]
+                e0, e1 = layer * banks.num_experts, (layer + 1) * banks.num_experts
+                biased = banks.b13 is not None and banks.b2 is not None and pool.bias_rows is not None
                 task = PackedHostTask(self.x_h, self.ids_h, self.w_h, banks.gate_up[layer], banks.fmt_gu[layer],
-                                      banks.down[layer], banks.fmt_d[layer], gs, self.out_h)
+                                      banks.down[layer], banks.fmt_d[layer], gs, self.out_h,
+                                      bias_gu=banks.b13[e0:e1] if biased and banks.b13 is not None else None,
+                                      bias_d=banks.b2[e0:e1] if biased and banks.b2 is not None else None,
+                                      activation=banks.activation, alpha=banks.alpha, limit=banks.limit)
                 task.serve_packed_fetch(self.copy_h, banks.gate_up[layer], banks.down[layer],
-                                        gs if pool.gscales else None, layer * banks.num_experts, pool.packed.data,
+                                        gs if pool.gscales else None, e0, pool.packed.data,
                                         pool.formats[layer].gate_up_bytes, pool.packed.gscale,
-                                        self.copy_stream.cuda_stream, self._context, fetched)
+                                        self.copy_stream.cuda_stream, self._context, fetched,
+                                        bias=pool.bias_rows[e0:e1] if pool.bias_rows is not None else None,
+                                        slot_bias=pool.packed.bias)
             else:
                 slots = ex.slots
                 assert isinstance(slots, ExpertSlots)

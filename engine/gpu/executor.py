@@ -139,7 +139,8 @@ def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Ten
     if isinstance(slots, PackedPool) and x.is_cuda:
         from engine.gpu.quant.gemv import packed_slot_experts
 
-        return packed_slot_experts(x, ids, slot_ids, weights, slots.packed, slots.formats[moe_index]).to(x.dtype)
+        return packed_slot_experts(x, ids, slot_ids, weights, slots.packed, slots.formats[moe_index],
+                                   activation=slots.activation, alpha=slots.alpha, limit=slots.limit).to(x.dtype)
     packed = isinstance(slots, PackedPool)
     out = torch.zeros(x.shape, dtype=torch.float32 if packed else x.dtype, device=x.device)
     k = ids.shape[1]
@@ -157,13 +158,11 @@ def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Ten
     for slot, count in zip(slot_groups.tolist(), counts.tolist(), strict=True):
         rows = token_of[start:start + count]
         if isinstance(slots, PackedPool):
-            w13, w2 = slots.weights(slot, moe_index)
-            xs, wt = x[rows].float(), flat_w[start:start + count, None].float()
+            y = slots.forward(slot, moe_index, x[rows].float()) * flat_w[start:start + count, None].float()
         else:
             assert isinstance(slots, ExpertSlots)
-            w13, w2, xs, wt = slots.w13[slot], slots.w2[slot], x[rows], flat_w[start:start + count, None]
-        gate, up = F.linear(xs, w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2) * wt
+            gate, up = F.linear(x[rows], slots.w13[slot]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, slots.w2[slot]) * flat_w[start:start + count, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
     return out.to(x.dtype)

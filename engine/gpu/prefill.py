@@ -283,13 +283,11 @@ class PrefillStreamer:
             slot = slot_of[expert]
             rows = token_of[start:start + count]
             if isinstance(pool, PackedPool):
-                w13, w2 = pool.weights(slot, moe_index)
-                xs, wt = xd[rows].float(), flat_w[start:start + count, None].float()
+                y = pool.forward(slot, moe_index, xd[rows].float()) * flat_w[start:start + count, None].float()
             else:
                 assert isinstance(pool, ExpertSlots)
-                w13, w2, xs, wt = pool.w13[slot], pool.w2[slot], xd[rows], flat_w[start:start + count, None]
-            gate, up = F.linear(xs, w13).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2) * wt
+                gate, up = F.linear(xd[rows], pool.w13[slot]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, pool.w2[slot]) * flat_w[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         if stream is not None:

@@ -9,7 +9,7 @@ resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration store
 in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them there and
 logs that it did: never a silent default), and replaces the decoder's executor with a
 `CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA, when the cap is too small,
-or for experts with biases or another activation than silu (gpt-oss).
+or for float experts with biases or another activation than silu (bf16 gpt-oss; packed ones are held).
 """
 
 from __future__ import annotations
@@ -120,9 +120,10 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
 
 def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:
     banks = decoder.weights.experts
-    if banks.b13 is not None or banks.activation != "silu":
-        raise ConfigError(f"the GPU expert cache runs silu experts without biases; these have biases and "
-                          f"{banks.activation} (gpt-oss): run with --gpu-memory off")
+    if not isinstance(banks, PackedExpertBanks) and (banks.b13 is not None or banks.activation != "silu"):
+        raise ConfigError(f"the GPU expert cache runs float experts without biases, with silu; these have biases "
+                          f"and {banks.activation} (a bf16 gpt-oss checkpoint): run with --gpu-memory off, or "
+                          "load the MXFP4 checkpoint, whose packed experts the cache holds")
     device = torch.device(opts.device)
     if device.type != "cuda":
         raise ConfigError(f"--gpu-memory caps GPU memory, but the engine runs on {device}")

@@ -131,6 +131,10 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                 r = d.memcpy_htod(f.gs_slot + static_cast<uint64_t>(slot) * 12,
                                   reinterpret_cast<const void*>(f.gs_bank + static_cast<uint64_t>(row) * 12), 12,
                                   f.stream);
+            if (r == 0 && f.bias_bank != 0)
+                r = d.memcpy_htod(f.bias_slot + static_cast<uint64_t>(slot) * f.bias_bytes,
+                                  reinterpret_cast<const void*>(f.bias_bank + static_cast<uint64_t>(row) * f.bias_bytes),
+                                  f.bias_bytes, f.stream);
             if (r != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r);
         }
         if (f.scratch >= 0)

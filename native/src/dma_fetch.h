@@ -42,6 +42,9 @@ struct DmaFetch {
     int64_t row_offset = 0;
     uint64_t slot_stride = 0;
     uint64_t gs_bank = 0, gs_slot = 0;
+    // with bias_bank != 0, each fetched expert's bias_bytes of biases (gpt-oss) also go from
+    // bias_bank + row * bias_bytes to bias_slot + slot * bias_bytes
+    uint64_t bias_bank = 0, bias_slot = 0, bias_bytes = 0;
 };
 
 // Queues the copies, waits for them, then sets the word (dma_fetch_release);

@@ -79,7 +79,8 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
                          int64_t slots, uintptr_t stream, uintptr_t context,
                          uintptr_t word_host, int64_t deadline_ms, int64_t scratch, int64_t inter,
                          int64_t hidden, int64_t elem, int64_t row_offset, uint64_t slot_stride,
-                         uintptr_t gs_bank, uintptr_t gs_slot) {
+                         uintptr_t gs_bank, uintptr_t gs_slot, uintptr_t bias_bank, uintptr_t bias_slot,
+                         uint64_t bias_bytes) {
     auto f = std::make_unique<DmaFetch>();
     f->copy = reinterpret_cast<const int64_t*>(copy);
     f->n = n;
@@ -98,6 +99,7 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
     f->scratch = scratch;
     f->inter = inter, f->hidden = hidden, f->elem = elem;
     f->row_offset = row_offset, f->slot_stride = slot_stride, f->gs_bank = gs_bank, f->gs_slot = gs_slot;
+    f->bias_bank = bias_bank, f->bias_slot = bias_slot, f->bias_bytes = bias_bytes;
     auto* t = reinterpret_cast<HostTask*>(task);
     // the split expert's entry follows the copy list: the CPU computes that expert's other rows
     if (scratch >= 0) t->args.split = f->copy + 2 * n;

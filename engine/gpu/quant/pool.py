@@ -11,8 +11,11 @@ largest layer's expert (layers may differ in format: Q4_K_M mixes q4_k and q6_k 
 - `copy_expert(slot, flat)`: bank expert `flat` (layer * E + expert) into `slot`, packed rows and
   (`.gscales`: where some layer's format has them) global scales, on the current stream (page-locked banks: asynchronous DMAs);
 - `apply_copies(copy_src, copy_dst, banks)`: ExpertSlots.apply_copies' contract (-1 padding skipped);
-- `weights(slot, layer)`: the slot's expert dequantized, float32 (w13 [2I, H], w2 [H, I]): the
-  torch path where no Triton runs (a CPU pool), engine/quant/formats.py's reference decoders;
+- `forward(slot, layer, x)`: the slot's expert on float32 rows x [n, H] -> [n, H] float32 (before
+  the routing weight): dequantized with engine/quant/formats.py's reference decoders, biases and the
+  activation as engine/moe/packed.py's; the torch path where no Triton runs (a CPU pool);
+- experts with biases (gpt-oss: banks.b13 / b2) carry them in the slots' bias block, copied with
+  each expert from `bias_rows` (page-locked on CUDA: [L * E, 2I + H], b13's row then b2's);
 - `PackedPool.from_budget(banks, budget_bytes, device)`: as many slots as the budget holds
   (`slots_for_budget`: the largest expert's bytes plus its 12 bytes of scales each), never more
   than the experts.
@@ -21,8 +24,10 @@ largest layer's expert (layers may differ in format: Q4_K_M mixes q4_k and q6_k 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots, slots_for_budget
+from engine.moe.packed import activate
 from engine.quant.formats import FORMATS
 from engine.weights.layout import PackedExpertBanks
 
@@ -37,8 +42,13 @@ class PackedPool:
         self.formats = [ExpertFormat(gu, d, banks.hidden, banks.inter)
                         for gu, d in zip(banks.fmt_gu, banks.fmt_d, strict=True)]
         self.device = torch.device(device)
-        self.packed = PackedSlots.allocate(self.formats, slots, self.device)
+        self.bias_rows: torch.Tensor | None = None
+        if banks.b13 is not None and banks.b2 is not None:
+            rows = torch.cat([banks.b13.float(), banks.b2.float()], dim=1)
+            self.bias_rows = rows.pin_memory() if self.device.type == "cuda" else rows.contiguous()
+        self.packed = PackedSlots.allocate(self.formats, slots, self.device, bias=self.bias_rows is not None)
         self.slots = slots
+        self.activation, self.alpha, self.limit = banks.activation, banks.alpha, banks.limit  # the experts' own
         # global scales travel with each expert only where a format has one (the slots start at 1.0)
         self.gscales = any(FORMATS[f].has_gscale for f in (*banks.fmt_gu, *banks.fmt_d))
         self._kernels: list | None = None  # type: ignore[type-arg]
@@ -48,7 +58,7 @@ class PackedPool:
                     device: torch.device | str = "cpu") -> PackedPool:
         formats = [ExpertFormat(gu, d, banks.hidden, banks.inter)
                    for gu, d in zip(banks.fmt_gu, banks.fmt_d, strict=True)]
-        return cls(banks, slots_for_budget(budget_bytes, formats, banks.rows), device)
+        return cls(banks, slots_for_budget(budget_bytes, formats, banks.rows, bias=banks.b13 is not None), device)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +69,7 @@ class PackedPool:
         if self._kernels is None:
             from engine.gpu.quant.entry import packed_layer_kernels  # Triton: where a kernel runs
 
-            self._kernels = packed_layer_kernels(self.packed, self.formats)
+            self._kernels = packed_layer_kernels(self.packed, self.formats, self.activation, self.alpha, self.limit)
         return self._kernels
 
     def copy_expert(self, slot: int, flat: int) -> None:
@@ -70,7 +80,8 @@ class PackedPool:
         if not 0 <= layer < len(b.gate_up):
             raise ValueError(f"expert {flat} is outside the banks ({b.rows} experts)")
         self.packed.copy_in(slot, self.formats[layer], b.gate_up[layer][expert], b.down[layer][expert],
-                            b.gscale[layer][expert] if self.gscales else None)
+                            b.gscale[layer][expert] if self.gscales else None,
+                            None if self.bias_rows is None else self.bias_rows[flat])
 
     def apply_copies(self, copy_src: torch.Tensor, copy_dst: torch.Tensor, banks: PackedExpertBanks) -> int:
         """Copies the valid (src, dst) pairs; returns how many experts were copied."""
@@ -80,13 +91,20 @@ class PackedPool:
             self.copy_expert(dst, src)
         return len(pairs)
 
-    def weights(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, slot: int, layer: int, x: torch.Tensor) -> torch.Tensor:
         fmt = self.formats[layer]
         gu = self.packed.gate_up(fmt)[slot].cpu()
         d = self.packed.down(fmt)[slot].cpu()
         s = self.packed.gscale[slot].cpu()
         inter, hidden = fmt.inter, fmt.hidden
         fgu, fd = FORMATS[fmt.fmt_gu], FORMATS[fmt.fmt_d]
-        w13 = torch.cat([fgu.dequantize(gu[:inter], hidden, s[0]), fgu.dequantize(gu[inter:], hidden, s[1])])
-        w2 = fd.dequantize(d, inter, s[2])
-        return w13.to(self.device), w2.to(self.device)
+        gate_w = fgu.dequantize(gu[:inter], hidden, s[0]).to(self.device)
+        up_w = fgu.dequantize(gu[inter:], hidden, s[1]).to(self.device)
+        down_w = fd.dequantize(d, inter, s[2]).to(self.device)
+        bias = self.packed.bias[slot] if self.packed.bias is not None else None
+        gate, up = F.linear(x, gate_w), F.linear(x, up_w)
+        if bias is not None:
+            gate, up = gate + bias[:inter], up + bias[inter:2 * inter]
+        b = self.banks
+        y = F.linear(activate(gate, up, b.activation, b.alpha, b.limit), down_w)
+        return y + bias[2 * inter:2 * inter + hidden] if bias is not None else y

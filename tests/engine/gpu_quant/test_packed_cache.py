@@ -18,6 +18,7 @@ from engine.weights.layout import PackedExpertBanks
 
 H, INTER, E, K = 256, 256, 8, 2
 LAYERS = (("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q8_0", "nvfp4"))
+GPT_OSS = (("mxfp4", "mxfp4"), ("mxfp4", "mxfp4"), ("mxfp4", "mxfp4"))  # biases, clamped SwiGLU
 
 
 def _banks(seed: int = 0, layers: tuple[tuple[str, str], ...] = LAYERS) -> PackedExpertBanks:
@@ -32,11 +33,15 @@ def _banks(seed: int = 0, layers: tuple[tuple[str, str], ...] = LAYERS) -> Packe
         s[:, :2] = s[:, :2] if FORMATS[fmt_gu].has_gscale else 1.0
         s[:, 2] = s[:, 2] if FORMATS[fmt_d].has_gscale else 1.0
         b.gscale.append(s.contiguous())
+    if layers == GPT_OSS:  # biases large enough that the clamp (limit 7) bites
+        b.b13 = torch.randn(len(layers) * E, 2 * INTER, generator=g) * 4
+        b.b2 = torch.randn(len(layers) * E, H, generator=g)
+        b.activation = "swiglu_clamped"
     return b
 
 
 def _expert_bytes(b: PackedExpertBanks) -> int:
-    return b.expert_bytes + 12
+    return b.expert_bytes + 12 + (4 * (2 * INTER + H) if b.b13 is not None else 0)
 
 
 def _inputs(n: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,8 +53,8 @@ def _inputs(n: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torc
 
 
 def _check(device: str, slots: int, ratio: float, sizes: tuple[int, ...], dtype: torch.dtype = torch.float32,
-           tol: float = 1e-4, seed: int = 0) -> tuple[int, int]:
-    banks = _banks(seed)
+           tol: float = 1e-4, seed: int = 0, layers: tuple[tuple[str, str], ...] = LAYERS) -> tuple[int, int]:
+    banks = _banks(seed, layers)
     reference = PackedExpertExecutor(banks, torch_moe_packed)
     ex = create_cached_executor(banks, slots * _expert_bytes(banks), device, ratio,
                                 cpu_executor=None if device == "cuda" else PackedExpertExecutor(banks))
@@ -79,6 +84,12 @@ def test_cpu_pool_equals_packed_executor(slots: int, ratio: float) -> None:
         assert fetched > 0 and misses > 0
 
 
+def test_cpu_pool_biased_clamped_experts() -> None:
+    """gpt-oss's experts: biases in the slots' bias block, the clamped SwiGLU; planned and streamed."""
+    fetched, _ = _check("cpu", 2 * E + 4, 0.5, (1, 3, 40), layers=GPT_OSS)
+    assert fetched > 0
+
+
 def test_cpu_streamed_prefill_equals_packed_executor() -> None:
     """A pool of 2E + 4 slots streams each layer of a 40-token chunk (N * k >= 4E entries)."""
     _check("cpu", 2 * E + 4, 0.5, (40, 1, 40))
@@ -93,10 +104,11 @@ def test_pool_copies_packed_bytes_and_scales() -> None:
     assert torch.equal(pool.packed.gate_up(fmt)[3], banks.gate_up[2][5])
     assert torch.equal(pool.packed.down(fmt)[3], banks.down[2][5])
     assert torch.equal(pool.packed.gscale[3], banks.gscale[2][5])
-    w13, w2 = pool.weights(1, 0)
-    want = FORMATS["q6_k"].dequantize(banks.down[0][1], INTER)
-    assert torch.equal(w2, want)
-    assert w13.shape == (2 * INTER, H)
+    x = torch.randn(3, H)
+    gu = FORMATS["q4_k"].dequantize(banks.gate_up[0][1], H)
+    want = FORMATS["q6_k"].dequantize(banks.down[0][1], INTER) @ (
+        torch.nn.functional.silu(x @ gu[:INTER].T) * (x @ gu[INTER:].T)).T
+    assert torch.allclose(pool.forward(1, 0, x), want.T, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not a slot"):
         pool.copy_expert(4, 0)
 
@@ -111,3 +123,11 @@ def test_cuda_cache_equals_packed_executor(slots: int, ratio: float) -> None:
     fetched, _ = _check("cuda", slots, ratio, sizes)
     if ratio > 0 and slots < 24:
         assert fetched > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_cuda_cache_biased_clamped_experts(ratio: float) -> None:
+    """gpt-oss's experts through the decode steps (the bias rows fetched with each expert, the native
+    CPU branch with biases), a planned medium batch and a streamed chunk."""
+    _check("cuda", 2 * E + 4, ratio, (1, 3, 1, 12, 40, 1), layers=GPT_OSS)
