@@ -108,7 +108,8 @@ def test_pool_copies_packed_bytes_and_scales() -> None:
     gu = FORMATS["q4_k"].dequantize(banks.gate_up[0][1], H)
     want = FORMATS["q6_k"].dequantize(banks.down[0][1], INTER) @ (
         torch.nn.functional.silu(x @ gu[:INTER].T) * (x @ gu[INTER:].T)).T
-    assert torch.allclose(pool.forward(1, 0, x), want.T, rtol=1e-5, atol=1e-6)
+    got = pool.forward(1, 0, x)
+    assert (got - want.T).abs().max() <= 1e-5 * want.abs().max()
     with pytest.raises(ValueError, match="not a slot"):
         pool.copy_expert(4, 0)
 
