@@ -66,7 +66,7 @@ one)
     timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
         tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
         tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py \
-        tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
+        tests/native/test_dma_fetch.py tests/engine/test_gpt_oss.py > "$R/gpu_tests.log" 2>&1
     at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
     wait $gguf
     at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
