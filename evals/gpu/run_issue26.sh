@@ -60,7 +60,7 @@ one)
     (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!
     GGUF=/tmp/peer/q4km.gguf
-    (timeout 400 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 4 --out "$GGUF" \
+    (timeout 400 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 6 --out "$GGUF" \
         > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
     gguf=$!
     timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
