@@ -51,8 +51,9 @@ from adapters.parsers.events import (
     merge_events,
 )
 from adapters.parsers.qwen3 import JsonCallScanner
-from adapters.parsers.qwen3_5 import ParamTypes, XmlCallScanner
+from adapters.parsers.qwen3_5 import XmlCallScanner
 from adapters.parsers.reasoning import ThinkSplitter
+from adapters.parsers.tagged_args import ParamTypes
 
 TOOL_CALL_OPEN = "<tool_call>"
 ChooseScanner = Callable[[ParamTypes, str], CallScanner | None]  # (types, first character) -> scanner or reject
