@@ -54,6 +54,7 @@ from evals.clients.server import serve_with
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
 from evals.traces.sse import carries_output, sse_events, usage_of
+from freetoken_agent.sessions.echo import common_prefix
 from freetoken_agent.sessions.normalise import normalise as session_normalise
 from freetoken_agent.tokenizer import ChatTokenizer
 
@@ -85,14 +86,6 @@ class Renderer:
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def session_key(req: dict[str, Any], default: str) -> str:
