@@ -39,9 +39,10 @@ slot at once; locks only pin KV). KV eviction uses the same order for radix leav
 snapshot, after the leaves that hold none (nothing can resume inside those on a hybrid model).
 Session None is never "returning": untagged requests get LRU-by-priority only.
 
-Sliding-window attention needs no checkpoint: the KV pool keeps every token's keys and values
-(page size 1) and the window is a mask in `engine/model/attention.py`, so any cached prefix is
-exact for those layers; only Gated DeltaNet (conv window + SSM state) needs snapshots.
+Per-sequence state that a snapshot holds: Gated DeltaNet's conv window and SSM state, and each
+sliding-window layer's ring of its last keys and values (the KV pool keeps only the
+full-attention layers' tokens: engine/cache/pools.py), so a model with either resumes only where
+a snapshot was taken, with exactly the state a cold prefill reaches there.
 """
 
 from __future__ import annotations

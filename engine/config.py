@@ -141,8 +141,14 @@ class ModelConfig:
 
     @property
     def full_attention_layer_ids(self) -> tuple[int, ...]:
-        """The layers with a KV cache: full and sliding-window attention (the window is a mask here)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (FULL_ATTENTION, SLIDING_ATTENTION))
+        """The layers whose KV cache holds every token (the KV pool's layer axis)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def sliding_attention_layer_ids(self) -> tuple[int, ...]:
+        """The sliding-window layers: each sequence keeps only a ring of its last keys and values
+        (engine/cache/pools.py), part of its state."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION)
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of `layer` (None: it attends every earlier key)."""
@@ -154,9 +160,9 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """True when some layers carry recurrent state, so prefix reuse needs a state snapshot."""
-        # Sliding-window layers keep their whole KV here, so only recurrent layers need snapshots.
-        return bool(self.linear_attention_layer_ids)
+        """True when some layers carry per-sequence state (recurrent layers, sliding-window rings),
+        so prefix reuse needs a state snapshot."""
+        return bool(self.linear_attention_layer_ids or self.sliding_attention_layer_ids)
 
     @property
     def kv_slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -274,12 +274,18 @@ class Engine:
                 "expert_cache": dict(self._cache_stats) if self._cache_stats else None}
 
     def memory_report(self) -> dict[str, object]:
-        """GET /v1/memory: the device, its free and total bytes (CUDA), and `gpu_report()` (None
-        without an expert cache). Safe from any thread."""
-        o = self.opts
+        """GET /v1/memory: the device, its free and total bytes (CUDA), `gpu_report()` (None
+        without an expert cache), the pool sizes and `kv_bytes`: bytes per cached token (the
+        full-attention layers' KV), per sequence for the sliding-window layers (their rings: fixed
+        by the window, whatever the context) and per state slot (rings and recurrent states; each
+        running request holds one, each checkpoint one). Safe from any thread."""
+        o, cfg = self.opts, self.decoder.cfg
         out: dict[str, object] = {"device": o.device, "gpu_memory": self.gpu_report(),
                                   "pools": {"kv_tokens": o.kv_tokens, "checkpoint_slots": o.checkpoint_slots,
-                                            "host_checkpoint_slots": o.host_checkpoint_slots}}
+                                            "host_checkpoint_slots": o.host_checkpoint_slots},
+                                  "kv_bytes": {"full_per_token": KVPool.bytes_per_slot(cfg, self.dtype),
+                                               "sliding_per_sequence": StatePool.ring_bytes_per_slot(cfg, self.dtype),
+                                               "state_slot": StatePool.bytes_per_slot(cfg, self.dtype)}}
         if torch.device(self.opts.device).type == "cuda":
             free, total = torch.cuda.mem_get_info(torch.device(self.opts.device))
             out.update(device_free_bytes=free, device_total_bytes=total)
@@ -360,7 +366,7 @@ class Engine:
             return False
         banks = self.decoder.weights.experts
         free, reserved, total = (probe or (lambda: device_memory(self.opts.device)))()
-        target = follow_target(self.gpu_budget, banks.expert_bytes, banks.w13.shape[0], free, reserved, total)
+        target = follow_target(self.gpu_budget, banks.expert_bytes, banks.rows, free, reserved, total)
         if target is None:
             return False
         before = self.gpu_budget.total

@@ -262,8 +262,51 @@ class HostTask:
                                  banks_w2.data_ptr(), slots_w13.data_ptr(), slots_w2.data_ptr(), row_bytes[0],
                                  row_bytes[1], banks_w13.shape[0], slot_rows, stream, context,
                                  word.data_ptr(), deadline_ms, scratch, banks_w2.shape[2],
-                                 banks_w2.shape[1], banks_w13.element_size())
+                                 banks_w2.shape[1], banks_w13.element_size(), 0, 0, 0, 0)
         self._fetch_buffers = (copy, banks_w13, banks_w2, slots_w13, slots_w2, word)
+
+    def serve_packed_fetch(self, copy: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                           gscale: torch.Tensor | None, row_offset: int, slots: torch.Tensor,
+                           down_offset: int, slot_gscale: torch.Tensor, stream: int, context: int,
+                           word: torch.Tensor, deadline_ms: int = 5000) -> None:
+        """`serve_fetch` for packed experts (engine/gpu/quant/slots.py): copy-list entry r >= 0 copies
+        bank expert r - row_offset of one layer's page-locked `gate_up` [E, 2I, rb] and `down`
+        [E, H, rb'] (uint8) into slot copy[n + i] of `slots` ([S, stride] uint8 on the GPU: gate_up
+        bytes first, down bytes `down_offset` later), and with `gscale` ([E, 3] float32, page-locked)
+        the expert's global scales into `slot_gscale` [S, 3]. No split expert."""
+        if deadline_ms <= 0:
+            _fail(f"deadline_ms must be positive, got {deadline_ms}")
+        if self._words is not None:
+            _fail("serve_packed_fetch must come before serve_doorbell (the poller reads the fetch unlocked)")
+        if not (copy.dtype == torch.int64 and copy.is_contiguous() and copy.is_pinned() and copy.numel() % 2 == 0
+                and copy.numel() > 0):
+            _fail("copy must be a contiguous page-locked int64 tensor of 2n > 0 elements")
+        if not (word.dtype == torch.int32 and word.numel() == 1 and word.is_pinned()):
+            _fail("word must be one page-locked int32")
+        for name, bank in (("gate_up", gate_up), ("down", down)):
+            if bank.dtype != torch.uint8 or bank.device.type != "cpu" or not bank.is_contiguous() or bank.dim() != 3:
+                _fail(f"{name}: expected a contiguous host uint8 [E, rows, row_bytes] bank")
+        if gate_up.shape[0] != down.shape[0]:
+            _fail("gate_up and down must hold as many experts")
+        if not (slots.dtype == torch.uint8 and slots.dim() == 2 and slots.is_cuda and slots.stride(1) == 1):
+            _fail("slots must be a row-contiguous CUDA uint8 [S, stride]")
+        gu_bytes, d_bytes = gate_up[0].numel(), down[0].numel()
+        if down_offset < gu_bytes or down_offset + d_bytes > slots.shape[1]:
+            _fail(f"an expert of {gu_bytes} + {d_bytes} bytes (down at {down_offset}) does not fit "
+                  f"slots of {slots.shape[1]} bytes")
+        gs_bank = gs_slot = 0
+        if gscale is not None:
+            if not (gscale.dtype == torch.float32 and gscale.is_contiguous() and tuple(gscale.shape) ==
+                    (gate_up.shape[0], 3) and slot_gscale.is_cuda and slot_gscale.is_contiguous()
+                    and tuple(slot_gscale.shape) == (slots.shape[0], 3)):
+                _fail("gscale must be a contiguous float32 [E, 3] bank and slot_gscale [S, 3] on the GPU")
+            gs_bank, gs_slot = gscale.data_ptr(), slot_gscale.data_ptr()
+        _ext.host_task_set_fetch(self.address, copy.data_ptr(), copy.numel() // 2, gate_up.data_ptr(),
+                                 down.data_ptr(), slots.data_ptr(), slots.data_ptr() + down_offset, gu_bytes,
+                                 d_bytes, gate_up.shape[0], slots.shape[0], stream, context, word.data_ptr(),
+                                 deadline_ms, -1, 0, 0, 0, row_offset, slots.stride(0), gs_bank, gs_slot)
+        self._fetch_buffers = (copy, gate_up, down, slots, slot_gscale, word) + ((gscale,) if gscale is not None
+                                                                                 else ())
 
     def fetch(self) -> None:
         """The task's fetch issued in this thread, as the poller does before each run (a test hook)."""

@@ -6,7 +6,11 @@ fp8, nvfp4 as the layout defines them). `moe_packed(x, ids, weights, gate_up, fm
 gscale, out)` adds to out[t] the sum over j of weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
 e = ids[t, j] (-1: skipped), dequantizing blocks in registers with float32 accumulation; gate_up
 [E, 2I, row_bytes(fmt_gu, H)] (gate rows, then up rows), down [E, H, row_bytes(fmt_d, I)], gscale
-float32 [E, 3] (gate, up, down global scales; None = 1). Every argument is checked here (the
+float32 [E, 3] (gate, up, down global scales; None = 1). Keyword-only, the experts' epilogue
+(gpt-oss): `bias_gu` float32 [E, 2I] (gate biases, then up biases) added to the projections,
+`bias_d` float32 [E, H] added to down's output before the routing weight, and `activation`
+"silu" or "swiglu_clamped" (g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g *
+sigmoid(alpha * g); `alpha`, `limit`). Every argument is checked here (the
 extension takes raw addresses); a bad one raises ValueError naming it. The SIMD path is the one
 `native.ftnative.set_isa` selects. `PackedHostTask` is the same call prepared once for the
 doorbell poller (ftnative.HostTask; its runs overwrite out). `dequantize` is the scalar decoder
@@ -23,6 +27,7 @@ import torch
 from native import ftnative
 
 _ext = ftnative._ext
+ACTIVATIONS = ("silu", "swiglu_clamped")  # by code (native/src/moe_layer.h Act)
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,20 @@ def _check_bank(name: str, bank: object, fmt: str, rows: int | None, k: int | No
     return t
 
 
+def _check_bias(name: str, bias: torch.Tensor | None, shape: tuple[int, int]) -> int:
+    """The address of a float32 contiguous bias of `shape`, or 0 for None."""
+    if bias is None:
+        return 0
+    t = _check(name, bias, torch.float32, 2)
+    if tuple(t.shape) != shape or not t.is_contiguous():
+        _fail(f"{name} must be contiguous {list(shape)}, got shape {tuple(t.shape)}")
+    return int(t.data_ptr())
+
+
 def _raw_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, fmt_gu: str,
-              down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor) -> tuple[Any, ...]:
+              down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor,
+              bias_gu: torch.Tensor | None, bias_d: torch.Tensor | None, activation: str, alpha: float,
+              limit: float) -> tuple[Any, ...]:
     """Every argument checked; the extension's raw argument tuple."""
     fgu, fd = packed_format(fmt_gu, "fmt_gu"), packed_format(fmt_d, "fmt_d")
     _check("x", x, torch.float32, 2)
@@ -110,16 +127,24 @@ def _raw_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     _check("out", out, torch.float32, 2)
     if out.shape != x.shape:
         _fail(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
+    b_gu = _check_bias("bias_gu", bias_gu, (experts, 2 * inter))
+    b_d = _check_bias("bias_d", bias_d, (experts, hidden))
+    if activation not in ACTIVATIONS:
+        _fail(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     return (x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(), out.stride(0), t_count, hidden,
             inter, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts, gu.data_ptr(), gu.stride(0),
             gu.shape[2], fgu.code, dn.data_ptr(), dn.stride(0), dn.shape[2], fd.code,
-            0 if gscale is None else gscale.data_ptr())
+            0 if gscale is None else gscale.data_ptr(), b_gu, b_d, ACTIVATIONS.index(activation), float(alpha),
+            float(limit))
 
 
 def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, fmt_gu: str,
-               down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor) -> None:
+               down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None, out: torch.Tensor, *,
+               bias_gu: torch.Tensor | None = None, bias_d: torch.Tensor | None = None, activation: str = "silu",
+               alpha: float = 1.702, limit: float = 7.0) -> None:
     """out[t] += sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t); see the module docstring."""
-    args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out)
+    args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out, bias_gu, bias_d, activation, alpha,
+                     limit)
     if x.shape[0]:
         _ext.moe_packed(*args)  # ValueError naming ids / gate_up / down on a bad id or size
 
@@ -131,11 +156,13 @@ class PackedHostTask(ftnative.HostTask):
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                  fmt_gu: str, down: torch.Tensor, fmt_d: str, gscale: torch.Tensor | None,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, *, bias_gu: torch.Tensor | None = None, bias_d: torch.Tensor | None = None,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
         if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
             _fail("x must have T > 0 rows")
-        args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out)
-        self._buffers = (x, ids, weights, out, gate_up, down, gscale)  # type: ignore[assignment]
+        args = _raw_args(x, ids, weights, gate_up, fmt_gu, down, fmt_d, gscale, out, bias_gu, bias_d, activation,
+                         alpha, limit)
+        self._buffers = (x, ids, weights, out, gate_up, down, gscale, bias_gu, bias_d)  # type: ignore[assignment]
         self._words = None
         self._fetch_buffers = None
         self.address = _ext.host_task_create_packed(*args)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.gpu.slots import ExpertSlots
+    from engine.gpu.slots import SlotPool
     from engine.weights.layout import ExpertBanks
 
 RESERVED_USE = torch.iinfo(torch.int64).max  # last_use of a reserved slot: never a victim
@@ -83,11 +83,11 @@ class CacheTable:
         """`slot_owner` value of a reserved slot: the trash flat id."""
         return self.layers * self.experts
 
-    def check_matches(self, banks: ExpertBanks, slots: ExpertSlots) -> None:
+    def check_matches(self, banks: ExpertBanks, slots: SlotPool) -> None:
         """Raises ValueError unless this table describes `banks` (layers x experts) and `slots`."""
         if self.slots != slots.slots:
             raise ValueError(f"cache table has {self.slots} slots but the pool has {slots.slots}")
-        if self.experts != banks.num_experts or self.layers * self.experts != banks.w13.shape[0]:
+        if self.experts != banks.num_experts or self.layers * self.experts != banks.rows:
             raise ValueError("cache table shape does not match the expert banks")
         if self.device != slots.device:
             raise ValueError(f"cache table on {self.device} but slots on {slots.device}")

@@ -57,9 +57,10 @@ from engine.gpu import load_guard
 from engine.gpu.cache_table import CacheTable
 from engine.gpu.host_fn import clear, device_address, ring, wait_done
 from engine.gpu.plan import plan_layer
-from engine.gpu.slots import ExpertSlots
+from engine.gpu.quant.pool import PackedPool
+from engine.gpu.slots import ExpertSlots, SlotPool
 from engine.graphs import GraphCache
-from engine.weights.layout import ExpertBanks
+from engine.weights.layout import ExpertBanks, PackedExpertBanks
 
 CPU_BRANCH_SPIN_US = 2000  # native pool workers' idle spin while a GPU step drives them
 PLANS = ("torch", "fused")
@@ -78,9 +79,9 @@ class StepParts:
     """What the decode steps share with their expert cache (which owns every part)."""
 
     banks: ExpertBanks
-    slots: ExpertSlots
+    slots: SlotPool  # ExpertSlots, or a PackedPool over PackedExpertBanks
     table: CacheTable
-    cpu_experts: Any  # the native executor's weights (native/formats.py ExpertWeights): the host tasks run them
+    cpu_experts: Any  # the native executor's weights (native/formats.py ExpertWeights; None for packed banks)
     counts: torch.Tensor  # [4] int64 on the device: hits, misses, fetched, split
     ratio: torch.Tensor  # [1] float64 on the device: the fetch ratio the plans read (rewritten between steps)
     split: tuple[int, int] | None  # the split expert's (units, rows per unit), or None
@@ -104,16 +105,20 @@ class DeviceStep:
         self.tokens = tokens
         dev = parts.table.device
         banks = parts.banks
-        hidden = banks.w2.shape[1]
+        # packed banks: the packed slots' kernels per layer, and the packed host task's buffers
+        # (int32 ids, a float32 answer)
+        self._packed = parts.slots if isinstance(parts.slots, PackedPool) else None
+        packed = isinstance(banks, PackedExpertBanks)
+        hidden = banks.hidden if isinstance(banks, PackedExpertBanks) else banks.w2.shape[1]
         self.k = k
         self.x = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
         self.ids = torch.zeros(tokens, k, dtype=torch.int64, device=dev)
         self.w = torch.zeros(tokens, k, dtype=dtype, device=dev)
         self.out = torch.zeros(tokens, hidden, dtype=dtype, device=dev)
         self.x_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
-        self.ids_h = torch.zeros(tokens, k, dtype=torch.int64, pin_memory=True)
+        self.ids_h = torch.zeros(tokens, k, dtype=torch.int32 if packed else torch.int64, pin_memory=True)
         self.w_h = torch.zeros(tokens, k, dtype=torch.float32, pin_memory=True)
-        self.out_h = torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True)
+        self.out_h = torch.zeros(tokens, hidden, dtype=torch.float32 if packed else dtype, pin_memory=True)
         self.copies = min(tokens * k, banks.num_experts)  # the copy list's valid prefix is at most this
         # the per-layer plan: the same decisions in one Triton program (engine/gpu/plan_kernel.py)
         # when the sizes fit it, else plan_layer's ~25 torch kernels
@@ -156,12 +161,26 @@ class DeviceStep:
             from native.ftnative import HostTask
 
             ex = self.ex
-            task = HostTask(self.x_h, self.ids_h, self.w_h, ex.cpu_experts, self.out_h,
-                            id_offset=layer * ex.banks.num_experts)
             fetched = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             address = device_address(fetched)
-            task.serve_fetch(self.copy_h, ex.banks.w13, ex.banks.w2, ex.slots.w13, ex.slots.w2,
-                             self.copy_stream.cuda_stream, self._context, fetched, scratch=self._scratch)
+            banks, pool = ex.banks, self._packed
+            if isinstance(banks, PackedExpertBanks) and pool is not None:
+                from native.packed import PackedHostTask
+
+                gs = banks.gscale[layer]
+                task = PackedHostTask(self.x_h, self.ids_h, self.w_h, banks.gate_up[layer], banks.fmt_gu[layer],
+                                      banks.down[layer], banks.fmt_d[layer], gs, self.out_h)
+                task.serve_packed_fetch(self.copy_h, banks.gate_up[layer], banks.down[layer],
+                                        gs if pool.gscales else None, layer * banks.num_experts, pool.packed.data,
+                                        pool.formats[layer].gate_up_bytes, pool.packed.gscale,
+                                        self.copy_stream.cuda_stream, self._context, fetched)
+            else:
+                slots = ex.slots
+                assert isinstance(slots, ExpertSlots)
+                task = HostTask(self.x_h, self.ids_h, self.w_h, ex.cpu_experts, self.out_h,
+                                id_offset=layer * banks.num_experts)
+                task.serve_fetch(self.copy_h, banks.w13, banks.w2, slots.w13, slots.w2,
+                                 self.copy_stream.cuda_stream, self._context, fetched, scratch=self._scratch)
             self._fetched[layer] = (fetched, address)
             # a third word when the ratio adapts: the GPU's "my branch is done" (adapt.py)
             words = torch.zeros(3 if ex.adapt else 2, dtype=torch.int32, pin_memory=True)
@@ -218,8 +237,14 @@ class DeviceStep:
             wait_done(main, word)
             settle()
 
-        rows = kernels.expert_rows(x, plan.slot_ids, w, ex.slots.w13, ex.slots.w2, plan.copy_dst[:self.copies],
-                                   between, plan.split, self._scratch)
+        if self._packed is not None:
+            rows = self._packed.kernels[layer].expert_rows(x, plan.slot_ids, w, copy_dst=plan.copy_dst[:self.copies],
+                                                           between=between)
+        else:
+            slots = ex.slots
+            assert isinstance(slots, ExpertSlots)
+            rows = kernels.expert_rows(x, plan.slot_ids, w, slots.w13, slots.w2, plan.copy_dst[:self.copies],
+                                       between, plan.split, self._scratch)
         if ex.adapt:  # ready = 1 while this stream waits for the CPU's answer
             ring(main, words + 8)
         wait_done(main, words + 4)

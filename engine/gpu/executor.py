@@ -40,6 +40,12 @@ gpu.split_expert off turns it off, on insists) has each decode step split one mi
 intermediate rows between a partial fetch and the CPU (engine/gpu/policy.py `split_share`), so
 the two sides can balance to a fraction of an expert instead of a whole one; `adapt` then defaults
 to on (gpu.adapt_ratio off turns it off).
+
+Packed (quantized) banks (`PackedExpertBanks`) get a `PackedPool` (engine/gpu/quant/pool.py) of
+packed slots instead of `ExpertSlots`: a fetch copies the expert's stored bytes, the GPU computes
+from them with the packed kernels (engine/gpu/quant/), the CPU part runs on the packed executor
+(engine/moe/packed.py; the native moe_packed kernel serves the decode steps' host tasks). No expert
+split; `adapt` defaults to on, since the starting ratio comes from a bf16 calibration.
 """
 
 from __future__ import annotations
@@ -59,11 +65,13 @@ from engine.gpu.device_step import DeviceStep, StepParts, resolve_plan
 from engine.gpu.plan import plan_layer
 from engine.gpu.policy import check_ratio
 from engine.gpu.prefill import PrefillStreamer
-from engine.gpu.slots import ExpertSlots
+from engine.gpu.quant.pool import PackedPool
+from engine.gpu.slots import ExpertSlots, SlotPool
 from engine.moe.base import CacheStats, ExpertExecutor
-from engine.moe.executor import TorchExpertExecutor
+from engine.moe.executor import TorchExpertExecutor, create_executor
 from engine.moe.native import NativeExpertExecutor, native_unsupported
-from engine.weights.layout import ExpertBanks
+from engine.moe.packed import PackedExpertExecutor
+from engine.weights.layout import ExpertBanks, PackedExpertBanks
 
 log = logging.getLogger("freetoken.engine")
 
@@ -87,13 +95,18 @@ def resolve_split(split: bool | None, banks: ExpertBanks, plan: str, device: tor
 
 
 def serves_steps(cpu_executor: ExpertExecutor) -> bool:
-    """Whether the CPU executor can run a device step's CPU branch (the native one: its host tasks)."""
+    """Whether the CPU executor can run a device step's CPU branch (a native one: its host tasks;
+    for packed banks the native moe_packed kernel)."""
+    if isinstance(cpu_executor, PackedExpertExecutor):
+        return cpu_executor.name == "native"
     return isinstance(cpu_executor, NativeExpertExecutor)
 
 
 def split_units(banks: ExpertBanks) -> int:
     """Steps of SPLIT_ROWS rows in one expert, or 0 where the banks cannot be split (the native CPU
     side splits bf16 / f32 weights at multiples of 16 rows)."""
+    if isinstance(banks, PackedExpertBanks):
+        return 0
     inter = banks.w2.shape[2]
     ok = banks.w13.dtype in (torch.bfloat16, torch.float32) and inter % SPLIT_ROWS == 0 and inter > SPLIT_ROWS
     return inter // SPLIT_ROWS if ok else 0
@@ -101,7 +114,14 @@ def split_units(banks: ExpertBanks) -> int:
 
 def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor:
     """The native CPU executor when it can serve the banks, else the torch reference, with a warning
-    that says why (it is several times slower: a missing native build cost a GPU run its figures)."""
+    that says why (it is several times slower: a missing native build cost a GPU run its figures).
+    Packed banks: the packed executor (native moe_packed when built)."""
+    if isinstance(banks, PackedExpertBanks):
+        ex = create_executor("auto", banks, "cpu", threads)
+        if not serves_steps(ex):
+            log.warning("the expert cache's CPU misses run on the packed torch reference: native moe_packed is "
+                        "not built (python native/build.py)")
+        return ex
     why = native_unsupported(banks, "cpu")
     if why is None:
         return NativeExpertExecutor(banks, threads)
@@ -111,10 +131,17 @@ def default_cpu_executor(banks: ExpertBanks, threads: int = 0) -> ExpertExecutor
 
 
 def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                         slots: ExpertSlots) -> torch.Tensor:
+                         slots: SlotPool, moe_index: int = 0) -> torch.Tensor:
     """sum over entries with slot_ids >= 0 of weight * expert(x), experts read from `slots`,
-    accumulated in ascending expert id as TorchExpertExecutor does."""
-    out = torch.zeros_like(x)
+    accumulated in ascending expert id as TorchExpertExecutor does. A packed pool on CUDA runs
+    the packed GEMV (engine/gpu/quant/gemv.py); elsewhere its slots are dequantized and the
+    products taken in float32, as the packed CPU executor does."""
+    if isinstance(slots, PackedPool) and x.is_cuda:
+        from engine.gpu.quant.gemv import packed_slot_experts
+
+        return packed_slot_experts(x, ids, slot_ids, weights, slots.packed, slots.formats[moe_index]).to(x.dtype)
+    packed = isinstance(slots, PackedPool)
+    out = torch.zeros(x.shape, dtype=torch.float32 if packed else x.dtype, device=x.device)
     k = ids.shape[1]
     flat_slot = slot_ids.reshape(-1)
     # device entries sorted by expert id; CPU entries (key E_max) last and never visited
@@ -129,11 +156,17 @@ def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Ten
     start = 0
     for slot, count in zip(slot_groups.tolist(), counts.tolist(), strict=True):
         rows = token_of[start:start + count]
-        gate, up = F.linear(x[rows], slots.w13[slot]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, slots.w2[slot]) * flat_w[start:start + count, None]
+        if isinstance(slots, PackedPool):
+            w13, w2 = slots.weights(slot, moe_index)
+            xs, wt = x[rows].float(), flat_w[start:start + count, None].float()
+        else:
+            assert isinstance(slots, ExpertSlots)
+            w13, w2, xs, wt = slots.w13[slot], slots.w2[slot], x[rows], flat_w[start:start + count, None]
+        gate, up = F.linear(xs, w13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2) * wt
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
-    return out
+    return out.to(x.dtype)
 
 
 def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
@@ -161,7 +194,7 @@ def cpu_entries(ids: torch.Tensor, weights: torch.Tensor,
 class CachedExpertExecutor(ExpertExecutor):
     has_stats = True
 
-    def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable, cpu_executor: ExpertExecutor,
+    def __init__(self, banks: ExpertBanks, slots: SlotPool, table: CacheTable, cpu_executor: ExpertExecutor,
                  ratio: float, overlap: bool | None = None, graphs: bool = True, step_tokens: int = 8,
                  plan: str | None = None, adapt: bool | None = None, split: bool | None = None) -> None:
         table.check_matches(banks, slots)
@@ -192,7 +225,10 @@ class CachedExpertExecutor(ExpertExecutor):
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py): opt-in, and
         # on by default with the split: a ratio nudge then moves a fraction of an expert, where whole
         # experts per layer barely moved (ninth GPU session: the pair +13.6 %, the split alone +2.4 %)
-        self.adapt = self.split if adapt is None else adapt
+        # packed banks: the ratio comes from a bf16 calibration (the CPU's packed rate differs by
+        # format), so it adapts online by default
+        packed = isinstance(banks, PackedExpertBanks)
+        self.adapt = (self.split or (packed and native and self.plan == "fused")) if adapt is None else adapt
         if self.adapt and self.plan != "fused":
             raise ConfigError("adapt_ratio (FREETOKEN_ADAPT_RATIO=1) needs the fused plan")
         self._controller = RatioController(self.ratio)
@@ -271,7 +307,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self.slots.apply_copies(copy_src, copy_dst, self.banks)
         out = None
         if not bool(on_cpu.all()):
-            out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots)
+            out = grouped_slot_experts(x.to(dev), ids.to(dev), plan.slot_ids, weights.to(dev), self.slots, moe_index)
             out = out.to(x.device)
         if cpu_job is None:
             assert out is not None
@@ -302,8 +338,9 @@ class CachedExpertExecutor(ExpertExecutor):
 
     def _step_parts(self) -> StepParts:
         # device steps run on CUDA only, with the native CPU side (`step_tokens`)
-        assert self.ratio_device is not None and isinstance(self.cpu_executor, NativeExpertExecutor)
-        return StepParts(self.banks, self.slots, self.table, self.cpu_executor.experts, self._counts,
+        assert self.ratio_device is not None and serves_steps(self.cpu_executor)
+        experts = self.cpu_executor.experts if isinstance(self.cpu_executor, NativeExpertExecutor) else None
+        return StepParts(self.banks, self.slots, self.table, experts, self._counts,
                          self.ratio_device, self.split_steps, self.adapt)
 
     def begin_forward(self, entries: int) -> None:
@@ -398,8 +435,12 @@ def create_cached_executor(banks: ExpertBanks, budget_bytes: int, device: torch.
     (and a scratch slot in it when the expert split is on: `resolve_split`)."""
     cpu_executor = cpu_executor or default_cpu_executor(banks, threads)
     scratch = resolve_split(split, banks, resolve_plan(plan), torch.device(device), serves_steps(cpu_executor))
-    slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=scratch)
-    layers = banks.w13.shape[0] // banks.num_experts
+    slots: SlotPool
+    if isinstance(banks, PackedExpertBanks):
+        slots = PackedPool.from_budget(banks, budget_bytes, device)
+    else:
+        slots = ExpertSlots.from_budget(banks, budget_bytes, device, scratch=scratch)
+    layers = banks.rows // banks.num_experts
     table = CacheTable(layers, banks.num_experts, slots.slots, device)
     return CachedExpertExecutor(banks, slots, table, cpu_executor, ratio, graphs=graphs, plan=plan, adapt=adapt,
                                 split=split)

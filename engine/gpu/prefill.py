@@ -100,7 +100,8 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.gpu.cache_table import CacheTable
-from engine.gpu.slots import ExpertSlots
+from engine.gpu.quant.pool import PackedPool
+from engine.gpu.slots import ExpertSlots, SlotPool
 from engine.options import triton_interpreted
 from engine.weights.layout import ExpertBanks
 
@@ -125,7 +126,7 @@ class PrefillStats:
 
 
 class PrefillStreamer:
-    def __init__(self, banks: ExpertBanks, slots: ExpertSlots, table: CacheTable,
+    def __init__(self, banks: ExpertBanks, slots: SlotPool, table: CacheTable,
                  copy_stream: torch.cuda.Stream | None = None, kernel: str | None = None) -> None:
         table.check_matches(banks, slots)
         if copy_stream is not None and slots.device.type != "cuda":
@@ -163,9 +164,9 @@ class PrefillStreamer:
         self._freed: list[torch.cuda.Event | None] = [None, None]
 
     @staticmethod
-    def fits(slots: ExpertSlots | int, experts: int) -> bool:
+    def fits(slots: SlotPool | int, experts: int) -> bool:
         """Whether a pool of `slots` can hold the two full-layer buffers (2 * experts slots)."""
-        n = slots.slots if isinstance(slots, ExpertSlots) else slots
+        n = slots if isinstance(slots, int) else slots.slots
         return n >= 2 * experts
 
     @property
@@ -273,19 +274,27 @@ class PrefillStreamer:
             loaded = self._loaded[b]
             assert loaded is not None
             stream.wait_event(loaded)
-        out = torch.zeros_like(xd)
+        pool = self.slots
+        packed = isinstance(pool, PackedPool)  # dequantized slots, float32 products (the packed executor's)
+        out = torch.zeros(xd.shape, dtype=torch.float32 if packed else xd.dtype, device=dev)
         slot_of = self._slot_of[moe_index]
         start = 0
         for expert, count in zip(experts, counts, strict=True):
             slot = slot_of[expert]
             rows = token_of[start:start + count]
-            gate, up = F.linear(xd[rows], self.slots.w13[slot]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.slots.w2[slot]) * flat_w[start:start + count, None]
+            if isinstance(pool, PackedPool):
+                w13, w2 = pool.weights(slot, moe_index)
+                xs, wt = xd[rows].float(), flat_w[start:start + count, None].float()
+            else:
+                assert isinstance(pool, ExpertSlots)
+                w13, w2, xs, wt = pool.w13[slot], pool.w2[slot], xd[rows], flat_w[start:start + count, None]
+            gate, up = F.linear(xs, w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2) * wt
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         if stream is not None:
             self._freed[b] = stream.record_event()
-        return out.to(x.device)
+        return out.to(x.device, x.dtype)
 
     def _layer_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        moe_index: int) -> torch.Tensor:
@@ -310,7 +319,12 @@ class PrefillStreamer:
             loaded = self._loaded[b]
             assert loaded is not None
             stream.wait_event(loaded)
-        out = self._kernels.grouped_experts(x, ids, weights, slot_of, self.slots.w13, self.slots.w2, layout)
+        pool = self.slots
+        if isinstance(pool, PackedPool):
+            out = pool.kernels[moe_index].grouped_experts(x, ids, weights, slot_of, layout=layout)
+        else:
+            assert isinstance(pool, ExpertSlots)
+            out = self._kernels.grouped_experts(x, ids, weights, slot_of, pool.w13, pool.w2, layout)
         if stream is not None:
             self._freed[b] = stream.record_event()
         return out
@@ -358,24 +372,32 @@ class PrefillStreamer:
         slot_of = self._slot_of[layer]
         missing = self._missing[layer]
         base = layer * self.experts
-        banks, slots = self.banks, self.slots
+        banks = self.banks
         if self.copy_stream is None:
-            for e in missing:
-                slots.w13[slot_of[e]].copy_(banks.w13[base + e], non_blocking=True)
-                slots.w2[slot_of[e]].copy_(banks.w2[base + e], non_blocking=True)
+            self._copy(missing, slot_of, base)
         else:
             freed = self._freed[b]
             assert freed is not None
             self.copy_stream.wait_event(freed)
             with torch.cuda.stream(self.copy_stream):
-                for e in missing:
-                    slots.w13[slot_of[e]].copy_(banks.w13[base + e], non_blocking=True)
-                    slots.w2[slot_of[e]].copy_(banks.w2[base + e], non_blocking=True)
+                self._copy(missing, slot_of, base)
             self._loaded[b] = self.copy_stream.record_event()
         self._buffer_layer[b] = layer
         self._issued.add(layer)
         self._stats.streamed += len(missing)
         self._stats.bytes_streamed += len(missing) * banks.expert_bytes
+
+    def _copy(self, experts: list[int], slot_of: list[int], base: int) -> None:
+        """Bank experts base + e into slot_of[e], one DMA per tensor, on the current stream."""
+        pool, banks = self.slots, self.banks
+        if isinstance(pool, PackedPool):
+            for e in experts:
+                pool.copy_expert(slot_of[e], base + e)
+            return
+        assert isinstance(pool, ExpertSlots)
+        for e in experts:
+            pool.w13[slot_of[e]].copy_(banks.w13[base + e], non_blocking=True)
+            pool.w2[slot_of[e]].copy_(banks.w2[base + e], non_blocking=True)
 
     def _compute_stream(self) -> torch.cuda.Stream | None:
         if self.copy_stream is None:

@@ -3,11 +3,13 @@
 Contract: `attach_expert_cache(decoder, opts, dtype)` moves an embedding table that is not also the
 LM head into page-locked host memory (`host_embedding`; the option gpu.host_embed off keeps it on the GPU),
 splits `opts.gpu_memory` (engine/gpu/budget.py) over what stays on the GPU, page-locks the host
-expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more),
+expert banks in place (cudaHostRegister: no copy, so a 60 GB bank does not need 60 GB more; packed
+banks per layer tensor),
 resolves the fetch ratio (opts.fetch_ratio when >= 0; else the calibration stored for this machine
 in `opts.calibration_file`; else it measures B_C and B_P now, a few seconds, saves them there and
 logs that it did: never a silent default), and replaces the decoder's executor with a
-`CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA or when the cap is too small.
+`CachedExpertExecutor`. Returns the budget. Raises `ConfigError` off CUDA, when the cap is too small,
+or for experts with biases or another activation than silu (gpt-oss).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def pin_in_place(banks: ExpertBanks) -> bool:
     address fail to register, or leave the GPU a stale mapping."""
     ok = True
     cudart = torch.cuda.cudart()
-    for t in (banks.w13, banks.w2):
-        if t.is_pinned():
+    tensors = ([*banks.gate_up, *banks.down, *banks.gscale] if isinstance(banks, PackedExpertBanks)
+               else [banks.w13, banks.w2])
+    for t, ptr, size in _distinct_ranges(tensors):
+        if t.is_pinned() or size == 0:
             continue
-        ptr, size = t.data_ptr(), t.numel() * t.element_size()
         # mapped (2) | portable (1): the fetch kernel reads the banks through their device mapping
         if int(cudart.cudaHostRegister(ptr, size, 3)) != 0:
             ok = False
@@ -47,6 +50,17 @@ def pin_in_place(banks: ExpertBanks) -> bool:
     if not ok:
         log.warning("expert banks could not be page-locked: fetches run at pageable-copy speed")
     return ok
+
+
+def _distinct_ranges(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+    """(a tensor, address, bytes) per storage: views of one buffer are registered once, as their
+    whole storage (a second registration of an overlapping range fails); the registration lasts
+    as long as that tensor (the banks keep every view alive)."""
+    seen: dict[int, tuple[torch.Tensor, int, int]] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), (t, st.data_ptr(), st.nbytes()))
+    return list(seen.values())
 
 
 def _unregister(ptr: int) -> None:
@@ -76,6 +90,8 @@ def host_embedding(decoder: Decoder) -> int:
 
 
 def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
+    """Packed banks take the bf16 calibration's ratio as a start (a packed expert's bytes cost the
+    copy and the CPU's read alike), which the executor then adapts online (engine/gpu/adapt.py)."""
     if opts.fetch_ratio >= 0:
         return opts.fetch_ratio
     from engine.gpu.calibrate import CalibrationSpec, calibrate, machine_key
@@ -83,8 +99,10 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
     from engine.moe.native import FORMAT_OF_DTYPE, load_native
 
     pool = opts.native_pool_threads
-    spec = CalibrationSpec(fmt=FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=banks.w2.shape[1],
-                           inter=banks.w2.shape[2], threads=pool, bank_bytes=10**9, seconds=0.4, rounds=2,
+    packed = isinstance(banks, PackedExpertBanks)
+    hidden, inter = banks.w2.shape[1], banks.w2.shape[2]  # packed banks: their empty float banks' shape
+    spec = CalibrationSpec(fmt="bf16" if packed else FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=hidden,
+                           inter=inter, threads=pool, bank_bytes=10**9, seconds=0.4, rounds=2,
                            device=opts.device)
     threads = pool or load_native().physical_cores()
     path = Path(opts.calibration_file) if opts.calibration_file else None
@@ -102,10 +120,6 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
 
 def attach_expert_cache(decoder: Decoder, opts: EngineOptions, dtype: torch.dtype) -> GpuBudget:
     banks = decoder.weights.experts
-    if isinstance(banks, PackedExpertBanks):
-        raise ConfigError(f"the GPU expert cache does not hold packed experts yet; this model's are "
-                          f"{'/'.join(sorted({*banks.fmt_gu, *banks.fmt_d}))}: run with --gpu-memory off "
-                          "(they then run on the CPU expert executor)")
     if banks.b13 is not None or banks.activation != "silu":
         raise ConfigError(f"the GPU expert cache runs silu experts without biases; these have biases and "
                           f"{banks.activation} (gpt-oss): run with --gpu-memory off")

@@ -22,9 +22,25 @@ it is a plain copy.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 from engine.weights.layout import ExpertBanks
+
+
+class SlotPool(Protocol):
+    """What the cache table, plans and executor need of a slot pool: this module's ExpertSlots or
+    engine/gpu/quant/pool.py's PackedPool (packed experts)."""
+
+    slots: int
+    scratch: int | None
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def apply_copies(self, copy_src: torch.Tensor, copy_dst: torch.Tensor, banks: Any) -> int: ...
 
 
 class ExpertSlots:

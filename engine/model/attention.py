@@ -1,14 +1,17 @@
 """Softmax attention over the paged KV cache: GQA, q/k norm, partial rotary, output gate, sinks.
 
-Contract: `full_attention(x, w, cfg, rotary, meta, k_cache, v_cache, window)` writes the new tokens'
-keys and values into their cache slots, attends each sequence's new queries over all its cached and
+Contract: `full_attention(x, w, cfg, rotary, meta, k_cache, v_cache, window, ring)` writes the new
+tokens' keys and values into the cache, attends each sequence's new queries over all its cached and
 new keys (causal; with `window`, only the last `window` keys, the query's own included), and
-returns the o_proj output [N, H]. With sinks (`w.sinks`, one logit per head) each head's softmax
-also counts exp(sink) in its denominator, as if over one more key whose value is zero. It is three parts:
-`attention_inputs` (projections, norms, rotary), the mix across tokens, `attention_output` (gate,
-o_proj). The mix is the split-K decode kernel when the pass meta carries its device-side lengths
-(`meta.decode`: decode-sized passes on CUDA, captured or not, so a step computes the same either
-way), else `attention_core`, which walks `meta.batch`'s sequences.
+returns the o_proj output [N, H]. The cache is the KV pool's layer, addressed by each sequence's KV
+slots, or with `ring` > 0 (sliding-window layers) the state pool's rings of that many rows,
+addressed by each sequence's state slot and the position (`cache_rows`). With sinks (`w.sinks`, one
+logit per head) each head's softmax also counts exp(sink) in its denominator, as if over one more
+key whose value is zero. It is three parts: `attention_inputs` (projections, norms, rotary), the mix
+across tokens, `attention_output` (gate, o_proj). The mix is the split-K decode kernel when the
+pass meta carries its device-side lengths (`meta.decode`, and `meta.ring` for ring layers:
+decode-sized passes on CUDA, captured or not, so a step computes the same either way), else
+`attention_core`, which walks `meta.batch`'s sequences.
 """
 
 from __future__ import annotations
@@ -17,11 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.batch import ForwardBatch, PassMeta
+from engine.model.batch import ForwardBatch, PassMeta, SeqEntry
+from engine.model.kernel_limits import DECODE_ATTENTION_TOKENS as DECODE_ATTENTION_TOKENS
 from engine.model.ops import Rotary, rms_norm
 from engine.weights.layout import AttentionWeights
-
-DECODE_ATTENTION_TOKENS = 8  # passes up to this size attend with engine/model/decode_attention.py on CUDA
 
 
 def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary, positions: torch.Tensor,
@@ -45,21 +47,25 @@ def attention_inputs(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rot
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, batch: ForwardBatch,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The mix across tokens, per sequence: writes the new keys/values into the cache and attends
-    each sequence's queries over its cached and new keys; returns [n, heads * hd]."""
+                   sinks: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
+    """The mix across tokens, per sequence: attends each sequence's queries over its cached keys
+    (only the window's, with `window`) and its new ones, then writes the new keys/values into the
+    cache (into the ring, with `ring`: only the last `ring` of them); returns [n, heads * hd]."""
     n, hd = q.shape[0], cfg.head_dim
     out = torch.empty(n, cfg.num_heads, hd, dtype=q.dtype, device=q.device)
     groups = cfg.num_heads // cfg.num_kv_heads
     for s in batch.seqs:
-        new_slots = s.kv_slots[s.cached_len:]
-        k_cache[new_slots] = k[s.start:s.end]
-        v_cache[new_slots] = v[s.start:s.end]
-        keys = k_cache[s.kv_slots].repeat_interleave(groups, dim=1)  # [S, heads, hd]
-        vals = v_cache[s.kv_slots].repeat_interleave(groups, dim=1)
-        total = s.cached_len + s.length
-        qpos = torch.arange(s.cached_len, total, device=q.device)[:, None]
-        kpos = torch.arange(total, device=q.device)[None, :]
+        cached, total = s.cached_len, s.cached_len + s.length
+        lo = 0 if window is None else max(0, cached - window + 1)
+        old = cache_rows(s, lo, cached, ring)
+        keys = torch.cat([k_cache[old], k[s.start:s.end].to(k_cache.dtype)]).repeat_interleave(groups, dim=1)
+        vals = torch.cat([v_cache[old], v[s.start:s.end].to(v_cache.dtype)]).repeat_interleave(groups, dim=1)
+        skip = max(s.length - ring, 0) if ring else 0  # a chunk longer than the ring keeps its tail
+        new = cache_rows(s, cached + skip, total, ring)
+        k_cache[new] = k[s.start + skip:s.end].to(k_cache.dtype)
+        v_cache[new] = v[s.start + skip:s.end].to(v_cache.dtype)
+        qpos = torch.arange(cached, total, device=q.device)[:, None]
+        kpos = torch.arange(lo, total, device=q.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
@@ -82,6 +88,15 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
             )
         out[s.start:s.end] = o.transpose(0, 1)[..., :hd]
     return out.reshape(n, cfg.num_heads * hd)
+
+
+def cache_rows(s: SeqEntry, lo: int, hi: int, ring: int = 0) -> torch.Tensor:
+    """The cache rows of positions [lo, hi) of sequence `s`: its KV slots, or (`ring` > 0) the rows
+    of its state slot's ring (engine/cache/pools.py: slot * ring + position % ring)."""
+    if not ring:
+        return s.kv_slots[lo:hi]
+    assert s.state_slot >= 0, "a sliding-window layer needs the sequence's state slot (its ring)"
+    return s.state_slot * ring + torch.arange(lo, hi, device=s.kv_slots.device) % ring
 
 
 def _sink_as_key(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
@@ -115,13 +130,16 @@ def full_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     window: int | None = None,
+    ring: int = 0,
 ) -> torch.Tensor:
     q, k, v, gate = attention_inputs(x, w, cfg, rotary, meta.positions, meta.limit)
     if meta.decode is not None:
         from engine.model.decode_attention import decode_attention  # triton: CUDA only
 
-        o = decode_attention(q, k, v, k_cache, v_cache, meta.decode, window, cfg.head_dim**-0.5, w.sinks)
+        table = meta.ring if ring else meta.decode
+        assert table is not None, "a sliding-window layer through the decode kernel needs the ring's table"
+        o = decode_attention(q, k, v, k_cache, v_cache, table, window, cfg.head_dim**-0.5, w.sinks, ring)
     else:
         assert meta.batch is not None
-        o = attention_core(q, k, v, cfg, meta.batch, k_cache, v_cache, window, w.sinks)
+        o = attention_core(q, k, v, cfg, meta.batch, k_cache, v_cache, window, w.sinks, ring)
     return attention_output(o, gate, w)

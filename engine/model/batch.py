@@ -68,3 +68,4 @@ class PassMeta:
     decode: Any = None
     state_slots: torch.Tensor | None = None  # [N] one new token per sequence: each one's recurrent state slot
     captured: bool = False  # captured whole: the routed experts run as the executor's graph steps
+    ring: Any = None  # with `decode`, the sliding-window layers' DecodeMeta over their rings (DecodeMeta.for_ring)

@@ -3,15 +3,22 @@
 Contract: `DecodeMeta.build(batch, capacity, device)` lays out, for the batch's n query tokens, the
 KV slot of each new token (`new_slots` [n]), each token's sequence's KV slots in position order
 (`table` [n, capacity] int32) and how many keys each token attends (`lengths` [n] int32: its
-position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale, sinks=None)` writes
-the new keys and values into the cache slots and returns every query's causal attention over its
-sequence's keys (GQA; with `window`, only the last `window` keys; with `sinks` [heads], each head's
-softmax denominator also counts exp(sink)) as [n, heads * head_dim].
+position + 1). `decode_attention(q, k, v, k_cache, v_cache, meta, window, scale, sinks=None,
+ring=0)` writes the new keys and values into the cache slots and returns every query's causal
+attention over its sequence's keys (GQA; with `window`, only the last `window` keys; with `sinks`
+[heads], each head's softmax denominator also counts exp(sink)) as [n, heads * head_dim].
 
 Nothing in `decode_attention` depends on a host value that changes between steps (the grid is fixed
 by n, the heads and the split count; the kernel loops up to the lengths it loads), so it can be
 captured once in a CUDA graph and replayed for any context length (engine/model/decode_graph.py);
 `DecodeMeta.fill` rewrites the same buffers eagerly before each replay.
+
+Sliding-window layers keep each sequence's keys in a ring of R rows (engine/cache/pools.py): with
+`ring` = R the kernel reads position p at `table[t, p % R]`, and `DecodeMeta.for_ring(positions,
+state_slots, R)` builds that table from each token's state slot with device ops only (row slot * R
++ i), so the captured pass derives it from its position and state-slot buffers. The new keys are
+written before the window is read, so R must cover the window plus the sequence's other new
+tokens in the pass.
 
 The kernel is split-K ("flash decoding"): each of SPLITS programs per (token, KV head) takes a share
 of the keys, keeps a running max and sum in float32 (online softmax), and a second kernel merges the
@@ -38,7 +45,7 @@ _NO_WINDOW = 1 << 30
 
 @triton.jit
 def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
-                  table_stride, scale, window,
+                  table_stride, scale, window, ring,
                   KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                   SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
@@ -66,7 +73,7 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_p
     while start < hi:
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        slot = tl.load(table_ptr + t * table_stride + n, mask=nmask, other=0).to(tl.int64)
+        slot = tl.load(table_ptr + t * table_stride + n % ring, mask=nmask, other=0).to(tl.int64)
         kv_off = (slot * KV_HEADS + kvh)[:, None] * D + d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scale
@@ -88,6 +95,14 @@ class DecodeMeta:
         return cls(torch.zeros(tokens, dtype=torch.long, device=device),
                    torch.zeros(tokens, capacity, dtype=torch.int32, device=device),
                    torch.ones(tokens, dtype=torch.int32, device=device))
+
+    @classmethod
+    def for_ring(cls, positions: torch.Tensor, state_slots: torch.Tensor, ring: int) -> DecodeMeta:
+        """The table of ring layers for tokens at `positions` [n] whose sequences own `state_slots`
+        [n] (device ops only: capturable)."""
+        base = state_slots.long() * ring
+        table = (base[:, None] + torch.arange(ring, device=base.device)).to(torch.int32)
+        return cls(base + positions % ring, table, (positions + 1).to(torch.int32))
 
     @classmethod
     def build(cls, batch: ForwardBatch, device: torch.device) -> DecodeMeta:
@@ -112,8 +127,9 @@ class DecodeMeta:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: DecodeMeta, window: int | None, scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [n, heads, D], k / v [n, kv_heads, D]; caches [slots, kv_heads, D]. Returns [n, heads * D]."""
+                     sinks: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
+    """q [n, heads, D], k / v [n, kv_heads, D]; caches [slots, kv_heads, D] (ring rows with `ring`).
+    Returns [n, heads * D]."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -126,7 +142,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     shares = SplitShares.empty(n * heads, splits, dim, q.device)
     _split_kernel[(n, kv_heads, splits)](
         q.contiguous(), k_cache, v_cache, meta.table, meta.lengths, shares.maxes, shares.sums, shares.acc,
-        meta.table.stride(0), scale, window or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups,
+        meta.table.stride(0), scale, window or _NO_WINDOW, ring or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups,
         G_PAD=max(16, triton.next_power_of_2(groups)), D=dim, SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
     out = shares.merge(torch.empty(n, heads, dim, dtype=q.dtype, device=q.device), sinks)
     return out.reshape(n, heads * dim)

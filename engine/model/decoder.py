@@ -4,6 +4,8 @@ Contract: `Decoder(cfg, weights, executor)`; `forward(batch, kv, states)` runs t
 layer (mixer by `layer_types`, MLP by `moe_layers`), and the final norm, returning hidden states
 [N, H] while updating the KV and state pools for the batch's sequences; `logits(hidden)` applies
 the LM head in float32. No family-specific code paths beyond the traits in the config.
+Full-attention layers attend over the KV pool, sliding-window layers over each sequence's ring in
+the state pool (engine/cache/pools.py), Gated DeltaNet layers carry their state there too.
 
 The layers run in one place, `run(input_ids, meta, kv, states)`, which reads everything about the
 pass besides the hidden states from its `PassMeta` (engine/model/batch.py). An eager pass builds
@@ -16,14 +18,15 @@ its captured pass. `drop_graphs()` forgets them (the executor's setter does: the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 
-from engine.cache.pools import KVPool, StatePool
-from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.cache.pools import KVPool, StatePool, ring_length
+from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from engine.model.attention import DECODE_ATTENTION_TOKENS, full_attention
 from engine.model.batch import ForwardBatch, PassMeta
 from engine.model.decode_graph import DecodeGraphs
@@ -44,10 +47,13 @@ class Decoder:
         self._graphs: dict[int, DecodeGraphs] = {}
         self._executor = executor
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        # Position of each layer within its pool (KV pools hold only full-attention layers, etc.).
+        # Position of each layer within its pool (KV pools hold only full-attention layers, the
+        # state pool the recurrent layers' states and the sliding-window layers' rings).
         self._kv_index = {li: i for i, li in enumerate(cfg.full_attention_layer_ids)}
         self._state_index = {li: i for i, li in enumerate(cfg.linear_attention_layer_ids)}
-        self._recurrent = bool(cfg.linear_attention_layer_ids)
+        self._ring_index = {li: i for i, li in enumerate(cfg.sliding_attention_layer_ids)}
+        self._ring = ring_length(cfg)
+        self._recurrent = cfg.is_hybrid  # per-sequence state: one new token per sequence in a graph
         # MLA shapes the latent decode kernel does not take attend per sequence: no decode graphs
         self._eager_only = cfg.attention_kind == "mla" and not decode_kernel_serves(cfg)
         # decode-sized passes through CUDA graphs (engine/model/decode_graph.py), when the engine
@@ -101,31 +107,56 @@ class Decoder:
         """The meta of an eager pass over `batch`: the split-K decode attention's device-side lengths
         for a decode-sized pass on CUDA, the state slots when every sequence has one new token."""
         dev = self.device
-        decode = None
-        if dev.type == "cuda" and batch.num_tokens <= DECODE_ATTENTION_TOKENS and self._kv_index and not self._eager_only:
-            from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
-
-            decode = DecodeMeta.build(batch, dev)
+        decode = ring = None
+        attends = self._kv_index or self._ring_index
+        if dev.type == "cuda" and batch.num_tokens <= DECODE_ATTENTION_TOKENS and attends and not self._eager_only:
+            decode, ring = self.kernel_metas(batch)
         slots = None
         if self._recurrent and all(s.length == 1 for s in batch.seqs):
             slots = batch.state_slots(dev)
-        return PassMeta(batch.positions, batch.position_limit, batch, decode, slots)
+        return PassMeta(batch.positions, batch.position_limit, batch, decode, slots, ring=ring)
+
+    def kernel_metas(self, batch: ForwardBatch) -> tuple[object, object]:
+        """The split-K decode kernel's tables for `batch`: over the KV pool, and over the rings
+        (None without sliding-window layers)."""
+        from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
+
+        dev = self.device
+        ring = None
+        if self._ring_index:
+            if all(s.length == 1 for s in batch.seqs):
+                slots = batch.state_slots(dev)  # made once per batch: the pass meta's too
+            else:
+                slots = torch.tensor([s.state_slot for s in batch.seqs for _ in range(s.length)]).to(dev)
+            ring = DecodeMeta.for_ring(batch.positions, slots, self._ring)
+        return DecodeMeta.build(batch, dev), ring
 
     def run(self, input_ids: torch.Tensor, meta: PassMeta, kv: KVPool, states: StatePool) -> torch.Tensor:
         """The forward pass itself: [N] token ids -> final hidden states [N, H]."""
         cfg, w = self.cfg, self.weights
+        if self._ring_index and meta.decode is not None and meta.ring is None:
+            # a captured pass (one token per sequence): the rings' table from its own buffers
+            from engine.model.decode_attention import DecodeMeta  # triton: CUDA only
+
+            assert meta.state_slots is not None
+            meta = dataclasses.replace(meta, ring=DecodeMeta.for_ring(meta.positions, meta.state_slots, self._ring))
         h = embed_tokens(input_ids, w.embed)
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         for li, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps, zc)
-            if cfg.layer_types[li] != LINEAR_ATTENTION:
+            kind = cfg.layer_types[li]
+            if kind == FULL_ATTENTION:
                 ki = self._kv_index[li]
                 if lw.mla is not None:
                     x = mla_attention(x, lw.mla, cfg, self.rotary, meta, kv.k[ki])
                 else:
                     assert lw.attention is not None
-                    x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki],
-                                       cfg.window_of(li))
+                    x = full_attention(x, lw.attention, cfg, self.rotary, meta, kv.k[ki], kv.v[ki])
+            elif kind != LINEAR_ATTENTION:  # sliding window: the sequence's ring in the state pool
+                assert lw.attention is not None
+                k_rows, v_rows = states.ring_rows(self._ring_index[li])
+                x = full_attention(x, lw.attention, cfg, self.rotary, meta, k_rows, v_rows, cfg.sliding_window,
+                                   self._ring)
             else:
                 assert lw.linear_attention is not None
                 si = self._state_index[li]

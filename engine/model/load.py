@@ -65,6 +65,7 @@ def load_decoder(
     banks = weights.experts
     if isinstance(banks, PackedExpertBanks):
         fmts = "/".join(sorted({*banks.fmt_gu, *banks.fmt_d}))
-        log.info("experts packed as stored (%s): %.2f GiB in host memory (%.2f GiB in bf16)", fmts,
-                 banks.total_bytes / 2**30, banks.bf16_bytes / 2**30)
+        in_file = f", {banks.file_bytes / 2**30:.2f} GiB in the file" if banks.file_bytes else ""
+        log.info("experts packed as stored (%s): %.2f GiB in host memory (%.2f GiB in bf16%s)", fmts,
+                 banks.total_bytes / 2**30, banks.bf16_bytes / 2**30, in_file)
     return Decoder(cfg, weights, create_executor(executor, banks, device, threads))

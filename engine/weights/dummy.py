@@ -5,9 +5,7 @@ Contract:
   `shape` (an engine/weights/shapes.py `MoeShape`) would carry, of its family (qwen3_moe,
   qwen3_5_moe_text or qwen3_next for the Gated DeltaNet hybrids, glm4_moe_lite or deepseek_v3 for
   MLA, or gpt_oss: alternating sliding (128) and full layers, YaRN as released); `layers` overrides
-  the layer count. gpt-oss's experts are bf16 banks (the dequantized form its MXFP4 experts load
-  to), its biases and sinks zero. bf16, no
-  EOS token (a generation always runs to its max_tokens).
+  the layer count. bf16, no EOS token (a generation always runs to its max_tokens).
 - `dummy_config(shape, layers=None) -> ModelConfig`: that dict through `ModelConfig.from_dict`;
   `shape` may be a shape name. Unknown names, families the engine does not run and layers < 1
   raise `ConfigError`.
@@ -15,7 +13,9 @@ Contract:
   `dummy_decoder(cfg, device, dtype, seed, executor="auto", threads=0) -> Decoder` (the executor
   made by `create_executor`, as `load_decoder` does). Dense weights are on `device`; the routed
   experts are one contiguous host tensor per bank (`ExpertBanks`: w13 [L*E, 2I, H], w2 [L*E, H, I]),
-  like a loaded checkpoint's. Raises `ConfigError` when the banks do not fit in available memory.
+  like a loaded checkpoint's; gpt-oss's are MXFP4 as released, kept packed (`PackedExpertBanks`,
+  one gate_up and one down tensor per layer, random valid blocks), with zero float32 biases (its
+  sinks are zero too). Raises `ConfigError` when the banks do not fit in available memory.
 
 Values depend only on (seed, cfg, dtype), not on the device or the thread count: every tensor is
 filled on the host in chunks, each chunk from its own generator seeded by (seed, tensor ordinal,
@@ -24,6 +24,9 @@ value is a bf16 bit pattern (random sign, random mantissa, exponent one of two a
 |w| is spread over [2^e, 2^(e+2)) with std about 2.42 * 2^e, and 64 random bits make four values
 (0.4-1 GB/s per core, page faults included, on a loaded 2-core dev VM; 58 GB should take seconds
 to tens of seconds on 16 cores, not yet timed there).
+
+An MXFP4 block is 16 random bytes (uniform codes over e2m1's values, whose rms is 5.85 x 2^(e-128)
+for e8m0 exponent e) after the exponent of the power of two that brings the rms nearest the std.
 
 Scales: matrices std ~0.02 like a real init, except the embedding (std ~1) and the projections
 that write into the residual stream (attention o_proj, Gated DeltaNet out_proj, expert and shared
@@ -60,6 +63,7 @@ from engine.weights.layout import (
     MlaWeights,
     MlpWeights,
     MoeWeights,
+    PackedExpertBanks,
 )
 from engine.weights.shapes import ENGINE_FAMILIES, SHAPES, MoeShape
 
@@ -166,6 +170,19 @@ def _fill_chunk(dst: torch.Tensor, seed: int, exponent: int) -> None:
         dst.copy_(words.view(torch.bfloat16)[:n])  # bf16 values are exact in float32 (and float16 here)
 
 
+MXFP4_RMS = 5.85  # rms of e2m1's 16 codes doubled (ggml's kvalues): sqrt(274 / 8)
+MXFP4_TASK = 17 * 8 << 18  # bytes per fill task: whole blocks and whole 64-bit words (35.7 MB)
+
+
+def _fill_mxfp4(dst: torch.Tensor, seed: int, exponent: int) -> None:
+    """Random MXFP4 blocks into the 1-D uint8 `dst`, 8-byte aligned, of whole blocks and words (a bank
+    of rows of 32-value multiples has 8 x 17 bytes per 8 blocks): random code bytes, the e8m0 byte
+    `exponent`."""
+    gen = torch.Generator().manual_seed(seed)
+    dst.view(torch.int64).random_(-(2**63), None, generator=gen)
+    dst.view(-1, 17)[:, 0] = exponent
+
+
 class _Random:
     """Hands out the model's tensors in a fixed order; the ordinal seeds each one."""
 
@@ -185,6 +202,17 @@ class _Random:
         exponent = round(math.log2(std / 2.42))
         jobs = [self.pool.submit(_fill_chunk, flat[start:start + CHUNK], _mix(seed, c), exponent)
                 for c, start in enumerate(range(0, flat.numel(), CHUNK))]
+        for job in jobs:
+            job.result()
+        return out
+
+    def mxfp4(self, *shape: int, k: int, std: float = STD) -> torch.Tensor:
+        """uint8 [*shape, k / 32 * 17]: rows of k values in random MXFP4 blocks of rms about `std`."""
+        out = torch.empty(*shape, k // 32 * 17, dtype=torch.uint8)
+        flat, seed = out.view(-1), self._next_seed()
+        exponent = 128 + round(math.log2(std / MXFP4_RMS))
+        jobs = [self.pool.submit(_fill_mxfp4, flat[start:start + MXFP4_TASK], _mix(seed, c), exponent)
+                for c, start in enumerate(range(0, flat.numel(), MXFP4_TASK))]
         for job in jobs:
             job.result()
         return out
@@ -281,12 +309,30 @@ def _layer(r: _Random, cfg: ModelConfig, li: int) -> LayerWeights:
     return lw
 
 
+def _mxfp4_banks(r: _Random, cfg: ModelConfig) -> PackedExpertBanks:
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    banks = PackedExpertBanks.empty(e, h, i)
+    banks.activation, banks.alpha, banks.limit = cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit
+    for _ in range(cfg.num_moe_layers):
+        banks.gate_up.append(r.mxfp4(e, 2 * i, k=h))
+        banks.down.append(r.mxfp4(e, h, k=i, std=r.out_std))
+        banks.fmt_gu.append("mxfp4")
+        banks.fmt_d.append("mxfp4")
+        banks.gscale.append(torch.ones(e, 3))
+    banks.b13, banks.b2 = torch.zeros(cfg.num_moe_layers * e, 2 * i), torch.zeros(cfg.num_moe_layers * e, h)
+    return banks
+
+
 def dummy_weights(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                   seed: int = 0, fill_threads: int = 0) -> DecoderWeights:
     dtype = dtype or parse_dtype(cfg.torch_dtype)
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     rows = cfg.num_moe_layers * e
-    bank_bytes = rows * 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+    mxfp4 = cfg.expert_layout == "gpt_oss"
+    if mxfp4 and (h % 32 or i % 32):
+        raise ConfigError(f"gpt-oss's MXFP4 experts need hidden and intermediate sizes that are multiples of 32, "
+                          f"got {h} and {i}")
+    bank_bytes = rows * 3 * h * i * 17 // 32 if mxfp4 else rows * 3 * h * i * torch.empty(0, dtype=dtype).element_size()
     available = _available_bytes()
     if available is not None and bank_bytes > 0.9 * available:
         raise ConfigError(f"the expert banks need {bank_bytes / 1e9:.1f} GB of host memory but only "
@@ -296,9 +342,12 @@ def dummy_weights(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: t
     torch.set_num_threads(1)  # the workers run in parallel; torch's own threads would oversubscribe
     r = _Random(seed, torch.device(device), dtype, workers, cfg.num_layers)
     try:
-        banks = ExpertBanks(w13=r.host(rows, 2 * i, h), w2=r.host(rows, h, i, std=r.out_std), num_experts=e,
-                            activation=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-        if cfg.expert_bias:
+        if mxfp4:
+            banks: ExpertBanks = _mxfp4_banks(r, cfg)
+        else:
+            banks = ExpertBanks(w13=r.host(rows, 2 * i, h), w2=r.host(rows, h, i, std=r.out_std), num_experts=e,
+                                activation=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        if cfg.expert_bias and not mxfp4:
             banks.b13, banks.b2 = torch.zeros(rows, 2 * i, dtype=dtype), torch.zeros(rows, h, dtype=dtype)
         embed = r.dense(cfg.vocab_size, h, std=EMBED_STD)
         layers = [_layer(r, cfg, li) for li in range(cfg.num_layers)]

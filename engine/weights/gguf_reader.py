@@ -17,6 +17,10 @@ loader copies into packed expert banks as they are. Supported architectures:
   value head h reads key head h mod (key heads) (tiled) where Hugging Face's reads h div (value
   heads per key head) (grouped), so every value-head-indexed tensor is permuted into grouped order.
   evals/peer/check_logits.py runs both programs on one file and compares their logits;
+- `qwen3next` (Qwen3-Next): as qwen35moe (norms as multipliers, `ssm_a` = -exp(A_log)), but its
+  value heads are in grouped order already (llama.cpp's qwen3next graph repeats each key head over
+  its value heads, as Hugging Face does) and beta / alpha come as one `ssm_ba` laid out as Hugging
+  Face's `in_proj_ba`, read as `in_proj_b` / `in_proj_a`; llama.cpp normalises the top-k weights;
 - `glm4moe` (GLM-4.5 / 4.6 / 4.7): the tensors map one to one (NEOX partial rotary as Hugging
   Face stores it); `block_count` counts the next-token-prediction layers, which are left out;
   sigmoid routing (`expert_gating_func` 2) with `exp_probs_b` as the correction bias;
@@ -25,6 +29,10 @@ loader copies into packed expert banks as they are. Supported architectures:
   `rope.scaling.*` (mscale = mscale_all_dim = yarn_log_multiplier / 0.1), rope dims interleaved as
   in the checkpoint; `kv_b_proj` is `attn_kv_b`, or rebuilt from the split `attn_k_b` (per head
   [kv_lora, nope], transposed) and `attn_v_b` ([v, kv_lora]) newer converters write.
+- `gpt-oss`: one to one, with the attention biases and sinks (`attn_sinks`), the router with its
+  bias (`ffn_gate_inp`), and the experts as separate `ffn_{gate,up,down}_exps` with `.bias` each
+  (llama.cpp's converter splits Hugging Face's interleaved gate_up; engine/weights/gpt_oss.py
+  reads them); even layers slide (llama.cpp's pattern), YaRN from `rope.scaling.*`.
   These conventions are read from the gguf package's name map and llama.cpp's converter as
   documented; no file written by llama.cpp itself was available to check them against.
 Anything else (another architecture, a quant type without a format here) raises `ConfigError` /
@@ -47,7 +55,8 @@ import torch
 from engine.errors import ConfigError, WeightError
 from engine.quant.formats import FORMATS, GGML_FORMATS
 
-_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next", "glm4moe": "glm4_moe",
+          "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
 # GGUF tensor name (with {i} for the block) -> checkpoint name; the Qwen3.5 names below add to these
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,6 +95,9 @@ _NAMES_35 = {
     "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
     "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
 }
+# Qwen3-Next: Qwen3.5's names, but beta and alpha in one ssm_ba (in_proj_a / in_proj_b are read out of it)
+_NAMES_NEXT = {**{k: v for k, v in _NAMES_35.items() if not k.startswith(("blk.{i}.ssm_beta", "blk.{i}.ssm_alpha"))},
+               "blk.{i}.ssm_ba.weight": _LIN + "in_proj_ba.weight"}
 _ATT = "model.layers.{i}.self_attn."
 _MLP = "model.layers.{i}.mlp."
 _NAMES_GLM = {
@@ -106,7 +118,21 @@ _NAMES_DS2 = {
     "blk.{i}.attn_kv_a_mqa.bias": _ATT + "kv_a_proj_with_mqa.bias",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
 }
-_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "glm4moe": _NAMES_GLM, "deepseek2": _NAMES_DS2}
+_EXP = "model.layers.{i}.mlp.experts."
+_NAMES_GPT_OSS = {
+    **{k: v for k, v in _NAMES.items() if not k.startswith(("blk.{i}.ffn_norm", "blk.{i}.ffn_gate_inp",
+                                                             "blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm"))},
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.attn_{x}.bias": f"{_ATT}{x}_proj.bias" for x in "qkv"},
+    "blk.{i}.attn_output.bias": _ATT + "o_proj.bias",
+    "blk.{i}.attn_sinks.weight": _ATT + "sinks",
+    "blk.{i}.ffn_gate_inp.weight": _MLP + "router.weight",
+    "blk.{i}.ffn_gate_inp.bias": _MLP + "router.bias",
+    # experts as separate gate / up / down matrices (engine/weights/gpt_oss.py), biases beside them
+    **{f"blk.{{i}}.ffn_{x}_exps.bias": f"{_EXP}{x}_proj_bias" for x in ("gate", "up", "down")},
+}
+_TABLES = {"qwen3moe": _NAMES, "qwen35moe": _NAMES_35, "qwen3next": _NAMES_NEXT, "glm4moe": _NAMES_GLM,
+           "deepseek2": _NAMES_DS2, "gpt-oss": _NAMES_GPT_OSS}
 # Qwen3.5's zero-centred RMSNorms (the Gated DeltaNet output norm is a plain one)
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
             "model.norm.weight")
@@ -247,8 +273,13 @@ class GgufReader:
             return {**cfg, **self._glm4moe(cfg)}
         if a == "deepseek2":
             return {**cfg, **self._glm4moe(cfg), **self._deepseek2(cfg)}
+        if a == "gpt-oss":
+            return {**cfg, **self._gpt_oss(cfg)}
         value_heads = int(v(f"{a}.ssm.time_step_rank"))
-        return {**cfg, "architectures": ["Qwen3_5MoeForCausalLM"],
+        if a == "qwen3next":  # llama.cpp's qwen3next graph normalises the top-k weights
+            cfg |= {"architectures": ["Qwen3NextForCausalLM"], "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "mlp_only_layers": []}
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], **cfg,
                 "partial_rotary_factor": int(v(f"{a}.rope.dimension_count", head_dim)) / head_dim,
                 "full_attention_interval": int(v(f"{a}.full_attention_interval", 4)),
                 "shared_expert_intermediate_size": int(v(f"{a}.expert_shared_feed_forward_length", 0)),
@@ -299,6 +330,26 @@ class GgufReader:
                 "mscale": mscale or None, "mscale_all_dim": mscale or None, "rope_theta": cfg["rope_theta"]}
         return out
 
+    def _gpt_oss(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """gpt-oss: even layers slide over `attention.sliding_window` tokens (llama.cpp's pattern of
+        2), YaRN as released (beta 32 / 1, no truncation), alpha 1.702 and limit 7 (llama.cpp's
+        constants: the file does not carry them)."""
+        a, v = self.arch, self._value
+        n = cfg["num_hidden_layers"]
+        out: dict[str, Any] = {
+            "architectures": ["GptOssForCausalLM"], "intermediate_size": cfg["moe_intermediate_size"],
+            "num_local_experts": cfg["num_experts"], "sliding_window": int(v(f"{a}.attention.sliding_window")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        }
+        if str(v(f"{a}.rope.scaling.type", "none")) == "yarn":
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": float(v(f"{a}.rope.scaling.factor")), "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": int(v(f"{a}.rope.scaling.original_context_length")),
+                "rope_theta": cfg["rope_theta"]}
+        return out
+
     def _kv_b(self, name: str) -> torch.Tensor:
         """kv_b_proj [heads * (nope + v), kv_lora] from the split attn_k_b / attn_v_b."""
         k_b = self.get(name.replace("kv_b_proj", "k_b_proj"))  # [heads, kv_lora, nope]
@@ -308,6 +359,21 @@ class GgufReader:
     def _split_kv_b(self, name: str) -> bool:
         return (name.endswith("self_attn.kv_b_proj.weight") and name not in self._tensors
                 and name.replace("kv_b_proj", "k_b_proj") in self._tensors)
+
+    def _ba_source(self, name: str) -> str | None:
+        """qwen3next: in_proj_a / in_proj_b, read out of in_proj_ba (per key head: its value heads' b
+        rows, then their a rows, as Hugging Face's Qwen3-Next stores it)."""
+        if self.arch != "qwen3next" or not name.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")):
+            return None
+        src = name.rsplit(".in_proj_", 1)[0] + ".in_proj_ba.weight"
+        return src if src in self._tensors else None
+
+    def _ba_part(self, name: str, src: str) -> torch.Tensor:
+        kh = int(self._value(f"{self.arch}.ssm.group_count"))
+        ba = self.get(src)
+        per = ba.shape[0] // (2 * kh)
+        part = ba.view(kh, 2 * per, -1)
+        return (part[:, per:] if name.endswith("in_proj_a.weight") else part[:, :per]).reshape(kh * per, -1)
 
     def _grouped_heads(self) -> torch.Tensor:
         """For each value head in grouped order (Hugging Face's), its index in tiled order (llama.cpp's)."""
@@ -322,10 +388,12 @@ class GgufReader:
             return t - 1
         if not name.startswith("model.layers.") or ".linear_attn." not in name:
             return t.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else t
-        perm = self._grouped_heads()
         kind = name.rsplit(".linear_attn.", 1)[1]
         if kind == "A_log":
             t = torch.log(-t.float())
+        if self.arch == "qwen3next":  # its value heads are in grouped order already
+            return t.reshape(t.shape[0], 1, -1) if kind == "conv1d.weight" else t
+        perm = self._grouped_heads()
         if kind in ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight"):
             return t[perm]
         head = int(self._value(f"{self.arch}.ssm.inner_size")) // len(perm)
@@ -345,12 +413,15 @@ class GgufReader:
         return list(self._tensors)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors or self._split_kv_b(name)
+        return name in self._tensors or self._split_kv_b(name) or self._ba_source(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
         if self._split_kv_b(name):
             k_b, v_b = (self.shape(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
             return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+        if (ba := self._ba_source(name)) is not None:
+            rows, cols = self.shape(ba)
+            return (rows // 2, cols)
         # GGUF lists dimensions fastest first; a row-major tensor's shape is the reverse
         shape = tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
         if name.endswith("linear_attn.conv1d.weight"):
@@ -365,6 +436,8 @@ class GgufReader:
     def nbytes(self, name: str) -> int:
         if self._split_kv_b(name):
             return sum(self.nbytes(name.replace("kv_b_proj", x)) for x in ("k_b_proj", "v_b_proj"))
+        if (ba := self._ba_source(name)) is not None:
+            return self.nbytes(ba) // 2
         return int(self._tensors[name].n_bytes)
 
     def qtype(self, name: str) -> str:
@@ -425,6 +498,8 @@ class GgufReader:
     def get(self, name: str) -> torch.Tensor:
         if self._split_kv_b(name):
             return self._kv_b(name)
+        if (ba := self._ba_source(name)) is not None:
+            return self._ba_part(name, ba)
         t = self._tensors.get(name)
         if t is None:
             raise WeightError(f"{self.path}: missing tensor {name!r}")
@@ -438,7 +513,7 @@ class GgufReader:
         else:
             out = torch.from_numpy(data.copy())
         out = out.reshape(shape)
-        if self.arch == "qwen35moe":
+        if self.arch in ("qwen35moe", "qwen3next"):
             out = self._to_checkpoint(name, out)
         return out.reshape(self.shape(name))
 

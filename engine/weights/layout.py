@@ -102,6 +102,11 @@ class ExpertBanks:
         return moe_index * self.num_experts + expert
 
     @property
+    def rows(self) -> int:
+        """Experts of every MoE layer together (bank rows: moe_index * E + expert)."""
+        return self.w13.shape[0]
+
+    @property
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
@@ -117,7 +122,10 @@ class PackedExpertBanks(ExpertBanks):
     `gate_up[l]` uint8 [E, 2I, row_bytes(fmt_gu[l], H)] (gate rows, then up rows), `down[l]` uint8
     [E, H, row_bytes(fmt_d[l], I)], `gscale[l]` f32 [E, 3] (gate, up, down global scales; 1.0 for a
     format without one). The float banks `w13` / `w2` it inherits are empty (0 rows, uint8): code
-    that reads float experts must check `isinstance(banks, PackedExpertBanks)` first."""
+    that reads float experts must check `isinstance(banks, PackedExpertBanks)` first. Experts with
+    biases (gpt-oss) carry them in the inherited `b13` [L*E, 2I] (gate, then up) and `b2` [L*E, H],
+    float32, with the inherited `activation` / `alpha` / `limit`. `file_bytes`: the expert weights'
+    bytes in the checkpoint file where the loader counted them (0: not counted)."""
 
     gate_up: list[torch.Tensor] = field(default_factory=list)
     down: list[torch.Tensor] = field(default_factory=list)
@@ -126,6 +134,7 @@ class PackedExpertBanks(ExpertBanks):
     gscale: list[torch.Tensor] = field(default_factory=list)
     hidden: int = 0
     inter: int = 0
+    file_bytes: int = 0
 
     @classmethod
     def empty(cls, num_experts: int, hidden: int, inter: int) -> PackedExpertBanks:
@@ -141,6 +150,10 @@ class PackedExpertBanks(ExpertBanks):
     def expert_bytes(self) -> int:
         """Bytes of one expert (the largest over layers: formats may differ from layer to layer)."""
         return max(g[0].numel() + d[0].numel() for g, d in zip(self.gate_up, self.down, strict=True))
+
+    @property
+    def rows(self) -> int:
+        return len(self.gate_up) * self.num_experts
 
     @property
     def bf16_bytes(self) -> int:

@@ -12,8 +12,8 @@ experts as `shared_expert` (+ `shared_expert_gate`, Qwen) or `shared_experts` (D
 Qwen3-Next's fused Gated DeltaNet projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head)
 split into Qwen3.5's four. `progress(done, total)` is called as layers load.
 Quantized routed experts (a GGUF's quant types, an HF fp8 / nvfp4 / mxfp4 checkpoint) load packed,
-as stored, into `PackedExpertBanks` (engine/weights/packed.py); float experts into `ExpertBanks`.
-gpt-oss's experts (biases, clamped SwiGLU: the packed kernels run neither) dequantize at load.
+as stored, into `PackedExpertBanks` (engine/weights/packed.py; gpt-oss's, with their biases:
+engine/weights/gpt_oss.py); float experts into `ExpertBanks`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.errors import WeightError
 from engine.weights.gguf_reader import GgufReader
-from engine.weights.gpt_oss import gpt_oss_experts
+from engine.weights.gpt_oss import gpt_oss_experts, gpt_oss_packed
 from engine.weights.layout import (
     AttentionWeights,
     DecoderWeights,
@@ -78,16 +78,19 @@ def load_weights(
     f = _Fetch(reader, device, dtype)
     p = cfg.weight_prefix
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    # gpt-oss's biased, clamped experts run on the float executors only: its MXFP4 dequantizes at load
-    packed = cfg.expert_layout != "gpt_oss" and packed_format(reader, cfg) is not None
-    rows = 0 if packed else cfg.num_moe_layers * e
+    gpt_oss = cfg.expert_layout == "gpt_oss"
+    if gpt_oss:
+        packed = gpt_oss_packed(reader, cfg)
+    else:
+        packed = load_packed_experts(reader, cfg) if packed_format(reader, cfg) is not None else None  # type: ignore[arg-type]
+    rows = 0 if packed is not None else cfg.num_moe_layers * e
     banks = ExpertBanks(w13=torch.empty(rows, 2 * i, h, dtype=dtype), w2=torch.empty(rows, h, i, dtype=dtype),
                         num_experts=e, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
                         limit=cfg.swiglu_limit)
     if cfg.expert_bias:
         banks.b13 = torch.zeros(rows, 2 * i, dtype=dtype)
         banks.b2 = torch.zeros(rows, h, dtype=dtype)
-    experts = load_packed_experts(reader, cfg) if packed else banks  # type: ignore[arg-type]
+    experts = packed if packed is not None else banks
     embed = f.dense(f"{p}embed_tokens.weight", cfg.vocab_size, h)
     norm_dtype = torch.float32 if cfg.norm_float32 else dtype
     layers = []
@@ -105,9 +108,9 @@ def load_weights(
         if cfg.moe_layers[li]:
             lw.moe_index = cfg.moe_layer_ids.index(li)
             lw.moe = _moe(f, cfg, lp + "mlp.")
-            if cfg.expert_layout == "gpt_oss":
+            if packed is None and gpt_oss:
                 gpt_oss_experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
-            elif not packed:
+            elif packed is None:
                 _experts(f, cfg, lp + "mlp.experts.", banks, lw.moe_index)
         else:
             di = cfg.dense_intermediate_size

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Write a qwen3moe or qwen35moe GGUF with random weights of a given shape, for the llama.cpp peer benchmark.
+"""Write a qwen3moe, qwen35moe, qwen3next or deepseek2 GGUF with random weights, for the llama.cpp peer benchmark.
 
 Contract:
-    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe --layers N --experts 128
+    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe|qwen3next|deepseek2 --layers N --experts 128
         --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
-        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --threads N]
+        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --quant bf16|q8_0|q4_k_m --threads N]
         qwen35moe only: [--shared-inter 512 --full-attn-interval 4 --linear-key-heads 16
         --linear-value-heads 32 --linear-head-dim 128 --conv-kernel 4 --rope-dim 64
-        --rope-sections 11,11,10,0]
+        --rope-sections 11,11,10,0]; qwen3next the same but --rope-sections
+        deepseek2 only: [--ff 10240 --q-lora 768 --kv-lora 512 --qk-nope 192 --qk-rope 64 --v-head 256
+        --first-dense 1 --shared-experts 1 --routed-scale 1.8]
 
 - --arch qwen3moe (the default): Qwen3-30B-A3B's per-layer shape with 24 layers instead of 48 (the
   GPU machine's disk holds that file: 27 GiB (29 GB) of experts, 29 GiB (31 GB) in all).
@@ -19,6 +21,11 @@ Contract:
   experts, 32 GiB in all). --layers must be a multiple of --full-attn-interval. Tensor names,
   shapes and keys are those llama.cpp's loader reads (src/models/qwen35moe.cpp of the peer's commit);
   no MTP layer.
+- --arch qwen3next (Qwen3-Next-80B-A3B, all 48 layers: 512 experts top-10, otherwise qwen35moe's
+  layer): as qwen35moe but with one `ssm_ba` [2 x value heads, hidden] instead of ssm_beta and
+  ssm_alpha, NEOX partial rotary (no rope.dimension_sections) (src/models/qwen3next.cpp).
+- --arch deepseek2 (MLA; GLM-4.7-Flash's shape, all 47 layers, which llama.cpp runs as deepseek2):
+  evals/peer/gguf_mla.py.
 - Matrices are normal(0, std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
   --scales residual (the default): std is --std except for the token embedding (1.0) and the
@@ -35,6 +42,14 @@ Contract:
   exp(-softplus(alpha)), in (0, 1): activations stay finite.
   Values depend only on --seed, the tensor's name and its shape (never on --threads), so two runs
   with the same arguments write byte-identical files.
+- --quant bf16 (the default): matrices in --dtype as above. --quant q8_0 / q4_k_m: the file
+  llama.cpp's `llama-quantize` would make of the bf16 one with that type (LLAMA_FTYPE_MOSTLY_Q8_0 /
+  MOSTLY_Q4_K_M): each tensor in the type it would choose (evals/peer/gguf_quant.py: Q4_K, Q6_K for
+  output.weight and for attn_v / attn_qkv / ffn_down* on its use_more_bits layers, Q8_0 / Q5_K with
+  exactly 8 experts, Q5_0 / Q5_1 / Q8_0 / F16 where a row is not whole blocks; norms, routers,
+  ssm_conv1d and 1-D tensors stay float32), its bytes written directly as random valid blocks
+  (no float weights, no quantizer) whose dequantized values have mean ~0 and the std the bf16 file's
+  tensor has (--scales).
 - The tokenizer (every tokenizer.* key) is copied from --vocab-from, by default llama.cpp's
   models/ggml-vocab-qwen2.gguf (Qwen2/Qwen3's 151936-token BPE vocabulary); the embedding and
   output matrices take its vocabulary size.
@@ -72,8 +87,13 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gguf_mla as gm  # sibling modules (this file also runs as a script)
+import gguf_quant as gq
+
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 1 << 22  # elements per random-number chunk (and per worker task); fixed so output is thread-independent
+QCHUNK = 1 << 15  # quantized blocks per chunk, likewise
 GIB = float(1 << 30)
 FILE_TYPE = {"bf16": 32, "f16": 1}  # llama_ftype: MOSTLY_BF16, MOSTLY_F16
 
@@ -137,8 +157,11 @@ class TensorSpec:
     def numel(self) -> int:
         return int(np.prod(self.shape))
 
-    def nbytes(self, dtype: str) -> int:
-        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for every float32 tensor."""
+    def nbytes(self, dtype: str, qtype: int | None = None) -> int:
+        """Bytes in the file: 2 per element for matrices (bf16 or f16), 4 for every float32 tensor; in
+        `qtype` (a ggml type id of gguf_quant) when given."""
+        if qtype is not None:
+            return self.numel // self.shape[-1] * gq.row_bytes(qtype, self.shape[-1])
         return self.numel * (2 if self.kind == "mat" else 4)
 
 
@@ -181,11 +204,14 @@ def tensor_specs(s: Shape) -> list[TensorSpec]:
     return specs
 
 
-def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
+def qwen35moe_tensor_specs(s: Shape, fused_ba: bool = False) -> list[TensorSpec]:
     """Every tensor llama.cpp's qwen35moe loader asks for (load_arch_tensors in src/models/qwen35moe.cpp),
     shapes in numpy order (the reverse of the loader's ne): untied output, separate q (query and gate
     interleaved per head, hence 2x) / k / v in full-attention layers, fused qkv plus a z gate in
-    Gated DeltaNet layers, separate gate and up expert banks, the shared expert and its gate."""
+    Gated DeltaNet layers, separate gate and up expert banks, the shared expert and its gate.
+    `fused_ba`: qwen3next's instead (src/models/qwen3next.cpp), the same but for one `ssm_ba`
+    [2 x value heads, hidden] (per key head: its value heads' beta rows, then their alpha rows) in
+    place of ssm_beta and ssm_alpha."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     key_dim = s.linear_key_heads * s.linear_head_dim
     value_dim = s.linear_value_heads * s.linear_head_dim
@@ -213,8 +239,9 @@ def qwen35moe_tensor_specs(s: Shape) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_conv1d.weight", (conv_dim, s.conv_kernel), "vec"),
                 TensorSpec(b + "ssm_dt.bias", (s.linear_value_heads,), "const", 0.0),
                 TensorSpec(b + "ssm_a", (s.linear_value_heads,), "const", -1.0),  # -exp(A_log), A_log = 0
-                TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
-                TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat"),
+                *([TensorSpec(b + "ssm_ba.weight", (2 * s.linear_value_heads, s.hidden), "mat")] if fused_ba else [
+                    TensorSpec(b + "ssm_beta.weight", (s.linear_value_heads, s.hidden), "mat"),
+                    TensorSpec(b + "ssm_alpha.weight", (s.linear_value_heads, s.hidden), "mat")]),
                 TensorSpec(b + "ssm_norm.weight", (s.linear_head_dim,), "norm"),
                 TensorSpec(b + "ssm_out.weight", (s.hidden, value_dim), "mat", role="residual"),
             ]
@@ -232,8 +259,7 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
     """Fill out[index*CHUNK : ...] (a flat view) with this chunk's deterministic random values."""
     lo = index * CHUNK
     hi = min(lo + CHUNK, out.size)
-    key = (zlib.crc32(spec.name.encode()), index)
-    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key)))
+    rng = _chunk_rng(spec, seed, index)
     tmp = rng.standard_normal(hi - lo, dtype=np.float32)
     tmp *= np.float32(std)
     if spec.kind in F32_RANDOM:
@@ -244,7 +270,34 @@ def fill_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: fl
         out[lo:hi] = tmp.astype(np.float16)
 
 
-def make_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, dtype: str) -> np.ndarray:
+def _chunk_rng(spec: TensorSpec, seed: int, index: int) -> np.random.Generator:
+    key = (zlib.crc32(spec.name.encode()), index)
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
+def fill_quant_chunk(out: np.ndarray, spec: TensorSpec, seed: int, index: int, std: float, qtype: int) -> None:
+    """Fill blocks [index*QCHUNK, ...) of out (uint8 [blocks, block_bytes]) with random valid blocks."""
+    lo = index * QCHUNK
+    hi = min(lo + QCHUNK, out.shape[0])
+    out[lo:hi] = gq.fill_blocks(_chunk_rng(spec, seed, index), qtype, hi - lo, std)
+
+
+def make_quant_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, qtype: int) -> np.ndarray:
+    """A matrix as `qtype` blocks: uint8 [*shape[:-1], row bytes]."""
+    n_blocks = spec.numel // gq.BLOCK[qtype][0]
+    arr = np.empty((n_blocks, gq.BLOCK[qtype][1]), dtype=np.uint8)
+    futures = [pool.submit(fill_quant_chunk, arr, spec, seed, c, std, qtype) for c in range(-(-n_blocks // QCHUNK))]
+    for f in futures:
+        f.result()
+    return arr.reshape(*spec.shape[:-1], gq.row_bytes(qtype, spec.shape[-1]))
+
+
+def make_tensor(pool: ThreadPoolExecutor, spec: TensorSpec, seed: int, std: float, dtype: str,
+                qtype: int | None = None) -> np.ndarray:
+    if qtype is not None and qtype in gq.UNIT_RMS:
+        return make_quant_tensor(pool, spec, seed, std, qtype)
+    if qtype == gq.F16:  # a matrix whose rows are not whole blocks (llama-quantize's last fallback)
+        dtype = "f16"
     if spec.kind == "norm":
         return np.ones(spec.shape, dtype=np.float32)
     if spec.kind == "const":
@@ -286,7 +339,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 QWEN35_ONLY = ("shared_inter", "full_attn_interval", "linear_key_heads", "linear_value_heads", "linear_head_dim",
                "conv_kernel", "rope_dim", "rope_sections")
-QWEN3_ONLY = ("ff",)
+# Qwen3-Next-80B-A3B (engine/weights/shapes.py): the Qwen3.5 hybrid's layer with 512 experts top-10,
+# all 48 layers; NEOX partial rotary (no IMRoPE sections)
+ARCH_DEFAULTS["qwen3next"] = {**ARCH_DEFAULTS["qwen35moe"], "layers": 48, "experts": 512, "top_k": 10}
+ARCH_DEFAULTS["deepseek2"] = dict(gm.GLM_FLASH)
+# the options each architecture takes beyond the common ones
+ARCH_ONLY: dict[str, tuple[str, ...]] = {"qwen3moe": ("ff",), "qwen35moe": QWEN35_ONLY,
+                                         "qwen3next": QWEN35_ONLY[:-1], "deepseek2": ("ff", *gm.OPTIONS)}
+HYBRIDS = ("qwen35moe", "qwen3next")
 PARTIAL_ROTARY = 0.25  # Qwen3.5/3.6's partial_rotary_factor: rope.dimension_count = head_dim / 4
 
 
@@ -303,7 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
     p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3moe",
-                   help="qwen3moe (Qwen3-MoE) or qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid)")
+                   help="qwen3moe (Qwen3-MoE), qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid), qwen3next "
+                        "(Qwen3-Next) or deepseek2 (MLA; GLM-4.7-Flash's shape)")
     p.add_argument("--layers", type=int, default=None, help="qwen3moe 24, qwen35moe 20")
     p.add_argument("--experts", type=int, default=None, help="qwen3moe 128, qwen35moe 256")
     p.add_argument("--top-k", type=int, default=None, help="experts used per token (8)")
@@ -328,13 +389,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="qwen35moe: rotated dims per head (head_dim * 0.25, i.e. 64)")
     p.add_argument("--rope-sections", type=str, default=None,
                    help="qwen35moe: IMRoPE sections, 4 comma-separated ints (11,11,10,0 for --rope-dim 64)")
+    gm.add_options(p)
     p.add_argument("--rms-eps", type=float, default=1e-6)
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--scales", choices=["residual", "uniform"], default="residual",
                    help="residual (default): embedding std 1 and residual-stream writers --std / sqrt(2 x layers), "
                         "routing near-uniform; uniform: --std everywhere (routing collapses)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16")
+    p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16", help="the matrices' type with --quant bf16")
+    p.add_argument("--quant", choices=["bf16", *gq.FTYPES], default="bf16",
+                   help="bf16 (default: float matrices of --dtype), or the tensor types llama-quantize gives "
+                        "a q8_0 / q4_k_m file, written as random valid blocks")
     p.add_argument("--vocab-from", type=Path, default=None,
                    help="GGUF to copy the tokenizer from (default: models/ggml-vocab-qwen2.gguf of the "
                         "llama.cpp tree in $LLAMA_CPP_DIR, /tmp/llama.cpp or .peer-cpu/llama.cpp, else "
@@ -345,14 +410,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="rewrite --out even when OUT.args.json says it already holds these weights")
     args = p.parse_args(argv)
-    other = QWEN3_ONLY if args.arch == "qwen35moe" else QWEN35_ONLY
-    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    if args.quant != "bf16" and args.dtype != "bf16":
+        p.error(f"--dtype {args.dtype}: only with --quant bf16 (a --quant {args.quant} file's types follow llama-quantize)")
+    other = {k for only in ARCH_ONLY.values() for k in only} - set(ARCH_ONLY[args.arch])
+    given = [f"--{k.replace('_', '-')}" for k in sorted(other) if getattr(args, k) is not None]
     if given:
-        p.error(f"{', '.join(given)}: only for --arch {'qwen3moe' if args.arch == 'qwen35moe' else 'qwen35moe'}")
+        p.error(f"{', '.join(given)}: not an option of --arch {args.arch}")
     for key, value in ARCH_DEFAULTS[args.arch].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.arch == "qwen35moe":
+    if args.arch in HYBRIDS:
         check_qwen35(p, args)
     return args
 
@@ -363,14 +430,17 @@ def check_qwen35(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.rope_dim = int(args.head_dim * PARTIAL_ROTARY)
     if not (0 < args.rope_dim <= args.head_dim and args.rope_dim % 2 == 0):
         p.error(f"--rope-dim {args.rope_dim}: need an even number in (0, --head-dim {args.head_dim}]")
-    if args.rope_sections is None:
+    if args.arch == "qwen3next":  # NEOX rotary over rope_dim: no sections
+        pass
+    elif args.rope_sections is None:
         args.rope_sections = mrope_sections(args.rope_dim)
     else:
         try:
             args.rope_sections = [int(x) for x in args.rope_sections.split(",")]
         except ValueError:
             p.error(f"--rope-sections {args.rope_sections!r}: need 4 comma-separated ints")
-    if len(args.rope_sections) != 4 or min(args.rope_sections) < 0 or sum(args.rope_sections[:3]) == 0:
+    if args.arch == "qwen35moe" and (len(args.rope_sections) != 4 or min(args.rope_sections) < 0
+                                     or sum(args.rope_sections[:3]) == 0):
         p.error(f"--rope-sections {args.rope_sections}: need 4 non-negative ints, one of the first 3 positive")
     if args.full_attn_interval < 1 or args.layers % args.full_attn_interval != 0:
         p.error(f"--layers {args.layers} is not a multiple of --full-attn-interval {args.full_attn_interval}: "
@@ -412,8 +482,10 @@ def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
     stamp = {k: getattr(args, k) for k in keys} | {"chunk": CHUNK, "writer": "write_gguf.py v1"}
     if args.scales != "uniform":  # the files before --scales were uniform: their stamps stay valid
         stamp |= {"scales": args.scales}
+    if args.quant != "bf16":
+        stamp |= {"quant": args.quant, "qchunk": QCHUNK}
     if args.arch != "qwen3moe":
-        stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in QWEN35_ONLY}
+        stamp |= {"arch": args.arch} | {k: getattr(args, k) for k in ARCH_ONLY[args.arch]}
     return stamp
 
 
@@ -437,7 +509,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     n_vocab = copy_tokenizer(gguf, writer, vocab_path)
     shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
                   args.head_dim, n_vocab)
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
                       args.head_dim, n_vocab, args.shared_inter, args.full_attn_interval, args.linear_key_heads,
                       args.linear_value_heads, args.linear_head_dim, args.conv_kernel)
@@ -447,11 +519,14 @@ def write(args: argparse.Namespace) -> dict[str, float]:
     writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
     writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}, {args.scales} scales), written by "
                            "freetoken-agent evals/peer/write_gguf.py; not a trained model")
-    writer.add_file_type(FILE_TYPE[args.dtype])
+    writer.add_file_type(gq.FTYPES[args.quant][0] if args.quant in gq.FTYPES else FILE_TYPE[args.dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         add_qwen35moe_hparams(writer, arch, shape, args)
-        specs = qwen35moe_tensor_specs(shape)
+        specs = qwen35moe_tensor_specs(shape, fused_ba=arch == "qwen3next")
+    elif arch == "deepseek2":
+        gm.add_deepseek2_hparams(writer, arch, args, shape.vocab)
+        specs = [TensorSpec(*t) for t in gm.deepseek2_tensors(args, shape.vocab)]
     else:
         writer.add_uint32(f"{arch}.context_length", args.ctx)
         writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
@@ -469,17 +544,24 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
         specs = tensor_specs(shape)
 
-    total = sum(t.nbytes(args.dtype) for t in specs)
-    experts = sum(t.nbytes(args.dtype) for t in specs if "_exps." in t.name)
+    qtypes = quant_types(specs, args)
+    total = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs)
+    experts = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs if "_exps." in t.name)
     layout = ""
-    if arch == "qwen35moe":
+    if arch in HYBRIDS:
         n_full = sum(shape.is_full_attention(i) for i in range(shape.layers))
         layout = f", {n_full} full-attention + {shape.layers - n_full} Gated DeltaNet layers"
     print(f"write_gguf: {arch}, {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts)"
-          f"{layout}, {args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+          f"{layout}, {args.quant if qtypes else args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+    if qtypes:
+        mix: dict[str, int] = {}
+        for q in qtypes.values():
+            mix[gq.TYPE_NAME[q]] = mix.get(gq.TYPE_NAME[q], 0) + 1
+        print("write_gguf: tensor types " + ", ".join(f"{k} x{v}" for k, v in sorted(mix.items())), flush=True)
     if args.plan:
         for t in specs:
-            print(f"  {t.name:32s} {t.kind:6s} {t.shape!s:24s} {t.nbytes(args.dtype) / 2**20:10.2f} MiB")
+            kind = gq.TYPE_NAME[qtypes[t.name]] if qtypes else t.kind
+            print(f"  {t.name:32s} {kind:6s} {t.shape!s:24s} {t.nbytes(args.dtype, qtypes.get(t.name)) / 2**20:10.2f} MiB")
         return {"bytes": float(total), "seconds": 0.0}
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -490,6 +572,15 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit(f"write_gguf.py: {args.out.parent} has {free / GIB:.1f} GiB free, the file needs "
                          f"{total / GIB:.1f} GiB")
     for t in specs:
+        qt = qtypes.get(t.name)
+        if qt in gq.UNIT_RMS:
+            rb = gq.row_bytes(qt, t.shape[-1])
+            writer.add_tensor_info(t.name, (*t.shape[:-1], rb), np.dtype(np.uint8), t.nbytes(args.dtype, qt),
+                                   raw_dtype=gguf.GGMLQuantizationType(qt))
+            continue
+        if qt == gq.F16:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float16), t.nbytes(args.dtype, qt))
+            continue
         np_dtype: Any = np.uint16 if (t.kind == "mat" and args.dtype == "bf16") else (
             np.float16 if t.kind == "mat" else np.float32)
         raw = gguf.GGMLQuantizationType.BF16 if (t.kind == "mat" and args.dtype == "bf16") else None
@@ -515,7 +606,7 @@ def write(args: argparse.Namespace) -> dict[str, float]:
 
     with ThreadPoolExecutor(max(1, args.threads)) as pool, ThreadPoolExecutor(1) as io:
         pending: Future[None] | None = None
-        for arr in _generate(pool, specs, args):
+        for arr in _generate(pool, specs, args, qtypes):
             if pending is not None:
                 pending.result()
             pending = io.submit(write_one, arr)
@@ -547,7 +638,8 @@ def add_qwen35moe_hparams(writer: Any, arch: str, shape: Shape, args: argparse.N
     writer.add_uint32(f"{arch}.attention.value_length", shape.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_eps)
     writer.add_uint32(f"{arch}.rope.dimension_count", args.rope_dim)
-    writer.add_array(f"{arch}.rope.dimension_sections", [int(x) for x in args.rope_sections])
+    if arch == "qwen35moe":  # IMRoPE; qwen3next rotates rope_dim dims (NEOX)
+        writer.add_array(f"{arch}.rope.dimension_sections", [int(x) for x in args.rope_sections])
     writer.add_float32(f"{arch}.rope.freq_base", args.rope_base)
     writer.add_uint32(f"{arch}.expert_count", shape.experts)
     writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
@@ -573,9 +665,20 @@ def tensor_std(spec: TensorSpec, args: argparse.Namespace) -> float:
     return float(args.std) / math.sqrt(2 * args.layers)
 
 
-def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace) -> Iterator[np.ndarray]:
+def quant_types(specs: list[TensorSpec], args: argparse.Namespace) -> dict[str, int]:
+    """{name: ggml type} of every tensor for --quant q8_0 / q4_k_m (gguf_quant.tensor_types, the source
+    being the bf16 file: matrices bf16, the rest float32); {} for --quant bf16."""
+    if args.quant == "bf16":
+        return {}
+    src = [(t.name, t.shape, gq.BF16 if t.kind == "mat" else gq.F32) for t in specs]
+    return gq.tensor_types(src, args.quant, args.layers, args.experts)
+
+
+def _generate(pool: ThreadPoolExecutor, specs: list[TensorSpec], args: argparse.Namespace,
+              qtypes: dict[str, int]) -> Iterator[np.ndarray]:
     for t in specs:
-        yield make_tensor(pool, t, args.seed, tensor_std(t, args), args.dtype)
+        qt = qtypes.get(t.name)
+        yield make_tensor(pool, t, args.seed, tensor_std(t, args), args.dtype, None if qt in (gq.F32, gq.BF16) else qt)
 
 
 def main(argv: list[str] | None = None) -> int:

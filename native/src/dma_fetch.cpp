@@ -111,19 +111,26 @@ std::string dma_fetch_issue(const DmaFetch& f) noexcept {
                 return "cuCtxSetCurrent failed with CUDA driver error " + std::to_string(r);
             t_current = f.context;
         }
+        const uint64_t stride13 = f.slot_stride ? f.slot_stride : f.bytes13;
+        const uint64_t stride2 = f.slot_stride ? f.slot_stride : f.bytes2;
         for (int64_t i = 0; i < f.n; ++i) {
-            const int64_t row = f.copy[i], slot = f.copy[f.n + i];
-            if (row < 0) continue;
-            if (row >= f.rows || slot < 0 || slot >= f.slots)
-                return "copy list entry (" + std::to_string(row) + ", " + std::to_string(slot) +
+            const int64_t entry = f.copy[i], slot = f.copy[f.n + i];
+            if (entry < 0) continue;
+            const int64_t row = entry - f.row_offset;
+            if (row < 0 || row >= f.rows || slot < 0 || slot >= f.slots)
+                return "copy list entry (" + std::to_string(entry) + ", " + std::to_string(slot) +
                        ") outside the banks / slots";
-            CUresult r = d.memcpy_htod(f.slot13 + static_cast<uint64_t>(slot) * f.bytes13,
+            CUresult r = d.memcpy_htod(f.slot13 + static_cast<uint64_t>(slot) * stride13,
                                        reinterpret_cast<const void*>(f.bank13 + static_cast<uint64_t>(row) * f.bytes13),
                                        f.bytes13, f.stream);
             if (r == 0)
-                r = d.memcpy_htod(f.slot2 + static_cast<uint64_t>(slot) * f.bytes2,
+                r = d.memcpy_htod(f.slot2 + static_cast<uint64_t>(slot) * stride2,
                                   reinterpret_cast<const void*>(f.bank2 + static_cast<uint64_t>(row) * f.bytes2),
                                   f.bytes2, f.stream);
+            if (r == 0 && f.gs_bank != 0)
+                r = d.memcpy_htod(f.gs_slot + static_cast<uint64_t>(slot) * 12,
+                                  reinterpret_cast<const void*>(f.gs_bank + static_cast<uint64_t>(row) * 12), 12,
+                                  f.stream);
             if (r != 0) return "cuMemcpyHtoDAsync failed with CUDA driver error " + std::to_string(r);
         }
         if (f.scratch >= 0)

@@ -35,6 +35,13 @@ struct DmaFetch {
     // columns [0, r) of w2 ([H, I]) as one pitched copy. Element size `elem` bytes.
     int64_t scratch = -1;
     int64_t inter = 0, hidden = 0, elem = 0;
+    // Packed experts (engine/gpu/quant/slots.py): bank rows are one layer's, so a copy-list row r
+    // names bank row r - row_offset; a slot is slot_stride bytes (0: bytes13 / bytes2, the bank
+    // row's size); with gs_bank != 0 each fetched expert's 12 bytes of global scales also go from
+    // gs_bank + row * 12 to gs_slot + slot * 12.
+    int64_t row_offset = 0;
+    uint64_t slot_stride = 0;
+    uint64_t gs_bank = 0, gs_slot = 0;
 };
 
 // Queues the copies, waits for them, then sets the word (dma_fetch_release);

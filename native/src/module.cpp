@@ -78,7 +78,8 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
                          uintptr_t slot13, uintptr_t slot2, int64_t bytes13, int64_t bytes2, int64_t rows,
                          int64_t slots, uintptr_t stream, uintptr_t context,
                          uintptr_t word_host, int64_t deadline_ms, int64_t scratch, int64_t inter,
-                         int64_t hidden, int64_t elem) {
+                         int64_t hidden, int64_t elem, int64_t row_offset, uint64_t slot_stride,
+                         uintptr_t gs_bank, uintptr_t gs_slot) {
     auto f = std::make_unique<DmaFetch>();
     f->copy = reinterpret_cast<const int64_t*>(copy);
     f->n = n;
@@ -96,6 +97,7 @@ void host_task_set_fetch(uintptr_t task, uintptr_t copy, int64_t n, uintptr_t ba
     f->deadline_ms = deadline_ms;
     f->scratch = scratch;
     f->inter = inter, f->hidden = hidden, f->elem = elem;
+    f->row_offset = row_offset, f->slot_stride = slot_stride, f->gs_bank = gs_bank, f->gs_slot = gs_slot;
     auto* t = reinterpret_cast<HostTask*>(task);
     // the split expert's entry follows the copy list: the CPU computes that expert's other rows
     if (scratch >= 0) t->args.split = f->copy + 2 * n;
@@ -139,7 +141,7 @@ double call_overhead_us(int reps) {
 void packed_args(LayerArgs& a, PackedBanks& b, uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld,
                  int64_t T, int64_t H, int64_t I, int64_t k, uintptr_t ids32, uintptr_t weights, int64_t E,
                  uintptr_t gu, int64_t gu_es, int64_t gu_rb, int fmt_gu, uintptr_t d, int64_t d_es, int64_t d_rb,
-                 int fmt_d, uintptr_t gscale) {
+                 int fmt_d, uintptr_t gscale, uintptr_t b_gu, uintptr_t b_d, int act, float alpha, float limit) {
     a.x = reinterpret_cast<const void*>(x);
     a.x_bf16 = x_bf16;
     a.x_ld = x_ld;
@@ -154,14 +156,17 @@ void packed_args(LayerArgs& a, PackedBanks& b, uintptr_t x, bool x_bf16, int64_t
     b.gu = reinterpret_cast<const uint8_t*>(gu), b.gu_expert_stride = gu_es, b.gu_row_bytes = gu_rb, b.fmt_gu = fmt_gu;
     b.d = reinterpret_cast<const uint8_t*>(d), b.d_expert_stride = d_es, b.d_row_bytes = d_rb, b.fmt_d = fmt_d;
     b.gscale = reinterpret_cast<const float*>(gscale);
+    b.b_gu = reinterpret_cast<const float*>(b_gu), b.b_d = reinterpret_cast<const float*>(b_d);
+    b.act = static_cast<Act>(act), b.alpha = alpha, b.limit = limit;
 }
 
 #define FT_PACKED_PARAMS                                                                                              \
     uintptr_t x, bool x_bf16, int64_t x_ld, uintptr_t out, int64_t out_ld, int64_t T, int64_t H, int64_t I, int64_t k, \
         uintptr_t ids32, uintptr_t weights, int64_t E, uintptr_t gu, int64_t gu_es, int64_t gu_rb, int fmt_gu,       \
-        uintptr_t d, int64_t d_es, int64_t d_rb, int fmt_d, uintptr_t gscale
+        uintptr_t d, int64_t d_es, int64_t d_rb, int fmt_d, uintptr_t gscale, uintptr_t b_gu, uintptr_t b_d, int act, \
+        float alpha, float limit
 #define FT_PACKED_ARGS x, x_bf16, x_ld, out, out_ld, T, H, I, k, ids32, weights, E, gu, gu_es, gu_rb, fmt_gu, d, d_es, \
-                       d_rb, fmt_d, gscale
+                       d_rb, fmt_d, gscale, b_gu, b_d, act, alpha, limit
 
 // One layer over packed banks; out (float32) += the layer's result.
 void packed_layer(FT_PACKED_PARAMS) {
@@ -205,6 +210,7 @@ PYBIND11_MODULE(_ftnative, m) {
           py::arg("x_ld"), py::arg("out"), py::arg("out_ld"), py::arg("T"), py::arg("H"), py::arg("I"), py::arg("k"),
           py::arg("ids32"), py::arg("weights"), py::arg("E"), py::arg("gu"), py::arg("gu_es"), py::arg("gu_rb"),
           py::arg("fmt_gu"), py::arg("d"), py::arg("d_es"), py::arg("d_rb"), py::arg("fmt_d"), py::arg("gscale"),
+          py::arg("b_gu"), py::arg("b_d"), py::arg("act"), py::arg("alpha"), py::arg("limit"),
           "Raw packed-bank MoE layer call, out += result (see native/src/moe_packed.h).");
     m.def("host_task_create_packed", &host_task_create_packed,
           "A prepared packed-bank layer call for the doorbell poller (moe_packed's arguments; out overwritten).");

@@ -2,7 +2,8 @@
 // bandwidth reference.
 //
 // For T tokens routed to k experts each (flat expert rows into the banks):
-//   out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  float32 accumulation.
+//   out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  float32 accumulation
+// (with the plan's epilogue, if any: biases and the clamped SwiGLU, moe_layer.h).
 // Phase 0 converts x into the kernel's activation format; phase 1 splits the gate/up rows of all
 // distinct experts of the call into chunks handed out by an atomic counter (dynamic scheduling: a
 // batch-1 step with one expert still keeps every thread busy, and a thread sharing its core simply
@@ -42,6 +43,14 @@ const Table& table() {
 std::atomic<int> g_isa{-1};
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// h of one intermediate row from its gate and up projections (biases already added)
+inline float activate(const LayerPlan& p, float g, float u) {
+    if (p.act == Act::silu) return silu(g) * u;
+    g = std::min(g, p.limit);
+    u = std::min(std::max(u, -p.limit), p.limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-p.alpha * g)));
+}
 
 struct Group {
     int64_t row;     // flat expert row in the banks
@@ -199,6 +208,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
     int64_t split_row = -1, split_first = 0;
     if (a.split != nullptr && a.split[0] >= 0) {
         split_row = a.split[0], split_first = a.split[1];
+        if (plan.b_gu != nullptr || plan.b_d != nullptr) throw std::invalid_argument("a split expert takes no biases");
         if (split_first <= 0 || split_first >= I || split_first % (4 * kRows))
             throw std::invalid_argument("split expert row " + std::to_string(split_first) + " outside (0, " +
                                         std::to_string(I) + ") or not a multiple of " + std::to_string(4 * kRows));
@@ -269,6 +279,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                 if (c0 < gr.first) continue;  // the split expert's rows before `first` run elsewhere
                 const int ntok = gr.end - gr.begin;
                 const Mat gate = plan.gate(gr.row), up = plan.up(gr.row);
+                const float* bias = plan.b_gu != nullptr ? plan.b_gu + gr.row * 2 * I : nullptr;
                 for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
                     const int nr = static_cast<int>(std::min<int64_t>(kRows, c1 - r0));
                     for (int tb = 0; tb < ntok; tb += 64) {
@@ -279,7 +290,9 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                         for (int t = 0; t < nb; ++t) {
                             const int64_t e = gr.begin + tb + t;
                             for (int r = 0; r < nr; ++r) {
-                                const float hv = silu(gbuf[t * kRows + r]) * ubuf[t * kRows + r];
+                                float g = gbuf[t * kRows + r], u = ubuf[t * kRows + r];
+                                if (bias != nullptr) g += bias[r0 + r], u += bias[I + r0 + r];
+                                const float hv = activate(plan, g, u);
                                 if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
                                 else reinterpret_cast<float*>(s.hbuf.data())[e * I + r0 + r] = hv;
                             }
@@ -297,6 +310,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                 for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
                 for (const Group& gr : s.groups) {
                     const Mat down = plan.down(gr.row, gr.first);
+                    const float* bias = plan.b_d != nullptr ? plan.b_d + gr.row * H : nullptr;
                     const int64_t K = I - gr.first;
                     const int ntok = gr.end - gr.begin;
                     for (int64_t r0 = h0; r0 < h1; r0 += kRows) {
@@ -308,7 +322,10 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                                 const int64_t e = gr.begin + tb + t;
                                 float* acc = &s.acc[s.entry_token[e] * H + r0];
                                 const float w = s.entry_w[e];
-                                for (int r = 0; r < nr; ++r) acc[r] += w * dbuf[t * kRows + r];
+                                if (bias == nullptr)
+                                    for (int r = 0; r < nr; ++r) acc[r] += w * dbuf[t * kRows + r];
+                                else
+                                    for (int r = 0; r < nr; ++r) acc[r] += w * (dbuf[t * kRows + r] + bias[r0 + r]);
                             }
                         }
                     }

@@ -52,9 +52,20 @@ void moe_layer(const LayerArgs& a);
 // What one layer call runs with besides its arguments: the gate/up and down kernels, the
 // activation type they read, and the matrix views of an expert row (dense banks: moe_layer;
 // packed blocks: moe_packed). `first` is the first intermediate row computed here (split expert).
+// The experts' activation: h = silu(g) * u, or gpt-oss's clamped SwiGLU g = min(g, limit),
+// u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g).
+enum class Act : int { silu = 0, swiglu_clamped = 1 };
+
 struct LayerPlan {
     GemvFn gemv_gu = nullptr, gemv_d = nullptr;
     bool act_bf16 = false;
+    // Epilogue, per bank row: b_gu [rows, 2I] float32 (gate biases, then up biases) added to the
+    // projections before the activation; b_d [rows, H] float32 added to the down projection before
+    // the routing weight. Null: none. A split expert takes no biases.
+    const float* b_gu = nullptr;
+    const float* b_d = nullptr;
+    Act act = Act::silu;
+    float alpha = 1.702f, limit = 7.0f;
     virtual Mat gate(int64_t row) const = 0;
     virtual Mat up(int64_t row) const = 0;
     virtual Mat down(int64_t row, int64_t first) const = 0;  // columns [first, I)

@@ -30,6 +30,7 @@ struct PackedPlan final : LayerPlan {
     PackedPlan(const LayerArgs& args, const PackedBanks& banks, Isa isa) : a(args), b(banks) {
         gemv_gu = table().fn[int(isa)][b.fmt_gu];
         gemv_d = table().fn[int(isa)][b.fmt_d];
+        b_gu = b.b_gu, b_d = b.b_d, act = b.act, alpha = b.alpha, limit = b.limit;
     }
     float gs(int64_t row, int which) const { return b.gscale ? b.gscale[row * 3 + which] : 1.0f; }
     Mat gate(int64_t row) const override {
@@ -77,6 +78,7 @@ void moe_packed(const LayerArgs& a, const PackedBanks& b) {
     check_format(b.fmt_gu, "gate_up", a.H, "hidden", b.gu_row_bytes);
     check_format(b.fmt_d, "down", a.I, "intermediate", b.d_row_bytes);
     if (a.split != nullptr) throw std::invalid_argument("packed banks take no split expert");
+    if (b.act != Act::silu && b.act != Act::swiglu_clamped) throw std::invalid_argument("activation: unknown");
     run_layer(a, PackedPlan(a, b, current_isa()));
 }
 

@@ -4,6 +4,7 @@
 //            expert e at gu + e * gu_expert_stride + r * gu_row_bytes;
 //   down:    H rows of K = I values, row r of expert e at d + e * d_expert_stride + r * d_row_bytes;
 //   gscale:  float32 [E, 3] (gate, up, down global scales; null = all 1).
+// Per expert: h = act(gs_g * gate x + b_gu[:I], gs_u * up x + b_gu[I:]), y = gs_d * down h + b_d.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,12 @@ struct PackedBanks {
     int64_t d_expert_stride = 0, d_row_bytes = 0;
     int fmt_d = 0;
     const float* gscale = nullptr;  // [E, 3] contiguous, or null
+    // the epilogue (moe_layer.h LayerPlan): biases [E, 2I] (gate, then up) and [E, H], float32
+    // contiguous, or null; the activation and its constants (gpt-oss: swiglu_clamped, 1.702, 7)
+    const float* b_gu = nullptr;
+    const float* b_d = nullptr;
+    Act act = Act::silu;
+    float alpha = 1.702f, limit = 7.0f;
 };
 
 // a's x / out / sizes / ids / weights / num_rows (= E) / accumulate / skip_negative are used; its

@@ -6,8 +6,8 @@ past it), 6 query heads over 2 KV heads (3 per group), attention biases, learned
 expert weights large enough that the clamped SwiGLU clamps. Checked: prefill logits at every
 position (one pass, continued from cached KV across the window boundary, a ragged batch), the
 engine's decode steps against the reference's cached decode, prefix reuse (a cached prefix plus a
-suffix equals the full prefill), MXFP4 experts (`_blocks` / `_scales`) against transformers' own
-dequantization, and the CUDA decode kernel's sinks under Triton's interpreter.
+suffix equals the full prefill), and the CUDA decode kernel's sinks under Triton's interpreter.
+MXFP4 experts (kept packed): tests/engine/test_gpt_oss_packed.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_prefill_logits, hf_step_logits, rel_err, write_tensors
-from safetensors.torch import load_file
+from checkpoints import hf_prefill_logits, hf_step_logits, rel_err
 from triton_interpreter import run_in_interpreter
 
 from engine.cache.pools import KVPool, StatePool
@@ -70,19 +69,27 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decoder_pass(dec, kv, seqs: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def pools(cfg: ModelConfig, kv_tokens: int, seqs: int = 2) -> tuple[KVPool, StatePool]:
+    """The KV pool (full-attention layers) and the state pool (the sliding-window layers' rings)."""
+    cpu = torch.device("cpu")
+    return KVPool(cfg, kv_tokens, torch.float32, cpu), StatePool(cfg, seqs, torch.float32, cpu)
+
+
+def decoder_pass(dec, kv, states, seqs: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One forward pass; sequence i of `seqs` owns state slot i (its rings)."""
     ids, pos, entries = [], [], []
-    for toks, cached, slots in seqs:
-        entries.append(SeqEntry(len(ids), len(toks), cached, slots, -1))
+    for i, (toks, cached, slots) in enumerate(seqs):
+        entries.append(SeqEntry(len(ids), len(toks), cached, slots, i))
         ids.extend(toks)
         pos.extend(range(cached, cached + len(toks)))
     batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), entries)
-    return dec.logits(dec.forward(batch, kv, StatePool(dec.cfg, 1, torch.float32, torch.device("cpu"))))
+    return dec.logits(dec.forward(batch, kv, states))
 
 
 def test_config_map() -> None:
     cfg = ModelConfig.from_dict(tiny_config().to_dict())  # type: ignore[attr-defined]
-    assert cfg.family == "gpt_oss" and cfg.full_attention_layer_ids == (0, 1, 2) and not cfg.is_hybrid
+    assert cfg.family == "gpt_oss" and cfg.full_attention_layer_ids == (1,) and cfg.is_hybrid
+    assert cfg.sliding_attention_layer_ids == (0, 2)
     assert [cfg.window_of(i) for i in range(3)] == [8, None, 8]
     assert (cfg.router_kind, cfg.moe_intermediate_size, cfg.attention_bias, cfg.qk_norm) == ("topk_softmax", 24,
                                                                                               True, False)
@@ -112,8 +119,8 @@ def test_bench_shapes() -> None:
             small.num_kv_heads, small.head_dim, small.vocab_size) == (24, 32, 4, 2880, 64, 8, 64, 201088)
     assert small.layer_types[:2] == ("sliding_attention", "full_attention") and small.rope_scaling.factor == 32.0
     dec = dummy_decoder(dummy_config("tiny-gpt-oss"), "cpu", torch.float32, 0, executor="torch")
-    kv = KVPool(dec.cfg, 32, torch.float32, torch.device("cpu"))
-    logits = decoder_pass(dec, kv, [(list(range(10)), 0, kv.alloc(10))])
+    kv, states = pools(dec.cfg, 32)
+    logits = decoder_pass(dec, kv, states, [(list(range(10)), 0, kv.alloc(10))])
     assert logits.shape == (10, 512) and torch.isfinite(logits).all()
 
 
@@ -122,16 +129,16 @@ def test_prefill_logits_every_position(tiny: tuple[Path, torch.nn.Module]) -> No
     dec = load_decoder(path)
     a, b = tokens(40, 1), tokens(11, 2)
     ref_a, ref_b = hf_prefill_logits(model, a), hf_prefill_logits(model, b)
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, kv.alloc(40))]), ref_a) <= TOL
+    kv, states = pools(dec.cfg, 128)
+    assert rel_err(decoder_pass(dec, kv, states, [(a, 0, kv.alloc(40))]), ref_a) <= TOL
     # continued from the cache: 13 cached tokens (past the window of 8), then 27 more
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
+    kv, states = pools(dec.cfg, 128)
     first = kv.alloc(13)
-    got1 = decoder_pass(dec, kv, [(a[:13], 0, first)])
-    got2 = decoder_pass(dec, kv, [(a[13:], 13, torch.cat([first, kv.alloc(27)]))])
+    got1 = decoder_pass(dec, kv, states, [(a[:13], 0, first)])
+    got2 = decoder_pass(dec, kv, states, [(a[13:], 13, torch.cat([first, kv.alloc(27)]))])
     assert rel_err(torch.cat([got1, got2]), ref_a) <= TOL
-    kv = KVPool(dec.cfg, 128, torch.float32, torch.device("cpu"))
-    got = decoder_pass(dec, kv, [(b, 0, kv.alloc(11)), (a, 0, kv.alloc(40))])
+    kv, states = pools(dec.cfg, 128)
+    got = decoder_pass(dec, kv, states, [(b, 0, kv.alloc(11)), (a, 0, kv.alloc(40))])
     assert rel_err(got[:11], ref_b) <= TOL and rel_err(got[11:], ref_a) <= TOL
 
 
@@ -153,34 +160,6 @@ def test_decode_and_prefix_reuse(tiny: tuple[Path, torch.nn.Module], make_engine
     ref2 = hf_step_logits(model, ext, out2[:-1])
     assert rel_err(torch.stack(list(h2.logits)), ref2) <= TOL
     assert rel_err(torch.stack(list(h2.logits))[:1], hf_prefill_logits(model, ext)[-1:]) <= TOL
-
-
-def test_mxfp4_experts_equal_transformers_dequantization(tmp_path: Path) -> None:
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from engine.weights.gpt_oss import dequantize_mxfp4
-
-    e, h, i = 6, 64, 32  # MXFP4 blocks hold 32 values: dims are multiples of 32
-    model = build(tmp_path / "bf16", seed=4, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
-                  layer_types=["sliding_attention", "full_attention"])
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for li, layer in enumerate(model.model.layers):
-            for name, out_dim, in_dim in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-                key = f"model.layers.{li}.mlp.experts.{name}"
-                blocks = torch.randint(0, 256, (e, out_dim, in_dim // 32, 16), generator=g, dtype=torch.uint8)
-                scales = torch.randint(122, 130, (e, out_dim, in_dim // 32), generator=g, dtype=torch.uint8)
-                ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
-                assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), ref)
-                getattr(layer.mlp.experts, name).copy_(ref)
-                del tensors[key]
-                tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-    write_tensors(tmp_path / "bf16", tensors)
-    dec = load_decoder(tmp_path / "bf16")
-    a = tokens(20, 7)
-    kv = KVPool(dec.cfg, 64, torch.float32, torch.device("cpu"))
-    assert rel_err(decoder_pass(dec, kv, [(a, 0, kv.alloc(20))]), hf_prefill_logits(model, a)) <= TOL
 
 
 def test_decode_kernel_sinks_in_triton_interpreter() -> None:

@@ -94,7 +94,8 @@ class Case:
 
     @property
     def hybrid(self) -> bool:
-        return self.spec.family == "qwen3_5_moe"
+        """Per-sequence state (recurrent layers, sliding-window rings): reuse only at snapshots."""
+        return self.spec.family == "qwen3_5_moe" or bool(self.spec.text.get("use_sliding_window"))
 
     def tokens(self, n: int, seed: int) -> list[int]:
         return torch.randint(0, self.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -217,8 +218,8 @@ def test_prefix_reuse(case: Case, engine) -> None:  # type: ignore[no-untyped-de
     _check_against_reference(case, ext, h2, "extension of the first request")
     assert h2.cached_tokens == len(prompt) + len(out1) - 1
 
-    # Shares only the first 10 prompt tokens: attention-only models reuse them; a hybrid model has
-    # no snapshot there and must recompute from scratch.
+    # Shares only the first 10 prompt tokens: full-attention models reuse them; a hybrid model
+    # (recurrent state or sliding-window rings) has no snapshot there and must recompute from scratch.
     partial = prompt[:10] + [(t + 1) % case.vocab for t in prompt[10:22]]
     h3 = engine.submit(partial, params, capture_logits=True)
     _check_against_reference(case, partial, h3, "partial prefix")

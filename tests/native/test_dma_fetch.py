@@ -47,7 +47,7 @@ def _child() -> None:
         task = ft.HostTask(x, ids, w, bank, out)
         ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), copy.numel() // 2, w13.data_ptr(), w2.data_ptr(),
                                     s13.data_ptr(), s2.data_ptr(), w13[0].numel() * 4, w2[0].numel() * 4, rows,
-                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), deadline_ms, -1, 0, 0, 0)
+                                    slots, 0xABC0, 0xC0DE, word.data_ptr(), deadline_ms, -1, 0, 0, 0, 0, 0, 0, 0)
         return task
 
     # direct: rows 5 -> slot 2, 0 -> slot 0, padding; the stream has drained at the first look
@@ -184,7 +184,7 @@ def _child() -> None:
     task7 = ft.HostTask(sx, sids, sw, sbank, sout)
     ft._ext.host_task_set_fetch(task7.address, copy7.data_ptr(), 2, sw13.data_ptr(), sw2.data_ptr(), t13.data_ptr(),
                                 t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows, slots, 0xABC0, 0xC0DE,
-                                word7.data_ptr(), 5000, slots, split_inter, hidden, 4)
+                                word7.data_ptr(), 5000, slots, split_inter, hidden, 4, 0, 0, 0, 0)
     task7.fetch()
     task7.check()
     sc = slots  # the scratch slot
@@ -209,7 +209,7 @@ def _child() -> None:
         ft._ext.host_task_set_fetch(task9.address, copy9.data_ptr(), 1, sw13.data_ptr(), sw2.data_ptr(),
                                     t13.data_ptr(), t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows,
                                     slots, 0xABC0, 0xC0DE, word9.data_ptr(), 5000, slots,
-                                    split_inter, hidden, 4)
+                                    split_inter, hidden, 4, 0, 0, 0, 0)
         before = fake.fake_copies()
         task9.fetch()
         assert int(word9[0]) == 1 and fake.fake_copies() == before, bad
@@ -224,7 +224,7 @@ def _child() -> None:
     task8 = ft.HostTask(sx, sids, sw, sbank, sout)
     ft._ext.host_task_set_fetch(task8.address, copy8.data_ptr(), 1, sw13.data_ptr(), sw2.data_ptr(), t13.data_ptr(),
                                 t2.data_ptr(), sw13[0].numel() * 4, sw2[0].numel() * 4, rows, slots, 0xABC0, 0xC0DE,
-                                word8.data_ptr(), 5000, slots, split_inter, hidden, 4)
+                                word8.data_ptr(), 5000, slots, split_inter, hidden, 4, 0, 0, 0, 0)
     task8.fetch()
     assert int(word8[0]) == 1
     try:

@@ -156,7 +156,7 @@ def test_host_issued_fetch_without_a_driver_fails_loudly_and_releases_the_gpu(ft
     word = torch.zeros(1, dtype=torch.int32)
     ft._ext.host_task_set_fetch(task.address, copy.data_ptr(), 2, bank.w13.data_ptr(), bank.w2.data_ptr(), 0, 0,
                                 bank.w13[0].numel() * 4, bank.w2[0].numel() * 4, 6, 1, 0, 0, word.data_ptr(),
-                                5000, -1, 0, 0, 0)
+                                5000, -1, 0, 0, 0, 0, 0, 0, 0)
     words = doorbell_words()
     task.serve_doorbell(words)
     assert ring_and_wait(words) and wait_word(word)  # the copier thread issues the fetch

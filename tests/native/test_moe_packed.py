@@ -57,7 +57,16 @@ def make_bank(pk, fmt: str, experts: int, rows: int, k: int, gen: torch.Generato
     return pk.random_blocks(fmt, (experts, rows), k, gen)
 
 
-def reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gscale, out0) -> np.ndarray:
+def activate64(g: np.ndarray, u: np.ndarray, activation: str, alpha: float, limit: float) -> np.ndarray:
+    """The experts' activation in float64: silu(g) * u, or gpt-oss's clamped SwiGLU."""
+    if activation == "silu":
+        return g / (1 + np.exp(-g)) * u
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return (u + 1) * g / (1 + np.exp(-alpha * g))
+
+
+def reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gscale, out0, bias_gu=None, bias_d=None, activation="silu",
+              alpha=1.702, limit=7.0) -> np.ndarray:
     experts, inter2, _ = gu.shape
     hidden, inter = x.shape[1], inter2 // 2
     wgu = ref_dequant(fmt_gu, gu.reshape(experts * inter2, -1).numpy(), hidden).reshape(experts, inter2, hidden)
@@ -71,13 +80,16 @@ def reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gscale, out0) -> np.ndarra
                 continue
             g = gs[e, 0] * (wgu[e, :inter] @ xd[t])
             u = gs[e, 1] * (wgu[e, inter:] @ xd[t])
-            h = g / (1 + np.exp(-g)) * u
-            y[t] += float(weights[t, j]) * gs[e, 2] * (wd[e] @ h)
+            if bias_gu is not None:
+                g, u = g + bias_gu[e, :inter].double().numpy(), u + bias_gu[e, inter:].double().numpy()
+            h = activate64(g, u, activation, alpha, limit)
+            yd = gs[e, 2] * (wd[e] @ h) + (0 if bias_d is None else bias_d[e].double().numpy())
+            y[t] += float(weights[t, j]) * yd
     return y
 
 
 def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_dtype=torch.float32, gscale=True,
-             corrupt=None):
+             corrupt=None, clamped=False):
     gu = make_bank(pk, fmt_gu, experts, 2 * inter, hidden, gen)
     dn = make_bank(pk, fmt_d, experts, hidden, inter, gen)
     # gate and up values of order 1, so silu neither saturates nor hides the gate rows' errors
@@ -89,11 +101,20 @@ def run_case(pk, gen, fmt_gu, fmt_d, T, k, hidden=256, inter=256, experts=5, x_d
     gs = torch.rand(experts, 3, generator=gen) + 0.5 if gscale else None
     out0 = torch.randn(T, hidden, generator=gen)
     out = out0.clone()
-    pk.moe_packed(x, ids, weights, corrupt(gu) if corrupt else gu, fmt_gu, dn, fmt_d, gs, out)
-    ref = reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out0)
+    epilogue: dict[str, object] = {}
+    if clamped:  # gpt-oss: biases, and gate / up of order 10 so that both clamps bite (limit 2.5 here)
+        x = (x.float() * 10).to(x_dtype)
+        epilogue = dict(bias_gu=torch.randn(experts, 2 * inter, generator=gen) * 2,
+                        bias_d=torch.randn(experts, hidden, generator=gen), activation="swiglu_clamped", alpha=1.5,
+                        limit=2.5)
+    pk.moe_packed(x, ids, weights, corrupt(gu) if corrupt else gu, fmt_gu, dn, fmt_d, gs, out, **epilogue)
+    ref = reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out0, **epilogue)
     err = np.abs(out.double().numpy() - ref).max()
     scale = np.abs(ref - out0.double().numpy()).max() + 1e-30
     assert err <= TOL * scale, f"{fmt_gu}/{fmt_d} T={T} k={k}: max abs err {err:.3g} > {TOL:g} * {scale:.3g}"
+    if clamped:  # the clamps bite: without them the result is another one
+        free = reference(x, ids, weights, gu, fmt_gu, dn, fmt_d, gs, out0, **{**epilogue, "limit": 1e30})
+        assert np.abs(free - ref).max() > 0.01 * scale
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
@@ -110,6 +131,35 @@ def test_mixed_formats_bf16_activations(pk, isa):
     gen = torch.Generator().manual_seed(99)
     run_case(pk, gen, "q4_k", "q6_k", 11, 4, hidden=512, experts=4, x_dtype=torch.bfloat16, gscale=False)
     run_case(pk, gen, "q8_0", "nvfp4", 5, 2, hidden=96, inter=64, experts=3)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+@pytest.mark.parametrize("fmts", [("mxfp4", "mxfp4"), ("q4_k", "q8_0")])
+def test_biases_and_clamped_swiglu_match_float64(pk, isa, fmts):
+    """gpt-oss's epilogue: gate / up / down biases and the clamped SwiGLU, on every SIMD path,
+    bf16 and f32 activations, tiles of several tokens and single tokens."""
+    gen = torch.Generator().manual_seed(17)
+    for (T, k), dtype in zip(((1, 4), (9, 3), (4, 2)), (torch.float32, torch.bfloat16, torch.float32), strict=True):
+        run_case(pk, gen, *fmts, T, k, x_dtype=dtype, clamped=True)
+
+
+def test_clamped_check_sees_a_missing_bias_or_clamp(pk):
+    """The epilogue check fails where the kernel's epilogue differs: the reference without the down
+    bias, or with silu in place of the clamped SwiGLU."""
+    gen = torch.Generator().manual_seed(21)
+    E, H, inter = 3, 64, 32
+    gu, dn = make_bank(pk, "mxfp4", E, 2 * inter, H, gen), make_bank(pk, "mxfp4", E, H, inter, gen)
+    x, ids, w = torch.randn(2, H, generator=gen) * 5, torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2)
+    epi = dict(bias_gu=torch.randn(E, 2 * inter, generator=gen), bias_d=torch.randn(E, H, generator=gen),
+               activation="swiglu_clamped", alpha=1.702, limit=1.0)
+    out = torch.zeros(2, H)
+    pk.moe_packed(x, ids, w, gu, "mxfp4", dn, "mxfp4", None, out, **epi)
+    ref = reference(x, ids, w, gu, "mxfp4", dn, "mxfp4", None, torch.zeros(2, H), **epi)
+    scale = np.abs(ref).max()
+    assert np.abs(out.numpy() - ref).max() <= TOL * scale
+    for change in (dict(bias_d=None), dict(activation="silu"), dict(limit=7.0)):
+        wrong = reference(x, ids, w, gu, "mxfp4", dn, "mxfp4", None, torch.zeros(2, H), **{**epi, **change})
+        assert np.abs(out.numpy() - wrong).max() > 100 * TOL * scale, change
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
@@ -159,6 +209,9 @@ def test_bad_arguments_name_the_argument(pk):
         "gscale": dict(gscale=torch.ones(E, 2)),
         "out": dict(out=torch.zeros(T, H, dtype=torch.bfloat16)),
         "x": dict(x=torch.randn(T, H, dtype=torch.float64)),
+        "bias_gu": dict(bias_gu=torch.zeros(E, inter)),
+        "bias_d": dict(bias_d=torch.zeros(E, H, dtype=torch.float64)),
+        "activation": dict(activation="gelu"),
     }
     for name, change in bad.items():
         with pytest.raises(ValueError, match=f"^{name.strip()}"):
@@ -218,3 +271,22 @@ def test_host_task_overwrites_out_and_reports_failures(pk):
     assert not out.any()
     with pytest.raises(RuntimeError, match="out of range"):
         task.check()
+
+
+def test_host_task_runs_the_epilogue(pk):
+    """PackedHostTask with gpt-oss's biases and clamped SwiGLU: the same numbers as the direct call."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, inter, E, k = 2, 64, 32, 3, 2
+    gu, dn = make_bank(pk, "mxfp4", E, 2 * inter, H, gen), make_bank(pk, "mxfp4", E, H, inter, gen)
+    x, weights = torch.randn(T, H, generator=gen) * 5, torch.rand(T, k, generator=gen)
+    ids = torch.tensor([[0, 2], [1, -1]], dtype=torch.int32)
+    epi = dict(bias_gu=torch.randn(E, 2 * inter, generator=gen), bias_d=torch.randn(E, H, generator=gen),
+               activation="swiglu_clamped", alpha=1.702, limit=1.0)
+    want, plain = torch.zeros(T, H), torch.zeros(T, H)
+    pk.moe_packed(x, ids, weights, gu, "mxfp4", dn, "mxfp4", None, want, **epi)
+    pk.moe_packed(x, ids, weights, gu, "mxfp4", dn, "mxfp4", None, plain)
+    out = torch.full((T, H), 7.0)
+    task = pk.PackedHostTask(x, ids, weights, gu, "mxfp4", dn, "mxfp4", None, out, **epi)
+    task.run()
+    task.check()
+    assert torch.equal(out, want) and not torch.allclose(want, plain)

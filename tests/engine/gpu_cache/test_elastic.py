@@ -18,6 +18,7 @@ import pytest
 import torch
 from checkpoints import TinySpec, qwen3_moe_text
 
+from engine.cache.pools import KVPool, StatePool
 from engine.errors import ConfigError
 from engine.gpu.budget import GpuBudget, auto_margin, dense_bytes, split_gpu_memory
 from engine.gpu.elastic import MIN_CHANGE, follow_target, rebuild_expert_cache
@@ -99,7 +100,11 @@ def test_an_engine_without_a_cache_says_so(tiny_checkpoint, make_engine) -> None
     with pytest.raises(ConfigError, match="no GPU expert cache"):
         rebuild_expert_cache(engine.decoder, engine.opts, engine.dtype, 2**30)
     o = engine.opts
-    assert engine.memory_report() == {"device": "cpu", "gpu_memory": None, "pools": {
+    report = engine.memory_report()
+    assert report.pop("kv_bytes") == {"full_per_token": KVPool.bytes_per_slot(engine.decoder.cfg, engine.dtype),
+                                      "sliding_per_sequence": 0,
+                                      "state_slot": StatePool.bytes_per_slot(engine.decoder.cfg, engine.dtype)}
+    assert report == {"device": "cpu", "gpu_memory": None, "pools": {
         "kv_tokens": o.kv_tokens, "checkpoint_slots": o.checkpoint_slots, "host_checkpoint_slots": o.host_checkpoint_slots}}
     assert _run(engine)[0]  # still serving
 

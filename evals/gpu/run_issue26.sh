@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU-machine runs for issue 26 (quantized experts), one PART per device call (each under 10 min).
+#   PART=build  the packed CPU kernels alone on a quiet machine (bench cpu-experts, q4_k / q8_0 /
+#               q6_k at 6, 8 and 16 threads against the read bound), then, while llama.cpp builds in
+#               the background (evals/peer/build.sh --export), the packed GPU tests and the packed
+#               GEMV probe (evals/gpu/packed_gemv_probe.py).
+#   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
+#               llama-bench at each -ncmoe of NCMOE (decode, PROMPTS prefill), then ours at each cap
+#               of CAPS (bench decode / bench prefill on the same file, 8 threads), and llama.cpp's
+#               CPU MoE path (-ncmoe all) next to ours with every expert on the CPU.
+# Carry [".whl", ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
+# Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
+# llama-bench pieces; a summary is printed last.
+set -u
+export OUT=${OUT:-/tmp/issue26}
+R=/tmp/issue26-results
+mkdir -p "$OUT" "$R"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+export FREETOKEN_CACHE_DIR=$R/cache
+F="python3 -m freetoken_agent"
+t0=$(date +%s)
+pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
+at() { echo "[$(( $(date +%s) - t0 )) s] $*"; pack; }  # results packed after every step: a killed call keeps them
+left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - t0) )); }  # seconds this call has left
+trap pack EXIT
+lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:.*\(avx512[a-z_0-9]*\).*/Flags: has avx512 (\1 ...)/' > "$R/cpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/cpu.txt"
+cat "$R/cpu.txt"
+python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build failed"; tail -5 "$R/native_build.log"; }
+at "native built"
+case "${PART:-build}" in
+build)
+    for f in ${CPU_FORMATS:-q4_k q8_0}; do
+        timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch --json \
+            > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
+        at "cpu-experts $f: exit $?"
+    done
+    (bash evals/peer/build.sh --export > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
+    build=$!
+    timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
+        tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
+        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py tests/engine/test_gpt_oss.py \
+        tests/engine/test_decode_attention.py tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
+    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    timeout 120 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k,q8_0 > "$R/gemv.jsonl" 2> "$R/gemv.err"
+    at "gemv probe: exit $?"
+    wait $build
+    at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
+    # the side by side's model, for a next call on this machine while it is warm
+    [ "$(left)" -gt 90 ] && timeout $(( $(left) - 20 )) python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m \
+        --seed 0 --out /tmp/peer/q4km.gguf > "$R/gguf.log" 2>&1
+    at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
+    ;;
+sbs)
+    [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
+    GGUF=/tmp/peer/q4km.gguf
+    # shellcheck disable=SC2086
+    [ -f "$GGUF" ] || timeout 240 python3 evals/peer/write_gguf.py ${GGUF_ARGS:---layers 48} --quant q4_k_m --seed 0 \
+        --out "$GGUF" > "$R/gguf.log" 2>&1 || { tail -5 "$R/gguf.log"; exit 1; }
+    at "gguf: $(du -h "$GGUF" | cut -f1)"
+    python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-48,34,23,11}" --threads 8 \
+        --prompts "${PROMPTS:-16384}" --gen 128 --ubatch 2048 --reps "${REPS:-2}" --load-mode none \
+        --timeout "${PEER_S:-120}" --out-dir "$R" | tail -8
+    at "peer done"
+    $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
+    for cap in ${CAPS:-8GiB 12GiB 16GiB}; do
+        [ "$(left)" -gt 60 ] || break
+        timeout "${DEC_S:-150}" $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" \
+            --cpu-threads 8 --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
+        at "decode $cap: exit $?"
+        [ "${PROMPTS:-16384}" = 0 ] && continue
+        case " ${PREFILL_CAPS:-12GiB} " in *" $cap "*) ;; *) continue ;; esac
+        [ "$(left)" -gt 60 ] || break
+        timeout "${PRE_S:-120}" $F bench prefill --model "$GGUF" --gpu-memory "$cap" --cpu-threads 8 \
+            --prompt-tokens "${PROMPTS:-16384}" --chunk 8192 --json > "$R/pre_ours_$cap.json" 2> "$R/pre_ours_$cap.err"
+        at "prefill $cap: exit $?"
+    done
+    # every expert on the CPU (llama.cpp's -ncmoe 48 next to it): dense on the GPU, experts on moe_packed
+    [ "$(left)" -gt 60 ] && timeout "${DEC_S:-150}" $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory off \
+        --cpu-threads 8 --tokens 64 --reps 2 --json > "$R/dec_ours_cpu.json" 2> "$R/dec_ours_cpu.err"
+    at "decode, experts on the CPU: exit $?"
+    ;;
+esac
+python3 evals/gpu/summary.py "$R" 2>/dev/null | tail -30
+python3 -m evals.gpu.quant_summary "$R"
+at "done"
