@@ -232,6 +232,18 @@ def _eos(d: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _layer_types(d: dict[str, Any], source: str, n_layers: int, other: str, interval: int) -> tuple[str, ...]:
+    """The config's `layer_types` (full attention or `other`, one per layer), else every
+    `interval`-th layer full attention and the rest `other`."""
+    layer_types = d.get("layer_types") or [other if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)]
+    if len(layer_types) != n_layers:
+        raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+    for t in layer_types:
+        if t not in (FULL_ATTENTION, other):
+            raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+    return tuple(layer_types)
+
+
 def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, source: str) -> ModelConfig:
     g = lambda k, default=...: _get(d, k, source, default)  # noqa: E731
     hidden = int(g("hidden_size"))
@@ -294,20 +306,13 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
     elif family == "gpt_oss":
         theta, partial, scaling = _rope(d, source, 1.0)
         window = int(g("sliding_window", 128))
-        layer_types = d.get("layer_types") or [
-            SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n_layers)
-        ]
-        if len(layer_types) != n_layers:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
-        for t in layer_types:
-            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
-                raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        layer_types = _layer_types(d, source, n_layers, SLIDING_ATTENTION, 2)
         cfg = ModelConfig(
             family=family,
             rope_theta=theta,
             rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             moe_layers=(True,) * n_layers,
             norm_topk_prob=False,
             dense_intermediate_size=0,
@@ -329,14 +334,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
     else:  # the Gated DeltaNet hybrids: qwen3_5_moe, qwen3_next
         theta, partial, scaling = _rope(d, source, 0.25)
         interval = int(d.get("full_attention_interval", 4))
-        layer_types = d.get("layer_types") or [
-            LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)
-        ]
-        if len(layer_types) != n_layers:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
-        for t in layer_types:
-            if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
-                raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+        layer_types = _layer_types(d, source, n_layers, LINEAR_ATTENTION, interval)
         step = int(g("decoder_sparse_step", 1))
         mlp_only = set(g("mlp_only_layers", []) or [])
         moe = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(n_layers))
@@ -345,7 +343,7 @@ def _parse(family: str, d: dict[str, Any], outer: dict[str, Any], prefix: str, s
             rope_theta=theta,
             rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             moe_layers=moe,
             # Qwen3.5 always renormalises; Qwen3-Next reads norm_topk_prob
             norm_topk_prob=family == "qwen3_5_moe" or bool(g("norm_topk_prob", True)),

@@ -66,8 +66,8 @@ from adapters.parsers.events import (
 )
 from adapters.parsers.glm import GlmCallScanner
 from adapters.parsers.harmony import HarmonyOutputParser
-from adapters.parsers.qwen3_5 import ParamTypes
 from adapters.parsers.stream import TOOL_CALL_OPEN, ChooseScanner, QwenOutputParser, qwen_scanner
+from adapters.parsers.tagged_args import ParamTypes
 
 # family -> (the tag that opens a call block, how its body is read, tags dropped from content)
 _SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {

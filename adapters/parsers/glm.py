@@ -14,7 +14,7 @@ Contract (`GlmCallScanner`, for the body of a `<tool_call>` block):
   verbatim (the chat templates write string values as they are and other values as JSON).
 - Anything else where an element is expected rejects the block at that point; an unterminated
   block is left to the caller.
-- Typing and streaming as the Qwen3.5 XML form (`adapters.parsers.qwen3_5.ParamTypes`): string
+- Typing and streaming as the Qwen3.5 XML form (`adapters.parsers.tagged_args`): string
   values stream chunk by chunk as `{"KEY":"...` holding back only a possible partial
   `</arg_value>`; other values are decoded as JSON whole at their `</arg_value>` (the raw string
   when they do not decode); `}` (or `{}`) at `</tool_call>`.
@@ -22,52 +22,21 @@ Contract (`GlmCallScanner`, for the body of a `<tool_call>` block):
 
 from __future__ import annotations
 
-from typing import Literal
-
-from adapters.parsers.base import ScanResult, compact_json, partial_tag_suffix, skip_space, tag_may_start
-from adapters.parsers.qwen3_5 import ParamTypes
+from adapters.parsers.base import partial_tag_suffix, skip_space
+from adapters.parsers.tagged_args import ParamTypes, Status, TaggedArgsScanner
 
 TOOL_CALL_CLOSE = "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 
-Status = Literal["more", "done", "reject"]
 
-
-class GlmCallScanner:
+class GlmCallScanner(TaggedArgsScanner):
     """Scans `NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` bodies."""
 
     def __init__(self, types: ParamTypes) -> None:
-        self._types = types
-        self._name: str | None = None
+        super().__init__(types)
         self._phase = "name"
-        self._pos = 0
-        self._mark = 0
-        self._key = ""
-        self._streaming = False
-        self._opened = False
-        self._delta: list[str] = []
-
-    @property
-    def name(self) -> str | None:
-        return self._name
-
-    def scan(self, body: str) -> ScanResult:
-        status, end = self._scan(body)
-        delta = "".join(self._delta)
-        self._delta = []
-        return ScanResult(status, end, delta)
-
-    def _expect(self, body: str, tags: tuple[str, ...]) -> tuple[str | None, Status | None]:
-        """Skips whitespace, then reads one of `tags`: (tag, None), or (None, "more" / "reject")."""
-        pos = self._pos = skip_space(body, self._pos)
-        if pos == len(body):
-            return None, "more"
-        tag = next((t for t in tags if body.startswith(t, pos)), None)
-        if tag is None:
-            return None, "more" if any(tag_may_start(body, pos, t) for t in tags) else "reject"
-        self._pos = pos + len(tag)
-        return tag, None
+        self._mark = 0  # start of the key / value being read
 
     def _scan(self, body: str) -> tuple[Status, int]:
         end = len(body)
@@ -89,12 +58,12 @@ class GlmCallScanner:
                 if status is not None:
                     return status, self._pos
                 if tag == TOOL_CALL_CLOSE:
-                    self._delta.append("}" if self._opened else "{}")
+                    self._close_call()
                     return "done", self._pos
                 self._mark = self._pos
                 self._phase = "key" if tag == KEY_OPEN else "value"
                 if tag == VALUE_OPEN:
-                    self._start_value()
+                    self._open_value(self._key)
             elif phase == "key":
                 close = body.find(KEY_CLOSE, self._mark)
                 stop = end - partial_tag_suffix(body, KEY_CLOSE) if close < 0 else close
@@ -110,34 +79,17 @@ class GlmCallScanner:
             elif not self._value(body):
                 return "more", 0
 
-    def _start_value(self) -> None:
-        self._streaming = self._types.is_string(self._name or "", self._key)
-        if self._streaming:
-            self._member()
-            self._delta.append('"')
-
     def _value(self, body: str) -> bool:
         """Advance through a value; True once its `</arg_value>` was read."""
         close = body.find(VALUE_CLOSE, self._mark)
         if close < 0:
             if self._streaming:
                 settled = max(self._pos, len(body) - partial_tag_suffix(body, VALUE_CLOSE))
-                self._emit_string(body[self._pos:settled])
+                self._stream(body[self._pos:settled])
                 self._pos = settled
             return False
         if self._streaming:
-            self._emit_string(body[self._pos:close])
-            self._delta.append('"')
-        else:
-            self._member()
-            self._delta.append(compact_json(self._types.convert(self._name or "", self._key, body[self._mark:close])))
+            self._stream(body[self._pos:close])
+        self._close_value(body[self._mark:close])
         self._pos, self._phase = close + len(VALUE_CLOSE), "elements"
         return True
-
-    def _member(self) -> None:
-        self._delta.append(("," if self._opened else "{") + compact_json(self._key) + ":")
-        self._opened = True
-
-    def _emit_string(self, text: str) -> None:
-        if text:
-            self._delta.append(compact_json(text)[1:-1])

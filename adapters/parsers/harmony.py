@@ -24,16 +24,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from adapters.parsers.base import OutputParser, compact_json, loads_json, new_call_id, partial_tag_suffix
+from adapters.parsers.base import compact_json, loads_json, partial_tag_suffix
 from adapters.parsers.events import (
     ContentDelta,
-    ParseEvent,
     ReasoningDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    merge_events,
 )
+from adapters.parsers.incremental import IncrementalParser
 
 START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
 END_TAGS = ("<|end|>", "<|call|>", "<|return|>")
@@ -62,14 +61,13 @@ def parse_header(header: str) -> tuple[str | None, str | None]:
     return channel, found.group(1) if found else None
 
 
-class HarmonyOutputParser(OutputParser):
+class HarmonyOutputParser(IncrementalParser):
     """One request's incremental parser for harmony output."""
 
     def __init__(self, *, parse_reasoning: bool, parse_tool_calls: bool, id_prefix: str) -> None:
+        super().__init__(id_prefix=id_prefix)
         self._parse_reasoning = parse_reasoning
         self._parse_calls = parse_tool_calls
-        self._id_prefix = id_prefix
-        self._ids: set[str] = set()
         self._state = "header"  # header | body | raw | between
         self._buf = ""
         self._channel: str | None = None
@@ -79,31 +77,17 @@ class HarmonyOutputParser(OutputParser):
         self._kind: str | None = None  # "reasoning" | "content" while streaming a message
         self._seen: set[str] = set()  # kinds already emitted (for the blank line between messages)
         self._messages: list[HarmonyMessage] = []
-        self._calls: list[ToolCallEnd] = []
-        self._events: list[ParseEvent] = []
-        self._finished = False
-
-    @property
-    def tool_calls(self) -> list[ToolCallEnd]:
-        return list(self._calls)
 
     @property
     def messages(self) -> list[HarmonyMessage]:
         return list(self._messages)
 
-    def feed(self, text: str) -> list[ParseEvent]:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
+    def _push(self, text: str) -> None:
         self._buf += text
         self._run(final=False)
-        return self._take()
 
-    def finish(self) -> list[ParseEvent]:
-        if self._finished:
-            return []
-        self._finished = True
+    def _end(self) -> None:
         self._run(final=True)
-        return self._take()
 
     def _run(self, *, final: bool) -> None:
         while True:
@@ -192,7 +176,7 @@ class HarmonyOutputParser(OutputParser):
             return
         name = recipient.removeprefix("functions.") or recipient
         index = len(self._calls)
-        start = ToolCallStart(index, new_call_id(self._id_prefix, self._ids), name)
+        start = ToolCallStart(index, self._call_id(), name)
         end = ToolCallEnd(index, start.id, name, arguments)
         self._events += [start, ToolCallArgsDelta(index, arguments), end]
         self._calls.append(end)
@@ -202,8 +186,3 @@ class HarmonyOutputParser(OutputParser):
             text = "\n\n" + text
         self._seen.add(kind)
         self._events.append(ReasoningDelta(text) if kind == "reasoning" else ContentDelta(text))
-
-    def _take(self) -> list[ParseEvent]:
-        events = merge_events(self._events)
-        self._events = []
-        return events

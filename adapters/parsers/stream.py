@@ -34,25 +34,23 @@ from collections.abc import Callable
 
 from adapters.parsers.base import (
     CallScanner,
-    OutputParser,
     ScanResult,
     TrimmedSegment,
-    new_call_id,
     partial_tag_suffix,
     skip_space,
 )
 from adapters.parsers.events import (
     ContentDelta,
-    ParseEvent,
     ReasoningDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    merge_events,
 )
+from adapters.parsers.incremental import IncrementalParser
 from adapters.parsers.qwen3 import JsonCallScanner
-from adapters.parsers.qwen3_5 import ParamTypes, XmlCallScanner
+from adapters.parsers.qwen3_5 import XmlCallScanner
 from adapters.parsers.reasoning import ThinkSplitter
+from adapters.parsers.tagged_args import ParamTypes
 
 TOOL_CALL_OPEN = "<tool_call>"
 ChooseScanner = Callable[[ParamTypes, str], CallScanner | None]  # (types, first character) -> scanner or reject
@@ -66,7 +64,7 @@ def qwen_scanner(types: ParamTypes, first: str) -> CallScanner | None:
     return None
 
 
-class QwenOutputParser(OutputParser):
+class QwenOutputParser(IncrementalParser):
     """One request's incremental parser for Qwen3 / Qwen3.5 / GLM output."""
 
     def __init__(
@@ -81,14 +79,13 @@ class QwenOutputParser(OutputParser):
         open_tag: str = TOOL_CALL_OPEN,
         drop_tags: tuple[str, ...] = (),
     ) -> None:
+        super().__init__(id_prefix=id_prefix)
         self._choose = choose
         self._open = open_tag
         self._drop = drop_tags
         self._think = ThinkSplitter(starts_inside=starts_in_reasoning) if parse_reasoning else None
         self._types = types
         self._parse_calls = parse_tool_calls
-        self._id_prefix = id_prefix
-        self._ids: set[str] = set()
         self._content = TrimmedSegment()
         self._buf = ""  # content-stage text not yet settled
         self._body: str | None = None  # the open block's body (text after <tool_call>)
@@ -96,38 +93,24 @@ class QwenOutputParser(OutputParser):
         self._started: ToolCallStart | None = None  # the open block's announced call
         self._arguments: list[str] = []  # its arguments text so far
         self._next_index = 0
-        self._calls: list[ToolCallEnd] = []
-        self._events: list[ParseEvent] = []
-        self._finished = False
 
-    @property
-    def tool_calls(self) -> list[ToolCallEnd]:
-        return list(self._calls)
-
-    def feed(self, text: str) -> list[ParseEvent]:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
+    def _push(self, text: str) -> None:
         if self._think is not None and not self._think.done:
             reasoning, rest = self._think.push(text)
             self._reasoning(reasoning)
             if rest is None:
-                return self._take()
+                return
             text = rest
         self._buf += text
         self._run(final=False)
-        return self._take()
 
-    def finish(self) -> list[ParseEvent]:
-        if self._finished:
-            return []
-        self._finished = True
+    def _end(self) -> None:
         if self._think is not None and not self._think.done:
             reasoning, rest = self._think.finish()
             self._reasoning(reasoning)
             self._buf += rest
         self._run(final=True)
         self._content.end()
-        return self._take()
 
     # -- content and tool-call blocks ---------------------------------------------------------
 
@@ -196,7 +179,7 @@ class QwenOutputParser(OutputParser):
         return result
 
     def _announce(self, name: str) -> None:
-        self._started = ToolCallStart(self._next_index, new_call_id(self._id_prefix, self._ids), name)
+        self._started = ToolCallStart(self._next_index, self._call_id(), name)
         self._arguments = []
         self._next_index += 1
         self._events.append(self._started)
@@ -231,8 +214,3 @@ class QwenOutputParser(OutputParser):
         out = self._content.push(text)
         if out:
             self._events.append(ContentDelta(out))
-
-    def _take(self) -> list[ParseEvent]:
-        events = merge_events(self._events)
-        self._events = []
-        return events

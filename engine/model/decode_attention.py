@@ -22,9 +22,10 @@ tokens in the pass.
 
 The kernel is split-K ("flash decoding"): each of SPLITS programs per (token, KV head) takes a share
 of the keys, keeps a running max and sum in float32 (online softmax), and a second kernel merges the
-shares. Operands are widened to float32 and every product and sum is float32 (no TF32), so the
-only rounding to q's dtype is the output's. `DecodeMeta.fill` reads the lengths from host integers
-with a blocking copy: it runs at the start of a step, when the device has finished the last one.
+shares (engine/model/split_k.py, shared with MLA's decode kernel). Operands are widened to float32
+and every product and sum is float32 (no TF32), so the only rounding to q's dtype is the output's.
+`DecodeMeta.fill` reads the lengths from host integers with a blocking copy: it runs at the start of
+a step, when the device has finished the last one.
 """
 
 from __future__ import annotations
@@ -36,14 +37,10 @@ import triton
 import triton.language as tl
 
 from engine.model.batch import ForwardBatch
+from engine.model.split_k import SplitShares, online_softmax_step, splits_for, store_share
 
 _BLOCK_N = 32  # keys per inner step
 _NO_WINDOW = 1 << 30
-
-
-def splits_for(tokens: int, kv_heads: int) -> int:
-    """Programs per (token, KV head): enough in all to cover the SMs of a large GPU at batch 1."""
-    return max(1, min(64, triton.next_power_of_2(max(1, 128 // (tokens * kv_heads)))))
 
 
 @triton.jit
@@ -81,39 +78,10 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_p
         k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scale
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
         v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, out_dtype=tl.float32, input_precision="ieee")
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc)
         start += BLOCK_N
-    part = (t * heads + head) * SPLITS + sid
-    tl.store(m_ptr + part, m_i, mask=gmask)
-    tl.store(l_ptr + part, l_i, mask=gmask)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-
-
-@triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, HEADS: tl.constexpr, D: tl.constexpr,
-                  SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
-    row = tl.program_id(0)  # token * heads + head
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    m = tl.load(m_ptr + row * SPLITS + s)
-    l_ = tl.load(l_ptr + row * SPLITS + s)
-    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
-    top = tl.max(m, axis=0)
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + row % HEADS).to(tl.float32)
-        top = tl.maximum(top, sink)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-    total = tl.sum(w * l_, axis=0)
-    if HAS_SINK:
-        total += tl.exp(sink - top)
-    out = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+    store_share(m_ptr, l_ptr, acc_ptr, (t * heads + head) * SPLITS + sid, gmask, m_i, l_i, acc, d, D)
 
 
 @dataclass
@@ -171,14 +139,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     v_cache.index_copy_(0, meta.new_slots, v.to(v_cache.dtype))
     groups = heads // kv_heads
     splits = splits_for(n, kv_heads)
-    m = torch.empty(n * heads * splits, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(n * heads * splits, dim, dtype=torch.float32, device=q.device)
+    shares = SplitShares.empty(n * heads, splits, dim, q.device)
     _split_kernel[(n, kv_heads, splits)](
-        q.contiguous(), k_cache, v_cache, meta.table, meta.lengths, m, l_, acc, meta.table.stride(0), scale,
-        window or _NO_WINDOW, ring or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups, G_PAD=max(16, triton.next_power_of_2(groups)), D=dim,
-        SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
-    out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
-    _merge_kernel[(n * heads,)](m, l_, acc, out, m if sinks is None else sinks, HEADS=heads, D=dim, SPLITS=splits,
-                                HAS_SINK=sinks is not None, num_warps=4)
+        q.contiguous(), k_cache, v_cache, meta.table, meta.lengths, shares.maxes, shares.sums, shares.acc,
+        meta.table.stride(0), scale, window or _NO_WINDOW, ring or _NO_WINDOW, KV_HEADS=kv_heads, GROUPS=groups,
+        G_PAD=max(16, triton.next_power_of_2(groups)), D=dim, SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
+    out = shares.merge(torch.empty(n, heads, dim, dtype=q.dtype, device=q.device), sinks)
     return out.reshape(n, heads * dim)

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.decode_attention import DecodeMeta, splits_for
+from engine.model.decode_attention import DecodeMeta
+from engine.model.split_k import SplitShares, online_softmax_step, splits_for, store_share
 
 _BLOCK_N = 32  # keys per inner step
 _HEADS = 16  # heads per program
@@ -61,32 +62,10 @@ def _split_kernel(q_ptr, c_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, table
                         other=0.0).to(tl.float32)
             s += tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision="ieee")
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
         v = tl.load(c_ptr + slot[:, None] * D + cv[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, out_dtype=tl.float32, input_precision="ieee")
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc)
         start += BLOCK_N
-    part = (t * HEADS + h) * SPLITS + sid
-    tl.store(m_ptr + part, m_i, mask=hmask)
-    tl.store(l_ptr + part, l_i, mask=hmask)
-    tl.store(acc_ptr + part[:, None] * C + cv[None, :], acc, mask=hmask[:, None])
-
-
-@triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, C: tl.constexpr, SPLITS: tl.constexpr):
-    row = tl.program_id(0)  # token * heads + head
-    s = tl.arange(0, SPLITS)
-    c = tl.arange(0, C)
-    m = tl.load(m_ptr + row * SPLITS + s)
-    l_ = tl.load(l_ptr + row * SPLITS + s)
-    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * C + c[None, :])
-    top = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_, axis=0)
-    tl.store(out_ptr + row * C + c, out.to(out_ptr.dtype.element_ty))
+    store_share(m_ptr, l_ptr, acc_ptr, (t * HEADS + h) * SPLITS + sid, hmask, m_i, l_i, acc, cv, C)
 
 
 def mla_decode(q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: DecodeMeta, scale: float,
@@ -99,13 +78,9 @@ def mla_decode(q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: D
     cache.index_copy_(0, meta.new_slots, rows.to(cache.dtype))
     blocks = triton.cdiv(heads, _HEADS)
     splits = splits_for(n, blocks)
-    m = torch.empty(n * heads * splits, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(n * heads * splits, c, dtype=torch.float32, device=q.device)
+    shares = SplitShares.empty(n * heads, splits, c, q.device)
     _split_kernel[(n, blocks, splits)](
-        q.contiguous(), cache, meta.table, meta.lengths, m, l_, acc, meta.table.stride(0), scale, HEADS=heads, D=dim,
-        C=c, HB=_HEADS, CHUNK=_CHUNK, D_PAD=triton.cdiv(dim, _CHUNK) * _CHUNK, SPLITS=splits, BLOCK_N=_BLOCK_N,
-        num_warps=4)
-    out = torch.empty(n, heads, c, dtype=q.dtype, device=q.device)
-    _merge_kernel[(n * heads,)](m, l_, acc, out, C=c, SPLITS=splits, num_warps=4)
-    return out
+        q.contiguous(), cache, meta.table, meta.lengths, shares.maxes, shares.sums, shares.acc,
+        meta.table.stride(0), scale, HEADS=heads, D=dim, C=c, HB=_HEADS, CHUNK=_CHUNK,
+        D_PAD=triton.cdiv(dim, _CHUNK) * _CHUNK, SPLITS=splits, BLOCK_N=_BLOCK_N, num_warps=4)
+    return shares.merge(torch.empty(n, heads, c, dtype=q.dtype, device=q.device))

@@ -38,6 +38,7 @@ from typing import Any
 
 from freetoken_agent.service.types import ChatMessage, ChatRequest, ToolCall
 from freetoken_agent.sessions.anchors import AnchorPolicy
+from freetoken_agent.sessions.echo import common_prefix
 from freetoken_agent.sessions.manager import SessionManager
 from freetoken_agent.sessions.normalise import normalise as plain_normalise
 from freetoken_agent.tokenizer import ChatTokenizer
@@ -90,14 +91,6 @@ def _render(tok: ChatTokenizer, req: ChatRequest) -> list[int]:
     return tok.encode(text)
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 SAME_FOR = {"claude-code": {"claude-code"}, "appended": {"claude-code"}}  # kinds semantically equal only there
 
 
@@ -145,7 +138,7 @@ def second_request(engine: Any, tok: ChatTokenizer, s: dict[str, Any], profile: 
     ideal = ids2
     if kind in ("exact", "ids", "reordered", "whitespace") or profile in SAME_FOR.get(kind, ()):
         ideal = _render(tok, replace(req2, messages=[*first, s["generated"], result]))
-    truly_new = len(ideal) - _common(ideal, s["cached"])
+    truly_new = len(ideal) - common_prefix(ideal, s["cached"])
     anchors = [a for a in plan2.anchors if a.position <= len(s["cached"])]
     h2 = engine.submit(ids2, SamplingParams(max_tokens=4, ignore_eos=True), capture_logits=True, anchors=anchors,
                        session=plan2.engine_session)

@@ -53,6 +53,8 @@ from adapters.common import FORCED_OUTPUT_FIELD
 from evals.clients.server import serve_with
 from evals.traces.script import Call, Reply, render
 from evals.traces.scripted import normalise, thinking_on
+from evals.traces.sse import carries_output, sse_events, usage_of
+from freetoken_agent.sessions.echo import common_prefix
 from freetoken_agent.sessions.normalise import normalise as session_normalise
 from freetoken_agent.tokenizer import ChatTokenizer
 
@@ -84,14 +86,6 @@ class Renderer:
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def session_key(req: dict[str, Any], default: str) -> str:
@@ -129,32 +123,10 @@ def reply_of(req: dict[str, Any]) -> Reply | None:
 
 
 # ---------------------------------------------------------------------------------------------- the wire
-def carries_output(event: dict[str, Any]) -> bool:
-    """Does this SSE payload carry generated output (any protocol)?"""
-    kind = event.get("type", "")
-    if kind in ("content_block_start", "content_block_delta"):
-        return True
-    if kind.startswith("response.") and (kind.endswith(".delta") or kind == "response.output_item.added"):
-        return True
-    for choice in event.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            return True
-    return False
-
-
 def _usage(event: dict[str, Any]) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) when this payload reports usage."""
-    u = event.get("usage") or (event.get("response") or {}).get("usage") or (event.get("message") or {}).get("usage")
-    if not isinstance(u, dict):
-        return None
-    if "prompt_tokens" in u:
-        return u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    if "input_tokens" in u and "cache_read_input_tokens" in u:  # Anthropic: input excludes the cache read
-        return u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"]
-    if "input_tokens" in u:
-        return u["input_tokens"], (u.get("input_tokens_details") or {}).get("cached_tokens", 0)
-    return None
+    """(prompt tokens, cached tokens) when this payload reports the prompt's usage."""
+    u = usage_of(event)
+    return (u["prompt"], u["cached"]) if u and "prompt" in u else None
 
 
 @dataclass
@@ -182,16 +154,7 @@ def send(client: httpx.Client, base: str, req: dict[str, Any], body: dict[str, A
         if not body.get("stream"):
             data = json.loads(r.read())
             return Sent(200, time.monotonic() - t0, time.monotonic() - t0, *(_usage(data) or (None, None)))
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                continue
-            try:
-                event = json.loads(payload)
-            except ValueError:
-                continue
+        for event in sse_events(r.iter_lines()):
             if ttft is None and carries_output(event):
                 ttft = time.monotonic() - t0
             usage = _usage(event) or usage

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
-from freetoken_agent.bench.timing import timed as _timed
+from freetoken_agent.bench.timing import best_of
 
 NATIVE_FORMATS = ("bf16", "f32")  # the float banks' native executor; every other format runs packed
 # the packed formats of engine/quant/formats.py (listed here so defining the parser imports no torch)
@@ -154,10 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 cases: dict[str, Callable[[], None]] = {"native": native, "read": read}
                 if torch_exec is not None:
                     cases["torch"] = torch_case
-                best = dict.fromkeys(cases, float("inf"))
-                for _ in range(args.rounds):
-                    for name, fn in cases.items():
-                        best[name] = min(best[name], _timed(fn, args.seconds))
+                best = best_of(cases, args.rounds, args.seconds)
                 gbps = {name: bytes_per_call / s / 1e9 for name, s in best.items()}
                 results.append({
                     "shape": shape.name, "format": args.format, "batch": T, "top_k": k, "threads": n,

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from freetoken_agent.bench.timing import timed as _timed
+from freetoken_agent.bench.timing import best_of
 
 
 def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, bank_gb: float) -> int:
@@ -84,10 +84,7 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
             torch.set_num_threads(n)
             if ft is not None:
                 ft.set_num_threads(n)
-            best = dict.fromkeys(cases, float("inf"))
-            for _ in range(args.rounds):
-                for name, fn in cases.items():
-                    best[name] = min(best[name], _timed(fn, args.seconds))
+            best = best_of(cases, args.rounds, args.seconds)
             gbps = {name: bytes_per_call / s / 1e9 for name, s in best.items()}
             r = {"format": fmt.name, "kernel": "native" if kernel else "torch", "hidden": hidden, "inter": inter,
                  "batch": T, "top_k": k, "threads": n, "bank_gb": round(rows * per_expert / 1e9, 2),

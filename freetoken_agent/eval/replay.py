@@ -104,7 +104,8 @@ def _headers(req: dict[str, Any], api_key: str | None) -> dict[str, str]:
 def replay(traces: list[Trace], base: str, force: bool = True, tokenizer: str | None = None,
            api_key: str | None = None, model: str | None = None, max_tokens: int | None = None,
            timeout: float = 900, progress: Any = None) -> dict[str, Any]:
-    from evals.traces.replay import Renderer, common_prefix, salted, session_key
+    from evals.traces.replay import Renderer, salted, session_key
+    from freetoken_agent.sessions.echo import common_prefix
 
     base = base.rstrip("/").removesuffix("/v1")
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}

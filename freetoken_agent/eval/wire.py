@@ -21,28 +21,7 @@ from typing import Any
 
 import httpx
 
-from evals.traces.replay import carries_output
-
-
-def usage_of(event: dict[str, Any]) -> dict[str, int] | None:
-    """{prompt, cached, completion} when this payload reports usage (any protocol)."""
-    u = event.get("usage") or (event.get("response") or {}).get("usage") or (event.get("message") or {}).get("usage")
-    if not isinstance(u, dict):
-        return None
-    out: dict[str, int] = {}
-    if "prompt_tokens" in u:
-        out["prompt"] = int(u["prompt_tokens"])
-        out["cached"] = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    elif "input_tokens" in u and "cache_read_input_tokens" in u:  # Anthropic: input excludes the cache read
-        out["prompt"] = int(u["input_tokens"]) + int(u["cache_read_input_tokens"] or 0)
-        out["cached"] = int(u["cache_read_input_tokens"] or 0)
-    elif "input_tokens" in u:
-        out["prompt"] = int(u["input_tokens"])
-        out["cached"] = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-    for k in ("completion_tokens", "output_tokens"):
-        if u.get(k) is not None:
-            out["completion"] = int(u[k])
-    return out or None
+from evals.traces.sse import carries_output, sse_events, usage_of
 
 
 @dataclass
@@ -83,16 +62,7 @@ def send(client: httpx.Client, base: str, path: str, body: dict[str, Any], heade
             now = time.monotonic() - t0
             _merge(usage, usage_of(data))
             return Sent(200, now, now, now, usage.get("prompt"), usage.get("cached"), usage.get("completion"))
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                continue
-            try:
-                event = json.loads(payload)
-            except ValueError:
-                continue
+        for event in sse_events(r.iter_lines()):
             if carries_output(event):
                 last = time.monotonic() - t0
                 first = last if first is None else first

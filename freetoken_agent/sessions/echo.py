@@ -26,7 +26,8 @@ values are compared by their rendering (`fragment`), which the template derives 
 `argument_close(tokenizer)` is the token sequence that closes one argument value in the
 template's tool-call format (Qwen3.5 XML: `</parameter>` and its newline), or None when the format
 has no distinctive one (Qwen3 JSON): decode anchors after it let a late difference in a long
-generated call cost only the tail.
+generated call cost only the tail. `common_prefix(a, b)` is the length of two sequences' common
+prefix (token ids, here and in the trace evals).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class EchoReconciler:
             return self.segment(ChatMessage(role="assistant", tool_calls=[ToolCall(id="c", name=name, arguments=args)]))
 
         full, empty = seg({key: value}), seg({})
-        p = _common(full, empty)
-        s = _common(full[p:][::-1], empty[p:][::-1])
+        p = common_prefix(full, empty)
+        s = common_prefix(full[p:][::-1], empty[p:][::-1])
         return full[p:len(full) - s]
 
     # ------------------------------------------------------------------ reconciling
@@ -156,7 +157,7 @@ class EchoReconciler:
         return "rendering" if not m.tool_calls else f"call {len(m.tool_calls) - 1} arguments"
 
 
-def _common(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the common prefix of two sequences."""
     n = min(len(a), len(b))
     i = 0
@@ -179,7 +180,7 @@ def argument_close(tokenizer: ChatTokenizer) -> tuple[int, ...] | None:
         return seg[seg.find(_SENTINEL) + len(_SENTINEL):]
 
     last, more = tokenizer.encode(after({"k": _SENTINEL})), tokenizer.encode(after({"k": _SENTINEL, "k2": "w"}))
-    ids = last[:_common(last, more)]
+    ids = last[:common_prefix(last, more)]
     while ids and not tokenizer.decode(ids[:1]).strip():
         ids = ids[1:]  # the value's own trailing newline may merge with what precedes it
     if len(ids) < 2 or any(tokenizer.is_special(i) for i in ids):

@@ -9,14 +9,12 @@ Three servers run for the whole session, started together once the demo models e
   demo (v2+) closes its reasoning at once and, with thinking off, ends its turn at once; this copy
   reasons (thinking on) or writes text (thinking off) until max_tokens, which the tests of
   reasoning, stop strings, disconnects and joining need.
-The demo models are cached in `$FREETOKEN_CACHE_DIR` when set, else in a per-user temp
-directory kept between runs (the models are deterministic and versioned, written atomically).
+The demo models are cached in the suite's `demo_cache` (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,14 +34,6 @@ from freetoken_agent.tokenizer import ChatTokenizer
 # litellm fetches its model price list from the network at import unless told not to.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_TELEMETRY", "False")
-
-
-@pytest.fixture(scope="session")
-def demo_cache() -> Path:
-    path = Path(os.environ.get("FREETOKEN_CACHE_DIR") or Path(tempfile.gettempdir()) /
-                f"freetoken-test-cache-{os.getuid()}")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="session")

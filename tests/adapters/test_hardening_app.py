@@ -7,7 +7,7 @@ client text (ids, decoded text and session anchors)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,6 @@ from adapters.server import create_app
 from adapters.state import MAX_DEPTH, AppState
 from engine.engine import Engine
 from engine.options import EngineOptions
-from freetoken_agent.demo import write_demo_model
 from freetoken_agent.service import ChatMessage, ChatRequest, ChatService
 from freetoken_agent.tokenizer import ChatTokenizer
 
@@ -30,8 +29,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("m") / "q3", arch="qwen3_moe")
+def model(demo_model: Callable[[str], Path]) -> Path:
+    return demo_model("qwen3_moe")
 
 
 @pytest.fixture(scope="module")

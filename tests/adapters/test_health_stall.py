@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -16,13 +17,12 @@ from adapters.state import AppState
 from engine.engine import Engine
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from freetoken_agent.demo import write_demo_model
 from freetoken_agent.service import ChatService
 from freetoken_agent.tokenizer import ChatTokenizer
 
 
-def test_health_reports_a_stalled_step(tmp_path: Path) -> None:
-    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+def test_health_reports_a_stalled_step(demo_model: Callable[[str], Path]) -> None:
+    model = demo_model("qwen3_moe")
     release = threading.Event()
     with Engine(model, EngineOptions(dtype="float32", kv_tokens=512, max_running=2, prefill_chunk=64,
                                      step_watch_s=0.3)) as eng:

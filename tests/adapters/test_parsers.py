@@ -609,7 +609,7 @@ configs = st.fixed_dictionaries(
         "parse_reasoning": st.booleans(),
     }
 )
-PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _no(*tags: str) -> Any:

@@ -7,6 +7,7 @@ logits, and the segmented path really ran. The captured version is checked on th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from engine.engine import Engine
 from engine.moe.base import ExpertExecutor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from freetoken_agent.demo import write_demo_model
 
 
 class CaptureSafe(ExpertExecutor):
@@ -35,8 +35,8 @@ class CaptureSafe(ExpertExecutor):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_segmented_decode_equals_plain(tmp_path: Path, arch: str) -> None:
-    model = write_demo_model(tmp_path / "m", arch=arch)
+def test_segmented_decode_equals_plain(demo_model: Callable[[str], Path], arch: str) -> None:
+    model = demo_model(arch)
     prompt = list(range(300, 330))
     forced = [(5 * i + 3) % 200 + 300 for i in range(10)]
 
@@ -59,15 +59,15 @@ def test_segmented_decode_equals_plain(tmp_path: Path, arch: str) -> None:
     assert torch.equal(plain, seg)
 
 
-def test_gpu_report_is_none_without_a_cap(tmp_path: Path) -> None:
-    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+def test_gpu_report_is_none_without_a_cap(demo_model: Callable[[str], Path]) -> None:
+    model = demo_model("qwen3_moe")
     with Engine(model, EngineOptions(dtype="float32", kv_tokens=256, max_running=1, prefill_chunk=64)) as eng:
         assert eng.gpu_report() is None
 
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_segmented_decode_of_two_sequences_equals_plain(tmp_path: Path, arch: str) -> None:
+def test_segmented_decode_of_two_sequences_equals_plain(demo_model: Callable[[str], Path], arch: str) -> None:
     """Two sequences decoding together, driven at the decoder (so both runs see the same batches):
     2-token steps, one token per sequence with its own KV slots and state slot, through the
     one-graph pass give the plain pass's logits bit for bit."""
@@ -75,7 +75,7 @@ def test_segmented_decode_of_two_sequences_equals_plain(tmp_path: Path, arch: st
     from engine.model.batch import ForwardBatch, SeqEntry
     from engine.model.load import load_decoder
 
-    model = write_demo_model(tmp_path / "m", arch=arch)
+    model = demo_model(arch)
     prompts = [list(range(300, 321)), list(range(400, 409))]
 
     def run(segmented: bool) -> tuple[torch.Tensor, int]:

@@ -21,7 +21,6 @@ from engine.errors import ConfigError
 from engine.moe.base import ExpertExecutor
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from freetoken_agent.demo import write_demo_model
 
 OPTS = dict(dtype="float32", kv_tokens=1024, max_running=4, prefill_chunk=64)
 
@@ -53,8 +52,8 @@ def _staged(eng: Engine) -> int:
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("m") / "m", arch=request.param)
+def model(request: pytest.FixtureRequest, demo_model: Callable[[str], Path]) -> Path:
+    return demo_model(request.param)
 
 
 def test_switch() -> None:

@@ -222,3 +222,15 @@ def test_missing_and_malformed_config_json(q3: Path) -> None:
     assert "config.json" in _load_error(q3, ConfigError)
     cfg.unlink()
     assert "config.json" in _load_error(q3, ConfigError)
+
+
+def test_layer_types_default_by_interval_and_are_checked() -> None:
+    from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+
+    raw = {"model_type": "qwen3_5_moe_text", **qwen3_5_moe_text(num_hidden_layers=8, full_attention_interval=4)}
+    del raw["layer_types"]
+    assert ModelConfig.from_dict(raw).layer_types == ((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2
+    with pytest.raises(ConfigError, match=r"config\.json: layer_types has 3 entries for 8 layers"):
+        ModelConfig.from_dict({**raw, "layer_types": [LIN, LIN, FULL_ATTENTION]})
+    with pytest.raises(ConfigError, match=r"config\.json: unknown layer type 'sliding_attention' in layer_types"):
+        ModelConfig.from_dict({**raw, "layer_types": [LIN] * 7 + ["sliding_attention"]})

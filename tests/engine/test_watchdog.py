@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,6 @@ from engine.errors import ConfigError
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.watchdog import StepWatch
-from freetoken_agent.demo import write_demo_model
 
 
 def _slow_step_for_the_watch(seconds: float) -> None:
@@ -61,11 +61,12 @@ def test_the_threshold_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert StepWatch(EngineOptions.resolve().step_watch_s).threshold_s == 120
 
 
-def test_the_engine_reports_a_step_that_does_not_return(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_engine_reports_a_step_that_does_not_return(demo_model: Callable[[str], Path],
+                                                         monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A listener that blocks holds the engine thread inside a step (emission runs there), as a
     device wait that nothing answers would."""
-    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+    model = demo_model("qwen3_moe")
     release = threading.Event()
 
     def listener(token: int | None) -> None:

@@ -17,7 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -338,10 +338,8 @@ def test_missing_dummy_flag_and_unavailable_cuda(capsys: pytest.CaptureFixture[s
         assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
-    from freetoken_agent.demo import write_demo_model
-
-    model = write_demo_model(tmp_path / "m", arch="qwen3_moe")
+def test_bench_decode_on_a_checkpoint(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    model = demo_model("qwen3_moe")
     proc = run_cli("bench", "decode", "--model", str(model), "--device", "cpu", "--tokens", "6", "--reps", "1",
                    "--prompt-tokens", "8", "--cpu-threads", "1", "--json", cache=tmp_path)
     assert proc.returncode == 0, proc.stderr

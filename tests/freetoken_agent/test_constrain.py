@@ -16,7 +16,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ import pytest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from freetoken_agent.constrain import ToolCallGrammar, build_grammar, tool_call_constraint
-from freetoken_agent.demo import write_demo_model
 from freetoken_agent.tokenizer import ChatTokenizer
 
 WEATHER = {
@@ -395,11 +394,11 @@ def test_every_reached_state_can_finish(family: str) -> None:
 # ---------------------------------------------------------------------- demo models
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, ChatTokenizer, Engine]]]:
+def models(demo_model: Callable[[str], Path]) -> Iterator[dict[str, tuple[Path, ChatTokenizer, Engine]]]:
     out: dict[str, tuple[Path, ChatTokenizer, Engine]] = {}
     try:
         for arch, family in (("qwen3_moe", "qwen3"), ("qwen3_5_moe", "qwen3_5")):
-            path = write_demo_model(tmp_path_factory.mktemp(arch), arch)
+            path = demo_model(arch)
             out[family] = (path, ChatTokenizer.from_dir(path), Engine(path))
         yield out
     finally:

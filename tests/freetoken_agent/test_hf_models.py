@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,10 +58,8 @@ def lay_out_cache(cache: Path, repo_id: str, files: dict[str, Path | bytes]) -> 
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from freetoken_agent.demo import write_demo_model
-
-    return write_demo_model(tmp_path_factory.mktemp("demo") / "m", "qwen3_moe")
+def demo(demo_model: Callable[[str], Path]) -> Path:
+    return demo_model("qwen3_moe")
 
 
 def test_generate_finds_an_id_in_the_cache_offline(demo: Path, tmp_path: Path) -> None:

@@ -5,13 +5,15 @@ step, as a cold prefill of the same prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.engine import Engine
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from freetoken_agent.demo import write_demo_model
 from freetoken_agent.sessions.anchors import AnchorPolicy
 from freetoken_agent.sessions.manager import SessionManager
 from freetoken_agent.sessions.profiles import CARRIER_MARK
@@ -24,8 +26,8 @@ DECODE_KINDS = ["thinking_end", "tool_call_start", "argument_end", "message_end"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory):
-    model = write_demo_model(tmp_path_factory.mktemp("demo") / "m", arch="qwen3_5_moe")
+def setup(demo_model: Callable[[str], Path]):
+    model = demo_model("qwen3_5_moe")
     tok = ChatTokenizer.from_dir(model)
     conversation = req(
         sys_("You are a careful coding agent."),
@@ -53,22 +55,31 @@ def _logits(engine: Engine, prompt: list[int], **kw) -> tuple[list[torch.Tensor]
     return handle.logits, handle.reuse
 
 
-def _check(setup, kind: str) -> None:
-    model, tok, ids, plan, reply = setup
-    opts = EngineOptions(dtype="float32", checkpoint_slots=32)
-    with Engine(model, opts) as engine:
+@pytest.fixture(scope="module")
+def served(setup) -> Iterator[tuple[Engine, dict[str, int]]]:
+    """One engine that served the conversation and its forced reply, and the checkpoints that turn
+    took ({kind: position}). Each test's edited request then diverges on its own branch: it adds
+    one `request_end` checkpoint there, which no other kind's request can reach, and the 32 slots
+    hold all of them (12 + 12), so the tests share it in any order."""
+    model, _, ids, plan, reply = setup
+    with Engine(model, EngineOptions(dtype="float32", checkpoint_slots=32)) as engine:
         engine.submit(ids, SamplingParams(max_tokens=len(reply)), anchors=plan.anchors,
                       decode_anchors=plan.decode_anchors, session=plan.engine_session,
                       forced_output=reply).result(timeout=300)
-        full = ids + reply
-        held = {c["kind"]: c["position"] for c in engine.checkpoints()}
-        assert kind in held, f"no {kind} checkpoint was taken (held: {sorted(held)})"
-        pos = held[kind]
-        edited = full[:pos] + tok.encode("An edit the cache has never seen.") + full[pos:pos + 3]
-        got, reuse = _logits(engine, edited, session=plan.engine_session)
+        yield engine, {c["kind"]: c["position"] for c in engine.checkpoints()}
+
+
+def _check(setup, served, kind: str) -> None:
+    model, tok, ids, plan, reply = setup
+    engine, held = served
+    full = ids + reply
+    assert kind in held, f"no {kind} checkpoint was taken (held: {sorted(held)})"
+    pos = held[kind]
+    edited = full[:pos] + tok.encode("An edit the cache has never seen.") + full[pos:pos + 3]
+    got, reuse = _logits(engine, edited, session=plan.engine_session)
     assert reuse.checkpoint_kind == kind and reuse.state_position == pos, reuse
     assert reuse.recomputed_tokens == len(edited) - pos
-    with Engine(model, opts) as cold_engine:
+    with Engine(model, EngineOptions(dtype="float32", checkpoint_slots=32)) as cold_engine:
         want, cold = _logits(cold_engine, edited)
     assert cold.state_position == 0
     for g, w in zip(got, want, strict=True):
@@ -76,8 +87,8 @@ def _check(setup, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", PROMPT_KINDS + DECODE_KINDS)
-def test_turn_served_from_each_anchor_kind_equals_cold(setup, kind: str) -> None:
-    _check(setup, kind)
+def test_turn_served_from_each_anchor_kind_equals_cold(setup, served, kind: str) -> None:
+    _check(setup, served, kind)
 
 
 def test_the_plan_places_every_kind(setup) -> None:

@@ -5,17 +5,17 @@ boundary, and in both cases the logits equal a cold prefill of the same prompt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from evals.traces.echoes import run
-from freetoken_agent.demo import write_demo_model
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
-    model = write_demo_model(Path(tmp_path_factory.mktemp("demo")) / "m", arch="qwen3_5_moe")
+def rows(demo_model: Callable[[str], Path]) -> dict[tuple[str, str], dict]:
+    model = demo_model("qwen3_5_moe")
     out = run(model, cold=True, profiles=["claude-code", "generic"], kinds=["claude-code", "appended", "reordered"],
               baseline=["claude-code"], lines=6)
     return {(r["profile"], r["kind"]): r for r in out}

@@ -236,15 +236,14 @@ def test_engine_executor_selection(ft):
 
 
 @pytest.mark.slow
-def test_cpu_generate_uses_the_native_executor(ft, tmp_path):
+def test_cpu_generate_uses_the_native_executor(ft, demo_model):
     """A CPU-only engine picks the native executor and generates what the torch executor generates."""
     from engine.engine import Engine
     from engine.moe.native import NativeExpertExecutor
     from engine.options import EngineOptions
     from engine.sampling import SamplingParams
-    from freetoken_agent.demo import write_demo_model
 
-    model = write_demo_model(tmp_path / "demo", arch="qwen3_moe")
+    model = demo_model("qwen3_moe")
     prompt = list(range(100, 140))
     outs = {}
     for name in ("auto", "torch"):
@@ -256,10 +255,8 @@ def test_cpu_generate_uses_the_native_executor(ft, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_generate_reports_and_uses_the_native_executor(ft, tmp_path):
-    from freetoken_agent.demo import write_demo_model
-
-    model = write_demo_model(tmp_path / "demo", arch="qwen3_5_moe")
+def test_cli_generate_reports_and_uses_the_native_executor(ft, demo_model):
+    model = demo_model("qwen3_5_moe")
     outs = {}
     for name in ("native", "torch"):
         cmd = [sys.executable, "-m", "freetoken_agent", "generate", "--model", str(model), "--prompt", "hi",

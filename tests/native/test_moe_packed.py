@@ -219,15 +219,27 @@ def test_bad_arguments_name_the_argument(pk):
     pk.moe_packed(**good)  # and the good call still runs
 
 
-def test_bench_counts_packed_bytes(pk):
-    from native.packed_bench import bench_packed
+def test_bench_counts_packed_bytes(pk, capsys):
+    """`bench cpu-experts --format F` (freetoken_agent/bench/packed_experts.py) on the native kernel: the
+    bytes of the experts one call reads, its rate over them, and the plain-read bound of the same bytes."""
+    import argparse
+    import json
 
-    r = bench_packed("q4_k", "q6_k", threads=1, hidden=256, inter=256, top_k=2, bank_gb=0.001, seconds=0.01,
-                     rounds=1)
-    per_expert = 2 * 256 * 144 + 256 * 210  # gate/up rows of one q4_k block, down rows of one q6_k block
-    assert r["bytes_per_call"] == 2 * per_expert
-    assert r["us_per_call"] > 0 and r["read_us"] > 0
-    assert abs(r["gbps"] - r["bytes_per_call"] / r["us_per_call"] / 1e3) < 0.01 + 0.01 * r["gbps"]
+    from freetoken_agent.bench.cpu_experts import add_parser
+    from freetoken_agent.bench.packed_experts import run_packed
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["cpu-experts", "--format", "q4_k", "--threads", "1", "--seconds", "0.01",
+                              "--rounds", "1", "--json", "--no-torch"])
+    assert run_packed(args, hidden=256, inter=256, top_k=2, bank_gb=0.001) == 0
+    r = json.loads(capsys.readouterr().out)
+    per_expert = 3 * 256 * 144  # gate/up and down rows of one q4_k block each
+    assert r["kernel"] == "native" and r["bytes_per_call"] == 2 * per_expert
+    assert r["packed_ms"] > 0 and r["read_bound_gbps"] > 0
+    # the reported figures are rounded (ms to 3 decimals): a few percent
+    assert r["weight_gbps"] == pytest.approx(r["bytes_per_call"] / r["packed_ms"] / 1e6, rel=0.03)
+    assert r["fraction_of_bound"] == pytest.approx(r["weight_gbps"] / r["read_bound_gbps"], rel=0.03)
 
 
 def test_all_skipped_leaves_out_unchanged(pk):

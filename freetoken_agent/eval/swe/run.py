@@ -28,11 +28,12 @@ from typing import Any
 
 from evals.clients.proxy import Exchange, RecordingProxy
 from evals.traces.scripted import ScriptedProxy
+from evals.traces.sse import usage_of
 from freetoken_agent.eval.report import summarise
 from freetoken_agent.eval.swe.clients import drive
 from freetoken_agent.eval.swe.script import TaskScript, plans, prompts
 from freetoken_agent.eval.swe.tasks import Instance, checkout, judge, load_tasks
-from freetoken_agent.eval.wire import ServerSessions, served_model, usage_of
+from freetoken_agent.eval.wire import ServerSessions, served_model
 
 SESSION_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "x-session-id", "session_id", "session-id")
 MODEL_SUFFIXES = ("/messages", "/chat/completions", "/responses")

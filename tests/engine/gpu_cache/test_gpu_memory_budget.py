@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,13 @@ from engine.gpu.budget import dense_bytes, split_gpu_memory
 from engine.model.load import load_decoder
 from engine.options import EngineOptions
 from freetoken_agent.argtypes import byte_size
-from freetoken_agent.demo import write_demo_model
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("demo") / "m", arch="qwen3_5_moe")
+def demo(demo_model: Callable[[str], Path]) -> Path:
+    return demo_model("qwen3_5_moe")
 
 
 def test_byte_sizes():
@@ -86,13 +86,13 @@ def test_cli_reports_a_bad_size_and_no_gpu_in_one_line(demo: Path):
     assert cpu.returncode == 2 and cpu.stderr.strip().splitlines()[-1].startswith("error: --gpu-memory caps GPU")
 
 
-def test_workspace_counts_gated_deltanet_temporaries(demo: Path, tmp_path: Path):
+def test_workspace_counts_gated_deltanet_temporaries(demo: Path, demo_model: Callable[[str], Path]):
     import torch
 
     from engine.gpu.budget import linear_attention_bytes, workspace_bytes
 
     hybrid = ModelConfig.from_file(demo / "config.json")
-    dense_only = ModelConfig.from_file(write_demo_model(tmp_path / "q", arch="qwen3_moe") / "config.json")
+    dense_only = ModelConfig.from_file(demo_model("qwen3_moe") / "config.json")
     small, large = EngineOptions(prefill_chunk=256, max_running=4), EngineOptions(prefill_chunk=1024, max_running=4)
     assert linear_attention_bytes(dense_only, large, 2) == 0
     # a longer chunk holds more of them, and they are part of the workspace
