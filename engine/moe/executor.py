@@ -92,7 +92,7 @@ _EXECUTORS: dict[str, Callable[[ExpertBanks, torch.device, int], ExpertExecutor]
 EXECUTORS = tuple(_EXECUTORS)
 
 
-def _packed(name: str, banks: PackedExpertBanks) -> ExpertExecutor:
+def _packed(name: str, banks: PackedExpertBanks, threads: int) -> ExpertExecutor:
     from engine.moe.packed import PackedExpertExecutor, native_moe_packed
 
     kernel = native_moe_packed() if name != "torch" else None
@@ -100,6 +100,12 @@ def _packed(name: str, banks: PackedExpertBanks) -> ExpertExecutor:
         raise ConfigError("the native expert executor cannot be used: native.packed (moe_packed) is not built")
     if kernel is None and name == "auto":
         log.info("expert executor: packed torch (the native moe_packed kernel is not built)")
+    if kernel is not None and threads > 0:  # the pool the packed kernel runs on: --cpu-threads, as the float one
+        from engine.moe.native import load_native
+
+        ft = load_native()
+        if ft.num_threads() != threads:
+            ft.set_num_threads(threads)
     return PackedExpertExecutor(banks, kernel, "native" if kernel is not None else "torch")
 
 
@@ -109,5 +115,5 @@ def create_executor(name: str, banks: ExpertBanks, device: torch.device | str = 
     except KeyError:
         raise ConfigError(f"unknown expert executor {name!r} (known: {', '.join(_EXECUTORS)})") from None
     if isinstance(banks, PackedExpertBanks):
-        return _packed(name, banks)
+        return _packed(name, banks, threads)
     return factory(banks, torch.device(device), threads)

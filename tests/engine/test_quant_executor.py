@@ -84,3 +84,19 @@ def test_create_executor_picks_the_kernel() -> None:
     assert isinstance(auto, PackedExpertExecutor)
     assert auto.kernel is (native_moe_packed() or torch_moe_packed)
     assert create_executor("torch", b).kernel is torch_moe_packed  # type: ignore[attr-defined]
+
+
+def test_packed_native_executor_takes_the_thread_count() -> None:
+    """`--cpu-threads` sizes the native pool the packed kernel runs on, as it does for float banks (a
+    GPU run whose pool kept one thread per core oversubscribed the cores its poller shares)."""
+    from engine.moe.native import load_native
+
+    ft = load_native()
+    before = ft.num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        ex = create_executor("auto", _banks("q4_k", "q4_k", 0), threads=want)
+        assert isinstance(ex, PackedExpertExecutor) and ex.name == "native"
+        assert ft.num_threads() == want
+    finally:
+        ft.set_num_threads(before)
