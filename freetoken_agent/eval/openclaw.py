@@ -40,13 +40,12 @@ def run_openclaw(args: argparse.Namespace, base: str) -> dict[str, Any]:
         raise ValueError(f"the scenario's services need radicale and aiosmtpd ({e}): "
                          "pip install radicale==3.9.0 aiosmtpd==1.4.6") from e
     from evals.clients.agents import clients_dir_default
+    from evals.openclaw.imap import dovecot_imap
     from evals.openclaw.scenario import TURNS as ALL_TURNS
     from evals.openclaw.workspace import write_workspace
     from freetoken_agent.eval.swe.clients import drive
     from freetoken_agent.eval.swe.run import NamedProxy, NamedScriptedProxy, model_turns, renderer_for
     from freetoken_agent.eval.swe.script import TaskScript
-
-    from evals.openclaw.imap import dovecot_imap
 
     turns_run = ALL_TURNS[:getattr(args, "turns", len(ALL_TURNS))]
     clients_dir = Path(args.clients_dir) if args.clients_dir else clients_dir_default()
