@@ -39,16 +39,22 @@ def test_scenario_has_13_turns_with_distinct_prompts() -> None:
 
 @pytest.mark.clients
 @pytest.mark.slow
-def test_scripted_openclaw_runs_the_whole_scenario(demo_server: str, tmp_path: Path) -> None:
+def test_scripted_openclaw_runs_the_whole_scenario(clients_server: str, tmp_path: Path) -> None:
     from evals.clients.agents import clients_dir_default, installed
 
     if not installed("openclaw", clients_dir_default()):
         pytest.skip(f"openclaw not installed under {clients_dir_default()} (run evals/clients/install.sh)")
     out = tmp_path / "out"
-    rc = main(["eval", "openclaw", "--scripted", "--base-url", demo_server, "--out", str(out)])
+    rc = main(["eval", "openclaw", "--scripted", "--base-url", clients_server, "--tokenizer", "demo",
+               "--out", str(out)])
     result = json.loads((out / "result.json").read_text())
     assert rc == 0, [c for c in result["checks"] if not c["ok"]]
     assert len(result["checks"]) == 13
+    run = result["runs"][0]
+    assert [t["exit"] for t in run["client_turns"]] == [0] * 13 and run["failed"] == 0, run
+    assert result["turns"][0]["prompt_tokens"] > 22_000  # the paper's ~24k-token system context
+    later = sum(t["recomputed_tokens"] for t in result["turns"][1:])
+    assert later < 0.05 * run["reused_tokens"], (later, run["reused_tokens"])  # after the first prefill, reuse
 
 
 def test_system_context_is_about_24k_tokens() -> None:
