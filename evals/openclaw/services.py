@@ -1,7 +1,9 @@
 """Local services of the assistant scenario, on loopback: CalDAV (Radicale) and SMTP (aiosmtpd).
 
-Contract: `Services(root)` is a context manager: it seeds the inbox (`root/inbox/NNN.eml`, a
-Maildir-like folder of plain messages, read by the workspace's `mail.py`; no IMAP server), starts
+Contract: `Services(root, imap)` is a context manager: it seeds the inbox, a Maildir
+(`root/inbox/{cur,new,tmp}`, three messages) served over IMAP on loopback by Dovecot's `imap`
+(imap.py) when `imap` (its binary) is given, else read as files by the workspace's `mail.py`
+(`inbox` says which: "imap" or "folder"); starts
 an SMTP sink (aiosmtpd on a free port; every message it receives is kept in `sent`, parsed) and
 Radicale (a subprocess, no password check, user `user` owning its collections, storage under `root/caldav`), and creates the calendar
 collection `calendar_url`. `events()` maps each event's UID to its iCalendar text, read back from
@@ -41,8 +43,9 @@ def _free_port() -> int:
 
 
 class Services:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, imap: Path | None = None) -> None:
+        self.root, self.imap = root, imap
+        self.inbox = "imap" if imap else "folder"
         self.sent: list[Message] = []
         self.smtp_port = _free_port()
         self.caldav_port = _free_port()
@@ -54,9 +57,17 @@ class Services:
         from aiosmtpd.controller import Controller
 
         inbox = self.root / "inbox"
-        inbox.mkdir(parents=True, exist_ok=True)
+        for sub in ("cur", "new", "tmp"):
+            (inbox / sub).mkdir(parents=True, exist_ok=True)
         for i, (sender, subject, body) in enumerate(INBOX, 1):
-            (inbox / f"{i:03d}.eml").write_text(f"From: {sender}\nTo: me@example.com\nSubject: {subject}\n\n{body}\n")
+            (inbox / "cur" / f"{1800000000 + i}.{i}.eval:2,").write_text(
+                f"From: {sender}\nTo: me@example.com\nSubject: {subject}\n\n{body}\n")
+        self.imap_server = None
+        if self.imap is not None:
+            from evals.openclaw.imap import ImapServer
+
+            self.imap_server = ImapServer(self.imap, inbox).__enter__()
+            self.env["EVAL_IMAP"] = f"127.0.0.1:{self.imap_server.port}"
         sink = self
 
         class Handler:
@@ -85,6 +96,8 @@ class Services:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.imap_server is not None:
+            self.imap_server.__exit__()
         self.smtp.stop()
         self.radicale.terminate()
         try:

@@ -1,25 +1,34 @@
-"""The assistant's workspace helpers, written into its work dir: `mail.py` (list / read the inbox,
-send through SMTP) and `cal.py` (add / list / move / delete events on the CalDAV calendar). They
+"""The assistant's workspace helpers, written into its work dir: `mail.py` (list / read the inbox
+over IMAP, or as the Maildir's files where the eval runs no IMAP server; send through SMTP) and `cal.py` (add / list / move / delete events on the CalDAV calendar). They
 read the services' addresses from `eval.json` next to them and use only Python's standard library,
-so any client reaches them through its shell tool."""
+so any client reaches them through its shell tool; and the assistant's standing context
+(context.py: `AGENTS.md`, `SOUL.md`, `IDENTITY.md`), which OpenClaw injects into its system prompt."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from evals.openclaw.context import bootstrap_files
+
 MAIL = r'''"""Mail: python3 mail.py list | read N | send TO SUBJECT BODY"""
-import json, pathlib, smtplib, sys
+import email, imaplib, json, pathlib, smtplib, sys
 from email.message import EmailMessage
 cfg = json.loads((pathlib.Path(__file__).parent / "eval.json").read_text())
-box = sorted(pathlib.Path(cfg["EVAL_INBOX"]).glob("*.eml"))
+def inbox():
+    if "EVAL_IMAP" in cfg:  # the IMAP server's INBOX, in sequence order
+        host, port = cfg["EVAL_IMAP"].split(":")
+        with imaplib.IMAP4(host, int(port)) as m:  # pre-authenticated
+            n = int(m.select("INBOX", readonly=True)[1][0])
+            return [m.fetch(str(i), "(BODY.PEEK[])")[1][0][1].decode() for i in range(1, n + 1)]
+    return [p.read_text() for p in sorted(pathlib.Path(cfg["EVAL_INBOX"], "cur").iterdir())]
 cmd = sys.argv[1]
 if cmd == "list":
-    for i, p in enumerate(box, 1):
-        head = dict(l.split(": ", 1) for l in p.read_text().split("\n\n")[0].splitlines())
-        print(f"{i}. {head['From']}: {head['Subject']}")
+    for i, text in enumerate(inbox(), 1):
+        m = email.message_from_string(text)
+        print(f"{i}. {m['From']}: {m['Subject']}")
 elif cmd == "read":
-    print(box[int(sys.argv[2]) - 1].read_text())
+    print(inbox()[int(sys.argv[2]) - 1].replace("\r\n", "\n"))
 elif cmd == "send":
     m = EmailMessage()
     m["From"], m["To"], m["Subject"] = "me@example.com", sys.argv[2], sys.argv[3]
@@ -69,6 +78,8 @@ elif cmd == "delete":
 
 def write_workspace(work: Path, env: dict[str, str]) -> None:
     work.mkdir(parents=True, exist_ok=True)
+    for name, text in bootstrap_files().items():
+        (work / name).write_text(text)
     (work / "mail.py").write_text(MAIL)
     (work / "cal.py").write_text(CAL)
     (work / "eval.json").write_text(json.dumps(env))

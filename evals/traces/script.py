@@ -14,7 +14,7 @@ Contract:
   `read/edit/bash`, OpenClaw `read/edit/exec`, Codex `exec_command` only), so one plan serves
   every client.
 - `render(reply, family, thinking)` is the exact text the model would emit for the reply (Qwen3
-  JSON tool calls or Qwen3.5 XML tool calls), starting where the chat template's generation prompt
+  JSON tool calls, Qwen3.5 XML tool calls, or gpt-oss harmony messages: `render_harmony`), starting where the chat template's generation prompt
   ends, and laid out as the template re-renders it, so the echoed turn tokenises the same.
 """
 
@@ -178,8 +178,29 @@ class Script:
         return Call(name, args)
 
 
+def render_harmony(reply: Reply) -> str:
+    """gpt-oss's harmony messages for `reply` after the generation prompt (`<|start|>assistant`):
+    the reasoning on the analysis channel (gpt-oss always reasons; a low effort only shortens it),
+    then the tool calls on the commentary channel (the content before them as a preamble), or
+    else the content on the final channel, ending with `<|return|>`."""
+    msgs = []
+    if reply.reasoning.strip():
+        msgs.append(f"<|channel|>analysis<|message|>{reply.reasoning.strip()}<|end|>")
+    content = reply.content.strip()
+    if reply.calls:
+        if content:
+            msgs.append(f"<|channel|>commentary<|message|>{content}<|end|>")
+        msgs += [f" to=functions.{c.name}<|channel|>commentary <|constrain|>json<|message|>"
+                 f"{json.dumps(c.arguments, ensure_ascii=False, separators=(',', ':'))}<|call|>" for c in reply.calls]
+    else:
+        msgs.append(f"<|channel|>final<|message|>{content}<|return|>")
+    return "<|start|>assistant".join(msgs)
+
+
 def render(reply: Reply, family: str, thinking: bool) -> str:
     """The model text for `reply`, starting right after the generation prompt."""
+    if family == "gpt_oss":
+        return render_harmony(reply)
     body = reply.content.strip()
     for i, c in enumerate(reply.calls):
         sep = "\n" if i else ("\n\n" if body else "")

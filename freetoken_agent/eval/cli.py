@@ -59,8 +59,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "tool): measures the system, not the model")
     sw.add_argument("--turns", type=positive_int, default=3, help="scripted user turns per task (1-3)")
     sw.add_argument("--concurrency", type=positive_int, default=1, help="tasks run at once")
-    sw.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3"],
+    sw.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3", "gpt_oss"],
                     help="the served model's tool-call format, for --scripted replies")
+    sw.add_argument("--tokenizer", default=None, metavar="PATH|demo|demo:ARCH",
+                    help="a local model whose tokenizer counts truly new tokens (default: --model when this eval "
+                         "starts the server, else none)")
     sw.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(sw)
     oc = es.add_parser("openclaw", help="email / calendar assistant over local SMTP and CalDAV, 13 checked turns (W4)")
@@ -68,8 +71,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     help="the agent client driven (mini-swe-agent where OpenClaw is not installed)")
     oc.add_argument("--scripted", action="store_true", help="force each reply from the scenario's script")
     oc.add_argument("--turns", type=positive_int, default=13, help="run the scenario's first N user turns")
-    oc.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3"],
+    oc.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "qwen3", "gpt_oss"],
                     help="the served model's tool-call format, for --scripted replies")
+    oc.add_argument("--tokenizer", default=None, metavar="PATH|demo|demo:ARCH",
+                    help="a local model whose tokenizer counts truly new tokens (default: --model when this eval "
+                         "starts the server, else none)")
     oc.add_argument("--clients-dir", default=None, help="where the npm clients are installed (default .clients/)")
     _server_args(oc)
 

@@ -1,7 +1,8 @@
 """The real agent CLIs against our server, and a replay of the requests they sent.
 
 * `test_real_client[...]` (marked `clients`): runs each installed CLI for one non-interactive turn
-  through `evals/clients/run_clients.py` and asserts the turn passed. Skipped unless the CLIs are
+  and its follow-up through `evals/clients/run_clients.py`, against the demo and the gpt-oss demo,
+  and asserts both passed. Skipped unless the CLIs are
   installed under `.clients/` or `$FREETOKEN_CLIENTS_DIR` (`evals/clients/install.sh`). Per-client
   timeout: `$FREETOKEN_CLIENTS_TIMEOUT` (default 240 s).
 * `test_replay_recorded[...]` (always on): POSTs the first request(s) each client sent, as recorded
@@ -93,10 +94,12 @@ def test_replay_recorded(server: tuple[str, Path], client: str, req: dict[str, A
 # The real CLIs (slow; only where they are installed)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[rc.RecordingProxy, Path]]:
+@pytest.fixture(scope="module", params=["demo", "demo:gpt_oss"])
+def live(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[rc.RecordingProxy, Path]]:
+    """The demo (Qwen3.5-MoE) and the gpt-oss demo (harmony), each behind a recording proxy."""
     log = tmp_path_factory.mktemp("live") / "server.log"
-    with rc.serve(log) as url:
+    with rc.serve(log, model=request.param) as url:
         proxy = rc.RecordingProxy(url).start()
         try:
             yield proxy, log

@@ -29,3 +29,23 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with serve_with(["--model", "demo", "--kv-tokens", "32768"], log, startup_timeout=600) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def clients_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The demo served with the 131072-token window `configure claude-code` requires (`clients` tests)."""
+    from evals.clients.server import serve_with
+
+    log = tmp_path_factory.mktemp("serve-clients") / "serve.log"
+    with serve_with(["--model", "demo", "--kv-tokens", "131072"], log, startup_timeout=600) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def oss_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The gpt-oss demo (harmony format, o200k_harmony) with the same window (`clients` tests)."""
+    from evals.clients.server import serve_with
+
+    log = tmp_path_factory.mktemp("serve-oss") / "serve.log"
+    with serve_with(["--model", "demo:gpt_oss", "--kv-tokens", "131072"], log, startup_timeout=600) as url:
+        yield url

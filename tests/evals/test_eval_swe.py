@@ -104,13 +104,39 @@ def test_a_wrong_patch_is_reported_failed(demo_server: str, tmp_path: Path) -> N
 @pytest.mark.clients
 @pytest.mark.slow
 @pytest.mark.parametrize("client", ["opencode", "claude-code"])
-def test_scripted_npm_clients_solve_every_builtin_task(client: str, demo_server: str, tmp_path: Path) -> None:
+def test_scripted_npm_clients_solve_every_builtin_task(client: str, clients_server: str, tmp_path: Path) -> None:
     from evals.clients.agents import clients_dir_default, installed
 
     if not installed(client, clients_dir_default()):
         pytest.skip(f"{client} not installed under {clients_dir_default()} (run evals/clients/install.sh)")
     out = tmp_path / "out"
-    rc = main(["eval", "swe", "--scripted", "--client", client, "--base-url", demo_server, "--out", str(out)])
+    rc = main(["eval", "swe", "--scripted", "--client", client, "--base-url", clients_server, "--tokenizer", "demo",
+               "--out", str(out)])
     result = json.loads((out / "result.json").read_text())
     assert rc == 0, [(r["run"], r["client_turns"]) for r in result["runs"] if not r["success"]]
     assert result["solved"] == len(load_tasks("builtin"))
+    for run in result["runs"]:
+        assert [t["exit"] for t in run["client_turns"]] == [0, 0, 0], run["client_turns"]
+        assert run["failed"] == 0 and run["truly_new_tokens"], run
+        assert run["reused_tokens"] > run["recomputed_tokens"]  # the cache serves most of every prompt
+
+
+@pytest.mark.clients
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["opencode", "claude-code", "codex", "openclaw"])
+def test_scripted_clients_use_tools_on_gpt_oss(client: str, oss_server: str, tmp_path: Path) -> None:
+    """Issue 27: each real CLI runs a tool-using turn (read, edit, shell) and a follow-up against the
+    gpt-oss demo, every reply forced in harmony and parsed back by the server."""
+    from evals.clients.agents import clients_dir_default, installed
+
+    if not installed(client, clients_dir_default()):
+        pytest.skip(f"{client} not installed under {clients_dir_default()} (run evals/clients/install.sh)")
+    out = tmp_path / "out"
+    rc = main(["eval", "swe", "--scripted", "--family", "gpt_oss", "--client", client, "--only", "calc-divide",
+               "--turns", "2", "--base-url", oss_server, "--tokenizer", "demo:gpt_oss", "--out", str(out)])
+    result = json.loads((out / "result.json").read_text())
+    run = result["runs"][0]
+    assert rc == 0 and run["success"], run
+    assert [t["exit"] for t in run["client_turns"]] == [0, 0], run["client_turns"]
+    assert run["failed"] == 0 and run["requests"] >= 5, run  # read, edit, run, answer; then run, answer
+    assert run["reused_tokens"] > run["recomputed_tokens"], run

@@ -4,7 +4,8 @@ Contract: `drive(client, work, base, model, prompts, clients_dir, timeout)` runs
 `base` (the scripted proxy or the server) in `work`, one user turn per prompt (the first starts the
 conversation, later ones continue it the client's way) and returns one dict per turn: `exit`
 (the client's exit status or end reason), `duration_s`, and `error` when it failed to run;
-`after(i)`, when given, is called once user turn `i` has ended (the eval checks its effect).
+`after(i)`, when given, is called once user turn `i` has ended (the eval checks its effect);
+`adjust(home)`, when given, edits an npm client's configuration after `configure` wrote it.
 - mini-swe-agent (PyPI, not a dependency of the product: evals/swe/mini.py): its `DefaultAgent` with `LitellmModel` (OpenAI chat completions with its
   `bash` tool, `api_base` = base) and `LocalEnvironment(cwd=work)`, its own default config; a turn
   ends when the agent submits (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`) or hits its step limit;
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 AfterTurn = Callable[[int], None]
+Adjust = Callable[[Path], None]
 
 
 def _drive_mini(work: Path, base: str, model: str, prompts: list[str], after: AfterTurn | None,
@@ -49,7 +51,7 @@ def _drive_mini(work: Path, base: str, model: str, prompts: list[str], after: Af
 
 
 def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir: Path,
-               timeout: float, after: AfterTurn | None) -> list[dict[str, Any]]:
+               timeout: float, after: AfterTurn | None, adjust: Adjust | None) -> list[dict[str, Any]]:
     from evals.clients.agents import CLIENTS, installed
     from evals.traces.capture import base_env, configure, turn_args
 
@@ -62,6 +64,8 @@ def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir
     home.mkdir()
     env = base_env(c, tmp, home, clients_dir)
     configure(c, home, work, base, env, None)
+    if adjust is not None:
+        adjust(home)
     out: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):
         t0 = time.monotonic()
@@ -80,7 +84,7 @@ def _drive_npm(name: str, work: Path, base: str, prompts: list[str], clients_dir
 
 
 def drive(client: str, work: Path, base: str, model: str, prompts: list[str], clients_dir: Path,
-          timeout: float = 900, after: AfterTurn | None = None) -> list[dict[str, Any]]:
+          timeout: float = 900, after: AfterTurn | None = None, adjust: Adjust | None = None) -> list[dict[str, Any]]:
     if client == "mini-swe-agent":
         return _drive_mini(work, base, model, prompts, after)
-    return _drive_npm(client, work, base, prompts, clients_dir, timeout, after)
+    return _drive_npm(client, work, base, prompts, clients_dir, timeout, after, adjust)

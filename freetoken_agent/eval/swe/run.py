@@ -9,13 +9,17 @@ drives the client through the first `--turns` user prompts (clients.drive), and 
 checkout with the task's tests (tasks.judge). A client that sends no session header of its own
 gets `x-session-id: eval-<task>-<salt>` from the proxy, so the task's server session is known;
 its turns are then read from `GET /v1/sessions/{id}` (our server), each with the decode rate
-from the proxy's timing ((completion - 1) / (request time - TTFT)). Returns the report dict
+from the proxy's timing ((completion - 1) / (request time - TTFT)), and, with a local tokenizer
+(`renderer_for`: `--tokenizer`, or the model of a server the eval started), its truly new tokens:
+the prompt after the longest prefix shared with an earlier request of its session plus that
+request's forced reply (`truly_new`; scripted runs only). Returns the report dict
 (report.py): per task `success`, the tests, the client's turn exits and the token / TTFT sums.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.clients.proxy import Exchange, RecordingProxy
+from evals.traces.replay import Renderer, common_prefix
 from evals.traces.scripted import ScriptedProxy
 from evals.traces.sse import usage_of
 from freetoken_agent.eval.report import summarise
@@ -76,10 +81,41 @@ def _exchange_usage(ex: Exchange) -> dict[str, int]:
     return usage
 
 
-def model_turns(name: str, exchanges: list[Exchange], server: ServerSessions) -> list[dict[str, Any]]:
+def _session_of(ex: Exchange) -> str:
+    return next((ex.req_headers[k] for k in SESSION_HEADERS if ex.req_headers.get(k)), "")
+
+
+def truly_new(model: list[Exchange], renderer: Renderer | None) -> list[int | None]:
+    """Per model request: its prompt tokens after the longest prefix shared with an earlier request
+    of its session followed by that request's forced reply (None without a renderer, for a body the
+    adapters refuse, or once a reply of the session was not forced: its text is unknown)."""
+    out: list[int | None] = []
+    seen: dict[str, list[list[int]] | None] = {}
+    for ex in model:
+        key = _session_of(ex)
+        body = getattr(ex, "client_body", None) or ex.body_json()
+        earlier = seen.setdefault(key, [])
+        ids = None
+        if renderer is not None and isinstance(body, dict):
+            with contextlib.suppress(ValueError):
+                ids = renderer.prompt_ids(ex.path, body)
+        if ids is None or earlier is None:
+            out.append(None)
+            continue
+        out.append(len(ids) - max((common_prefix(ids, e) for e in earlier), default=0))
+        forced = getattr(ex, "forced", None)
+        if forced is None:
+            seen[key] = None
+        else:
+            earlier.append(ids + renderer.ids(forced))  # type: ignore[union-attr]
+    return out
+
+
+def model_turns(name: str, exchanges: list[Exchange], server: ServerSessions,
+                renderer: Renderer | None = None) -> list[dict[str, Any]]:
     model = [e for e in exchanges if _is_model(e)]
-    sids = list(dict.fromkeys(next((e.req_headers[k] for k in SESSION_HEADERS if e.req_headers.get(k)), "")
-                              for e in model))
+    sids = list(dict.fromkeys(_session_of(e) for e in model))
+    new = truly_new(model, renderer)
     server_turns: list[dict[str, Any]] = []
     if server.available:
         for sid in sids:
@@ -99,15 +135,22 @@ def model_turns(name: str, exchanges: list[Exchange], server: ServerSessions) ->
                     "reused_tokens": st.get("reused_tokens", u.get("cached")),
                     "recomputed_tokens": st.get("recomputed_tokens",
                                                 None if prompt is None else prompt - u.get("cached", 0)),
-                    "truly_new_tokens": None, "ttft_ms": ttft, "decode_tps": tps, "completion_tokens": n,
+                    "truly_new_tokens": new[i], "ttft_ms": ttft, "decode_tps": tps, "completion_tokens": n,
                     "divergence_cause": st.get("divergence_cause"),
                     "expert_cache_hit_rate": st.get("expert_cache_hit_rate"),
                     "server_session": st.get("server_session"), "request_s": round(ex.duration, 3)})
     return out
 
 
+def renderer_for(args: argparse.Namespace) -> Renderer | None:
+    """The local tokenizer that counts truly new tokens: `--tokenizer`, else `--model` when the
+    eval started the server itself, else none."""
+    spec = getattr(args, "tokenizer", None) or (None if getattr(args, "base_url", None) else getattr(args, "model", None))
+    return Renderer(spec) if spec else None
+
+
 def run_task(inst: Instance, args: argparse.Namespace, base: str, model: str, server: ServerSessions,
-             family: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+             family: str, renderer: Renderer | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tmp = Path(tempfile.mkdtemp(prefix=f"fteval-swe-{inst.instance_id}-"))
     work = checkout(inst, tmp / "work")
     sid = f"eval-{inst.instance_id}-{uuid.uuid4().hex[:8]}"
@@ -129,7 +172,7 @@ def run_task(inst: Instance, args: argparse.Namespace, base: str, model: str, se
     finally:
         proxy.stop()
     verdict = judge(inst, work)
-    turns = model_turns(inst.instance_id, exchanges, server)
+    turns = model_turns(inst.instance_id, exchanges, server, renderer)
     run = {"run": inst.instance_id, "success": verdict["success"], "tests": verdict["tests"],
            "client_turns": client_turns, **summarise(turns)}
     if not verdict["success"]:
@@ -145,8 +188,9 @@ def run_swe(args: argparse.Namespace, base: str) -> dict[str, Any]:
     model = served_model(base) or "default"
     server = ServerSessions(base)
     family = getattr(args, "family", "qwen3_5")
+    renderer = renderer_for(args)
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        results = list(pool.map(lambda t: run_task(t, args, base, model, server, family), tasks))
+        results = list(pool.map(lambda t: run_task(t, args, base, model, server, family, renderer), tasks))
     runs = [r for r, _ in results]
     turns = [t for _, ts in results for t in ts]
     return {"eval": "swe", "base_url": base, "model": model, "client": args.client, "forced": bool(args.scripted),
