@@ -56,7 +56,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import ConfigError, EngineError
 from engine.gpu.adapt import RatioController
@@ -157,12 +156,7 @@ def grouped_slot_experts(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Ten
     start = 0
     for slot, count in zip(slot_groups.tolist(), counts.tolist(), strict=True):
         rows = token_of[start:start + count]
-        if isinstance(slots, PackedPool):
-            y = slots.forward(slot, moe_index, x[rows].float()) * flat_w[start:start + count, None].float()
-        else:
-            assert isinstance(slots, ExpertSlots)
-            gate, up = F.linear(x[rows], slots.w13[slot]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, slots.w2[slot]) * flat_w[start:start + count, None]
+        y = slots.forward(slot, moe_index, x[rows]) * flat_w[start:start + count, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
     return out.to(x.dtype)

@@ -96,7 +96,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.gpu.cache_table import CacheTable
@@ -282,12 +281,7 @@ class PrefillStreamer:
         for expert, count in zip(experts, counts, strict=True):
             slot = slot_of[expert]
             rows = token_of[start:start + count]
-            if isinstance(pool, PackedPool):
-                y = pool.forward(slot, moe_index, xd[rows].float()) * flat_w[start:start + count, None].float()
-            else:
-                assert isinstance(pool, ExpertSlots)
-                gate, up = F.linear(xd[rows], pool.w13[slot]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, pool.w2[slot]) * flat_w[start:start + count, None]
+            y = pool.forward(slot, moe_index, xd[rows]) * flat_w[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         if stream is not None:

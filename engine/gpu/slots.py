@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.weights.layout import ExpertBanks
 
@@ -41,6 +42,8 @@ class SlotPool(Protocol):
     def nbytes(self) -> int: ...
 
     def apply_copies(self, copy_src: torch.Tensor, copy_dst: torch.Tensor, banks: Any) -> int: ...
+
+    def forward(self, slot: int, layer: int, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class ExpertSlots:
@@ -77,6 +80,12 @@ class ExpertSlots:
     @property
     def nbytes(self) -> int:
         return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+    def forward(self, slot: int, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The slot's expert on rows x [n, H] (before the routing weight), in x's dtype, as
+        TorchExpertExecutor computes it: the torch loops over slots (a CPU pool, the reference)."""
+        gate, up = F.linear(x, self.w13[slot]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2[slot])
 
     def apply_copies(self, copy_src: torch.Tensor, copy_dst: torch.Tensor, banks: ExpertBanks) -> int:
         """Copies the valid (src, dst) pairs; returns how many experts were copied."""

@@ -11,7 +11,7 @@ largest layer's expert (layers may differ in format: Q4_K_M mixes q4_k and q6_k 
 - `copy_expert(slot, flat)`: bank expert `flat` (layer * E + expert) into `slot`, packed rows and
   (`.gscales`: where some layer's format has them) global scales, on the current stream (page-locked banks: asynchronous DMAs);
 - `apply_copies(copy_src, copy_dst, banks)`: ExpertSlots.apply_copies' contract (-1 padding skipped);
-- `forward(slot, layer, x)`: the slot's expert on float32 rows x [n, H] -> [n, H] float32 (before
+- `forward(slot, layer, x)`: the slot's expert on rows x [n, H] -> [n, H] float32 (before
   the routing weight): dequantized with engine/quant/formats.py's reference decoders, biases and the
   activation as engine/moe/packed.py's; the torch path where no Triton runs (a CPU pool);
 - experts with biases (gpt-oss: banks.b13 / b2) carry them in the slots' bias block, copied with
@@ -92,6 +92,7 @@ class PackedPool:
         return len(pairs)
 
     def forward(self, slot: int, layer: int, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
         fmt = self.formats[layer]
         gu = self.packed.gate_up(fmt)[slot].cpu()
         d = self.packed.down(fmt)[slot].cpu()
