@@ -18,14 +18,12 @@ Contract:
 - `packed_slot_experts(x, ids, slot_ids, weights, slots, fmt, cpu=None, *, activation="silu",
   alpha=1.702, limit=7.0) -> [N, H] float32`: those rows summed per token in ascending expert id
   (`combine_experts`, shared), plus the CPU branch's part.
-- `ACTIVATIONS`: activation name -> the kernels' ACT code; `activate` (jit): h from g and u, shared
-  with engine/gpu/quant/grouped.py.
 
 How: one program per (entry, tile of 16 output rows; 128 under the interpreter): gate_up's programs
 take gate or up rows (written f32 [N * k, 2I], biases added), down's apply act(gate, up) as they read them.
-Each walks K (H for gate_up, I for down) 256 values a step as [rows, blocks, values in a block]
-tiles, so a block's scale fields are read once (dequant_at); the f32 products accumulate in the
-tile, reduced once after the loop (the bf16 kernel's measured choice). A slot's gate_up rows start
+Each walks K (H for gate_up, I for down) 256 values a step through engine/gpu/quant/dot.py's
+`dot_step` (per-format tiles: a block's bytes read contiguously, each decoded once); the f32
+products accumulate in the tile, reduced once after the loop (the bf16 kernel's measured choice). A slot's gate_up rows start
 at its first byte, its down rows `fmt.gate_up_bytes` later (slots are `slots.stride` bytes apart).
 The expert split (scratch slot) is not supported: the executor enables it for bf16 / f32 banks only.
 """
@@ -39,37 +37,16 @@ import triton
 import triton.language as tl
 
 from engine.gpu.kernels import _phase_slot, combine_experts
-from engine.gpu.quant.dequant import dequant_at, silu
+from engine.gpu.quant.dot import activation_code, dot_step, dot_total, dot_zeros
 from engine.gpu.quant.formats import packed_format
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
 # rows per program (gate_up: of I; down: of H) and values per step along K (whole blocks: NB = this
 # // B blocks a step, at least one). Triton's interpreter (the CPU tests) runs a program's tile as
-# one numpy array: there, more rows, fewer programs. 8 warps: [16, 256] tiles hold as many values a
-# thread as the bf16 kernel's [16, 128] at 4 (untuned: the gpu test prints the GB/s to tune against)
+# one numpy array: there, more rows, fewer programs.
 _ROWS = 128 if triton_interpreted() else 16
 _STEP = 256
-ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}
-
-
-def activation_code(activation: str) -> int:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    return ACTIVATIONS[activation]
-
-
-@triton.jit
-def activate(g, u, ACT: tl.constexpr, ALPHA, LIMIT):
-    """h from f32 g and u: silu(g) * u (ACT 0), or the clamped SwiGLU (ACT 1): g <= LIMIT,
-    -LIMIT <= u <= LIMIT, (u + 1) * g * sigmoid(ALPHA g) (= silu(ALPHA g) / ALPHA)."""
-    if ACT == 0:
-        h = silu(g) * u
-    else:
-        gc = tl.minimum(g, LIMIT)
-        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-        h = (uc + 1.0) * (silu(gc * ALPHA) / ALPHA)
-    return h
 
 
 @triton.jit
@@ -89,18 +66,13 @@ def _gate_up_kernel(x_ptr, slot_ptr, w_ptr, gs_ptr, b_ptr, gu_ptr, dst_ptr, H: t
             tl.store(gu_ptr + e * 2 * INTER + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
         else:
             t = e // K
-            gs = tl.where(rows < INTER, tl.load(gs_ptr + s * 3), tl.load(gs_ptr + s * 3 + 1))[:, None, None]
-            # [ROWS, NB, QB] tiles: row, block, value in the block; block fields read once per block
-            row_p = w_ptr + s.to(tl.int64) * STRIDE + rows.to(tl.int64)[:, None, None] * RB
-            nb = tl.arange(0, NB)[None, :, None]
-            j = tl.arange(0, QB)[None, None, :]
-            tile = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
+            gs = tl.where(rows < INTER, tl.load(gs_ptr + s * 3), tl.load(gs_ptr + s * 3 + 1))
+            row_p = w_ptr + s.to(tl.int64) * STRIDE + rows.to(tl.int64) * RB
+            tile = dot_zeros(ROWS, NB, QB, FMT)
             for b0 in range(0, H // QB, NB):
-                blk = b0 + nb
-                bmask = blk < H // QB
-                xv = tl.load(x_ptr + t * H + blk * QB + j, mask=bmask, other=0.0).to(tl.float32)
-                tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gs, FMT) * xv
-            acc = tl.sum(tl.sum(tile, axis=2), axis=1)
+                tile = dot_step(tile, row_p, x_ptr + t * H, b0, rmask, gs, FMT, QB, QBB, NB, H // QB,
+                                False, INTER, 0, 1.0, 1.0)
+            acc = dot_total(tile, FMT)
             if HAS_BIAS:  # gate bias rows 0..I-1, up bias rows I..2I-1 of the slot's bias row
                 acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + rows, mask=rmask, other=0.0)
             tl.store(gu_ptr + e * 2 * INTER + rows, acc, mask=rmask)
@@ -120,19 +92,13 @@ def _down_kernel(gu_ptr, slot_ptr, w_ptr, gs_ptr, b_ptr, wt_ptr, y_ptr, dst_ptr,
         if s < 0:
             tl.store(y_ptr + e * H + rows, tl.zeros((ROWS,), dtype=tl.float32), mask=rmask)
         else:
-            gd = tl.load(gs_ptr + s * 3 + 2)
-            row_p = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + rows.to(tl.int64)[:, None, None] * RB
-            nb = tl.arange(0, NB)[None, :, None]
-            j = tl.arange(0, QB)[None, None, :]
-            tile = tl.zeros((ROWS, NB, QB), dtype=tl.float32)
-            for b0 in range(0, INTER // QB, NB):
-                blk = b0 + nb
-                bmask = blk < INTER // QB
-                g = tl.load(gu_ptr + e * 2 * INTER + blk * QB + j, mask=bmask, other=0.0)
-                u = tl.load(gu_ptr + e * 2 * INTER + INTER + blk * QB + j, mask=bmask, other=0.0)
-                hv = activate(g, u, ACT, alpha, limit)  # h, f32
-                tile += dequant_at(row_p + blk * QBB, j, rmask[:, None, None] & bmask, gd, FMT) * hv
-            y = tl.sum(tl.sum(tile, axis=2), axis=1)
+            gd = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(gs_ptr + s * 3 + 2)
+            row_p = w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + rows.to(tl.int64) * RB
+            tile = dot_zeros(ROWS, NB, QB, FMT)
+            for b0 in range(0, INTER // QB, NB):  # h = act(g, u) read from this entry's gate_up row
+                tile = dot_step(tile, row_p, gu_ptr + e * 2 * INTER, b0, rmask, gd, FMT, QB, QBB, NB,
+                                INTER // QB, True, INTER, ACT, alpha, limit)
+            y = dot_total(tile, FMT)
             if HAS_BIAS:  # the down bias after the gate and up biases in the slot's bias row
                 y += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + rows, mask=rmask, other=0.0)
             y = y * tl.load(wt_ptr + e)

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout, group_entries
 from engine.gpu.quant.dequant import dequant_at
+from engine.gpu.quant.dot import activate, activation_code
 from engine.gpu.quant.formats import packed_format
-from engine.gpu.quant.gemv import activate, activation_code
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
