@@ -33,8 +33,9 @@ Contract:
   mxfp4, its only one) and, unless --vocab-from is given, the o200k_harmony tokenizer and harmony
   chat template built from the bpe-openai package: evals/peer/gguf_gptoss.py. --rms-eps defaults to
   its 1e-5 (the others' 1e-6).
-- --max-gib G: the largest layer count up to --layers whose file is at most G GiB (printed; the file's
-  block_count and OUT.args.json say it), so a caller can fill a disk without computing sizes.
+- --max-gib G: the largest layer count up to --layers whose file is at most G GiB (a multiple of
+  --full-attn-interval for the hybrids, even for gpt-oss; printed, and the file's block_count and
+  OUT.args.json say it), so a caller can fill a disk without computing sizes.
 - Matrices are normal(0, std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
   --scales residual (the default): std is --std except for the token embedding (1.0) and the
@@ -548,10 +549,11 @@ def file_bytes(args: argparse.Namespace, specs: list[TensorSpec]) -> int:
 
 
 def fit_layers(args: argparse.Namespace, n_vocab: int) -> None:
-    """--max-gib: lower args.layers to the largest count whose file fits (a multiple of the hybrids' interval)."""
+    """--max-gib: lower args.layers to the largest count whose file fits (a multiple of the hybrids' interval;
+    even for gpt-oss, whose layers alternate sliding and full)."""
     if args.max_gib is None:
         return
-    step = args.full_attn_interval if args.arch in HYBRIDS else 1
+    step = args.full_attn_interval if args.arch in HYBRIDS else 2 if args.arch == "gpt-oss" else 1
     for n in range(args.layers - args.layers % step, 0, -step):
         args.layers = n
         size = file_bytes(args, arch_specs(args, model_shape(args, n_vocab)))

@@ -179,9 +179,9 @@ def test_max_gib_picks_the_layer_count(tmp_path: Path, capsys: pytest.CaptureFix
         return wg.parse_args(["--arch", "gpt-oss", "--vocab-from", vocab, *shape_args({**SHAPE, "layers": 8}),
                               "--out", str(tmp_path / "x.gguf"), *extra])
 
-    five = args("--layers", "5")
-    size = wg.file_bytes(five, wg.arch_specs(five, wg.model_shape(five, VOCAB)))
-    for gib, layers in ((size / 2**30, 5), ((size - 1) / 2**30, 4), (1.0, 8)):
+    six = args("--layers", "6")
+    size = wg.file_bytes(six, wg.arch_specs(six, wg.model_shape(six, VOCAB)))
+    for gib, layers in ((size / 2**30, 6), ((size - 1) / 2**30, 4), (1.0, 8)):  # even: sliding / full pairs
         a = args("--max-gib", str(gib))
         wg.fit_layers(a, VOCAB)
         assert a.layers == layers
