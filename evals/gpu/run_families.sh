@@ -44,11 +44,6 @@ case "$PART" in
 gptoss)
     GGUF=$GGUF_DIR/gpt-oss-120b.gguf
     SHAPE=gpt-oss-120b; FULL=36; CAPS=${CAPS:-12GiB,24GiB}
-    rm -f "$GGUF_DIR"/*.gguf.part  # a killed write's leftovers would hold the room this file needs
-    for f in "$GGUF_DIR"/*.gguf; do [ "$f" = "$GGUF" ] || rm -f "$f" "$f.args.json"; done  # nothing else beside it
-    # free space (this file's old copy counted as free: it is rewritten), less a margin, in GiB
-    free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
-    MAX_GIB=$(python3 -c "print(round($free / 2**30 - ${DISK_MARGIN_GIB:-3}, 2))")
     vocab=()  # o200k_harmony: built from bpe-openai, else the carried vocabulary GGUF (plain or xz)
     for v in .peer/vocab/o200k-harmony.gguf .peer/vocab/o200k-harmony.gguf.xz; do
         [ -f "$v" ] || continue
@@ -58,7 +53,7 @@ gptoss)
     if [ ${#vocab[@]} = 0 ] && ! python3 -c "import bpe_openai" 2> /dev/null; then
         at "no bpe-openai here and no .peer/vocab/o200k-harmony.gguf[.xz] carried"; exit 1
     fi
-    WRITE=(--arch gpt-oss --max-gib "$MAX_GIB" "${vocab[@]}")
+    WRITE=(--arch gpt-oss "${vocab[@]}")
     ;;
 qwen36)
     GGUF=$GGUF_DIR/qwen3.6-35b-a3b-q4km.gguf
@@ -72,6 +67,13 @@ glm)
     ;;
 *) echo "PART=$PART: one of gptoss qwen36 glm"; exit 2 ;;
 esac
+rm -f "$GGUF_DIR"/*.gguf.part  # a killed write's leftovers would hold the room this file needs
+for f in "$GGUF_DIR"/*.gguf; do [ "$f" = "$GGUF" ] || rm -f "$f" "$f.args.json"; done  # no other GGUF beside it
+if [ "$PART" = gptoss ]; then  # as many layers as the disk holds: its free space (this file's old copy counted
+    # as free: a different layer count rewrites it), less a margin, in GiB
+    free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
+    WRITE+=(--max-gib "$(python3 -c "print(round($free / 2**30 - ${DISK_MARGIN_GIB:-3}, 3))")")
+fi
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   df -h "$GGUF_DIR" | tail -1; } > "$D/machine.txt"
 cat "$D/machine.txt"
@@ -80,7 +82,8 @@ cat "$D/machine.txt"
   else echo skipped > "$D/native_build.rc"; fi) &
 native=$!
 # shellcheck disable=SC2086
-timeout $(( $(left) - 120 )) python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} --out "$GGUF" \
+wt=$(( $(left) - 120 )); [ "$wt" -ge 60 ] || wt=60  # the rest of the call after the write needs ~2 minutes
+timeout "$wt" python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} --out "$GGUF" \
     > "$D/gguf.log" 2>&1 || { tail -5 "$D/gguf.log"; at "gguf failed"; exit 1; }
 cp "$GGUF.args.json" "$D/gguf.args.json"
 at "gguf: $(du -h "$GGUF" | cut -f1), $(grep -o '"layers": [0-9]*' "$GGUF.args.json")"
