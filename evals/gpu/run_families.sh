@@ -81,8 +81,8 @@ cat "$D/machine.txt"
 (if [ "${NATIVE:-1}" = 1 ]; then python3 native/build.py -j 16 > "$D/native_build.log" 2>&1; echo $? > "$D/native_build.rc"
   else echo skipped > "$D/native_build.rc"; fi) &
 native=$!
-# shellcheck disable=SC2086
 wt=$(( $(left) - 120 )); [ "$wt" -ge 60 ] || wt=60  # the rest of the call after the write needs ~2 minutes
+# shellcheck disable=SC2086
 timeout "$wt" python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} --out "$GGUF" \
     > "$D/gguf.log" 2>&1 || { tail -5 "$D/gguf.log"; at "gguf failed"; exit 1; }
 cp "$GGUF.args.json" "$D/gguf.args.json"
@@ -91,13 +91,13 @@ PAIRS=$(python3 -m evals.gpu.cap_plan --model "$GGUF" --caps "$CAPS" --full-laye
     --overhead-gib "${OVERHEAD_GIB:-1.5}" --json "$D/plan.json") || { at "cap plan failed"; exit 1; }
 echo "$PAIRS" > "$D/pairs.txt"
 at "pairs (ncmoe:our cap) $PAIRS"
+wait $native  # a quiet machine for both systems' timings
+at "native build: exit $(cat "$D/native_build.rc")"
 NCMOES=$(for p in $PAIRS; do echo "${p%%:*}"; done | awk '!seen[$0]++' | paste -sd, -)  # each -ncmoe once
 python3 evals/peer/run_bench.py --bench "$BENCH" --model "$GGUF" --ncmoe "$NCMOES" --threads 8 --prompts 0 \
     --gen 128 --ubatch 512 --reps "${REPS:-2}" --load-mode none --timeout "${PEER_S:-150}" --out-dir "$D" \
     --note "$PART: the full model's cards $CAPS (plan.json)" | tail -6
 at "peer done"
-wait $native
-at "native build: exit $(cat "$D/native_build.rc")"
 # the bound's B_P / B_C: bench decode looks the pair up under the bf16 key of the expert shape, packed banks too
 [ "$DEVICE" = cuda ] && timeout 90 $F calibrate --shape "$SHAPE" --threads 8 --json \
     > "$D/calibration.json" 2> "$D/calibration.err"
