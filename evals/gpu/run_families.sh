@@ -19,7 +19,10 @@
 # Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them),
 # CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
-# DISK_MARGIN_GIB (3), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
+# DISK_MARGIN_GIB (3), THREADS (8, both systems), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
+# A CPU dry run (tiny shapes, a CPU llama-bench or a stand-in printing llama-bench's JSON):
+#   DEVICE=cpu NATIVE=0 THREADS=1 BENCH=PATH GGUF_DIR=/tmp/x R=/tmp/x-res OUR_REPS=1 TOKENS=8 REPS=1 PART=gptoss \
+#   GGUF_ARGS="--layers 4 --experts 8 --hidden 64 --inter 64 --heads 4 --kv-heads 2 --head-dim 16" bash evals/gpu/run_families.sh
 set -u
 export OUT=${OUT:-/tmp/families}
 R=${R:-/tmp/families-results}
@@ -94,12 +97,12 @@ at "pairs (ncmoe:our cap) $PAIRS"
 wait $native  # a quiet machine for both systems' timings
 at "native build: exit $(cat "$D/native_build.rc")"
 NCMOES=$(for p in $PAIRS; do echo "${p%%:*}"; done | awk '!seen[$0]++' | paste -sd, -)  # each -ncmoe once
-python3 evals/peer/run_bench.py --bench "$BENCH" --model "$GGUF" --ncmoe "$NCMOES" --threads 8 --prompts 0 \
+python3 evals/peer/run_bench.py --bench "$BENCH" --model "$GGUF" --ncmoe "$NCMOES" --threads "${THREADS:-8}" --prompts 0 \
     --gen 128 --ubatch 512 --reps "${REPS:-2}" --load-mode none --timeout "${PEER_S:-150}" --out-dir "$D" \
     --note "$PART: the full model's cards $CAPS (plan.json)" | tail -6
 at "peer done"
 # the bound's B_P / B_C: bench decode looks the pair up under the bf16 key of the expert shape, packed banks too
-[ "$DEVICE" = cuda ] && timeout 90 $F calibrate --shape "$SHAPE" --threads 8 --json \
+[ "$DEVICE" = cuda ] && timeout 90 $F calibrate --shape "$SHAPE" --threads "${THREADS:-8}" --json \
     > "$D/calibration.json" 2> "$D/calibration.err"
 for p in $PAIRS; do
     cap=${p#*:}
@@ -107,7 +110,7 @@ for p in $PAIRS; do
     gpu=(--gpu-memory "$cap")
     [ "$DEVICE" = cuda ] || gpu=()  # a CPU dry run: no cap
     timeout $(( $(left) - 20 < ${DEC_S:-200} ? $(left) - 20 : ${DEC_S:-200} )) $F bench decode --model "$GGUF" \
-        --device "$DEVICE" --temperature 1000 "${gpu[@]}" --cpu-threads 8 --tokens "${TOKENS:-128}" \
+        --device "$DEVICE" --temperature 1000 "${gpu[@]}" --cpu-threads "${THREADS:-8}" --tokens "${TOKENS:-128}" \
         --reps "${OUR_REPS:-3}" --json > "$D/dec_ours_$cap.json" 2> "$D/dec_ours_$cap.err"
     at "ours at $cap: exit $? $(tail -1 "$D/dec_ours_$cap.err")"
 done
