@@ -40,7 +40,8 @@ def rows(out: Path, pairs: list[str]) -> list[str]:
         dec = _load(out / f"dec_ours_{cap}.json")
         pre = _load(out / f"pre_ours_{cap}.json")
         head = f"{cap} ({ncmoe})"
-        peer_tg = next(iter(peer.get("decode", {}).values()), {}).get("tok_s")
+        first_decode: dict[str, Any] = next(iter(peer.get("decode", {}).values()), {})
+        peer_tg = first_decode.get("tok_s")
         if dec:
             ours_tg = dec["tok_s"]
             # a generation of few distinct tokens routes to the same experts every step

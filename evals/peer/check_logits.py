@@ -8,7 +8,8 @@ Contract:
 - builds evals/peer/dump_logits.cpp against a llama.cpp source tree (SRC: include/, ggml/include/)
   and a CPU build of it (BUILD: src/libllama.a, ggml/src/libggml*.a; evals/peer/fetch_source.sh's
   verify build, or `cmake -DGGML_CUDA=OFF` + `ninja llama-bench` from .peer/llama.cpp.tar.xz);
-- writes a tiny random GGUF of --arch (qwen3moe, or the qwen35moe hybrid) with
+- writes a tiny random GGUF of --arch (qwen3moe, the qwen35moe hybrid, or gpt-oss: its released types,
+  MXFP4 experts and Q8_0 attention, whatever --dtype says) with
   evals/peer/write_gguf.py (--dtype f16 by default: llama.cpp's CPU matmuls round activations to
   the weights' type, and bf16's 8 bits leave differences of a few percent after the Gated DeltaNet
   layers' normalisations, f16's 11 bits a tenth of a percent; with --vocab-from the tokenizer of
@@ -21,8 +22,8 @@ Contract:
   8 positions must remain), prints the largest difference relative to the
   largest logit and the share of positions whose top token agrees; exits 1 when the difference
   passes --tol or a top token differs where llama.cpp's top two logits are further apart than
-  twice the largest difference; `--control` swaps our gate and up experts first, to show the
-  check fails when a tensor is read in the wrong role.
+  twice the largest difference; `--control` swaps our gate and up experts first (float or packed
+  banks), to show the check fails when a tensor is read in the wrong role.
 So the two agree to a fraction of a percent, not bit for bit; a tensor read in the wrong role gives
 differences of order 1.
 """
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ SHAPES = {
     "qwen35moe": ["--layers", "4", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32",
                   "--shared-inter", "24", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--linear-key-heads",
                   "2", "--linear-value-heads", "4", "--linear-head-dim", "16"],
+    # gpt-oss: a window of 8 (the prompt runs past it), sinks, biases, YaRN; rows of 32 for MXFP4 / Q8_0
+    "gpt-oss": ["--layers", "4", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "64", "--heads", "4",
+                "--kv-heads", "2", "--head-dim", "16", "--sliding-window", "8"],
 }
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
@@ -72,11 +77,15 @@ def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np
     from engine.cache.pools import KVPool, StatePool
     from engine.model.batch import ForwardBatch, SeqEntry
     from engine.model.load import load_decoder
+    from engine.weights.layout import PackedExpertBanks
 
     dec = load_decoder(gguf, "cpu", torch.float32, executor="torch")
+    banks = dec.weights.experts
     if control:  # gate and up exchanged: what a reader mixing up the two roles would compute
-        w13 = dec.weights.experts.w13
-        w13.copy_(torch.cat(w13.chunk(2, dim=1)[::-1], dim=1))
+        halves = [*banks.gate_up, banks.b13] if isinstance(banks, PackedExpertBanks) else [banks.w13]
+        for t in halves:
+            if t is not None and t.numel():
+                t.copy_(torch.cat(t.chunk(2, dim=1)[::-1], dim=1))
     n = len(ids)
     kv = KVPool(dec.cfg, n, torch.float32, torch.device("cpu"))
     states = StatePool(dec.cfg, 1, torch.float32, torch.device("cpu"))
@@ -90,11 +99,22 @@ def engine_logits(gguf: Path, ids: list[int], control: bool = False) -> tuple[np
         gaps = torch.minimum(gaps, probs[:, top_k - 1] - probs[:, top_k])
         return route(x, router, top_k, renormalize)
 
+    biased = routers.ROUTERS["topk_softmax"]  # gpt-oss: top-k of the biased logits, softmax over them
+
+    def measured_biased(x: torch.Tensor, w: Any, cfg: Any):  # type: ignore[no-untyped-def]
+        nonlocal gaps
+        logits = torch.nn.functional.linear(x, w.router, w.router_bias).float()
+        probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
+        gaps = torch.minimum(gaps, probs[:, cfg.top_k - 1] - probs[:, cfg.top_k])
+        return biased(x, w, cfg)
+
     routers.softmax_topk = measured_route
+    routers.ROUTERS["topk_softmax"] = measured_biased
     try:
         logits = dec.logits(dec.forward(batch, kv, states)).numpy()
     finally:
         routers.softmax_topk = route
+        routers.ROUTERS["topk_softmax"] = biased
     return logits, gaps.numpy()
 
 
@@ -107,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=0.02)
     p.add_argument("--tie", type=float, default=None,
-                   help="routing probability gap below which a position is left out (default 0.0003 for f16, 0.002 for bf16)")
+                   help="routing probability gap below which a position is left out (default 0.0003 for f16, 0.002 for bf16 "
+                        "and gpt-oss)")
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen3moe")
     p.add_argument("--dtype", choices=["f16", "bf16"], default="f16",
                    help="weights; llama.cpp's CPU matmuls round activations to it (f16 keeps 3 more bits)")
@@ -115,16 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from peer_gguf import write_gguf_module, write_vocab
 
-    if args.tie is None:
-        args.tie = 0.0003 if args.dtype == "f16" else 0.002
+    if args.tie is None:  # gpt-oss's Q8_0 / MXFP4 matmuls round llama.cpp's activations to 8 bits, as bf16
+        args.tie = 0.0003 if args.dtype == "f16" and args.arch != "gpt-oss" else 0.002
 
     tmp = Path(tempfile.mkdtemp(prefix="check_logits-"))
     dumper = build_dumper(args.llama_src, args.llama_build, tmp / "dump_logits")
     vocab = args.vocab_from or write_vocab(tmp / "vocab.gguf", 300)
     model = tmp / f"tiny-{args.arch}.gguf"
+    dtype = [] if args.arch == "gpt-oss" else ["--dtype", args.dtype]  # gpt-oss: its released types
     assert write_gguf_module().main([
         "--arch", args.arch, "--out", str(model), "--vocab-from", str(vocab), *SHAPES[args.arch], "--std", "0.1",
-        "--seed", str(args.seed), "--threads", "1", "--dtype", args.dtype]) == 0
+        "--seed", str(args.seed), "--threads", "1", *dtype]) == 0
     from engine.weights.gguf_reader import GgufReader
 
     vocab_size = GgufReader(model).config()["vocab_size"]

@@ -22,7 +22,9 @@ Contract:
   dequantized values have mean ~0 and standard deviation `std`, every f16 field finite. Built from
   random bytes with the scale fields set: Q8_0 / Q5_0 / Q6_K a fixed |d| with a random sign per block;
   Q4_K / Q5_K 6-bit sub-block scales uniform in 32..63 with each sub-block's min equal to its scale and
-  dmin = d x (the mean quant), so each sub-block is centred; Q5_1 the min is -d x 15.5.
+  dmin = d x (the mean quant), so each sub-block is centred; Q5_1 the min is -d x 15.5; MXFP4 (gpt-oss's
+  experts, 32 e2m1 codes and one E8M0 exponent) uniform codes under the power of two nearest the
+  wanted scale, so its std is `std` within a factor of 2^(1/2).
 Pure numpy; `rng` is a numpy Generator, so values depend only on its seed.
 """
 
@@ -33,13 +35,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-F32, F16, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 0, 1, 6, 7, 8, 12, 13, 14, 30, 39
 TYPE_NAME = {F32: "F32", F16: "F16", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
-             Q6_K: "Q6_K", BF16: "BF16"}
+             Q6_K: "Q6_K", BF16: "BF16", MXFP4: "MXFP4"}
 # (values per block, bytes per block), as ggml's type traits
 BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-         Q5_K: (256, 176), Q6_K: (256, 210)}
+         Q5_K: (256, 176), Q6_K: (256, 210), MXFP4: (32, 17)}
 FTYPES = {"q8_0": (7, Q8_0), "q4_k_m": (15, Q4_K)}  # --quant -> (general.file_type, default tensor type)
+MXFP4_MOE = 38  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE: gpt-oss as released (its types are gguf_gptoss.tensor_types')
 _FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -165,6 +168,7 @@ UNIT_RMS = {
     Q4_K: (_MS_SC * _ms_uniform(0, 15, 7.5)) ** 0.5,
     Q5_K: (_MS_SC * _ms_uniform(0, 31, 15.5)) ** 0.5,
     Q6_K: (_MS_SC * _ms_uniform(0, 63, 32.0)) ** 0.5,
+    MXFP4: (274 / 8) ** 0.5,  # e2m1's 16 codes doubled (ggml's kvalues_mxfp4), per unit of 2^(e - 128)
 }
 # per type: byte offset of d, and of the second f16 (dmin / m) where there is one
 _D_AT = {Q8_0: 0, Q5_0: 0, Q5_1: 0, Q4_K: 0, Q5_K: 0, Q6_K: 208}
@@ -175,6 +179,14 @@ def _f16_bits(x: float) -> int:
     if not np.isfinite(v) or v == 0:
         raise ValueError(f"scale {x!r} does not fit a finite non-zero f16")
     return int(np.array(v).view(np.uint16))
+
+
+def _e8m0(d: float) -> int:
+    """The E8M0 byte whose scale 2^(e - 128) is nearest d (log2-wise)."""
+    e = 128 + round(float(np.log2(d)))
+    if not 1 <= e <= 254:
+        raise ValueError(f"scale {d!r} does not fit an E8M0 exponent")
+    return e
 
 
 def _set_f16(b: np.ndarray, at: int, bits: int, random_sign: bool) -> None:
@@ -201,6 +213,9 @@ def fill_blocks(rng: np.random.Generator, qtype: int, n_blocks: int, std: float)
     n_words = -(-n_blocks * size // 8)
     b = rng.bit_generator.random_raw(n_words).view(np.uint8)[: n_blocks * size].reshape(n_blocks, size)
     d = std / UNIT_RMS[qtype]
+    if qtype == MXFP4:  # byte 0 the E8M0 scale e (the values are kvalues x 2^(e - 128)), then 16 bytes of codes
+        b[:, 0] = _e8m0(d)
+        return b
     at = _D_AT[qtype]
     if qtype in (Q8_0, Q5_0, Q6_K):
         _set_f16(b, at, _f16_bits(d), random_sign=True)

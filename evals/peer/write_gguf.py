@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Write a qwen3moe, qwen35moe, qwen3next or deepseek2 GGUF with random weights, for the llama.cpp peer benchmark.
+"""Write a qwen3moe, qwen35moe, qwen3next, deepseek2 or gpt-oss GGUF with random weights, for the llama.cpp peer benchmark.
 
 Contract:
-    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe|qwen3next|deepseek2 --layers N --experts 128
-        --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
-        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --quant bf16|q8_0|q4_k_m --threads N]
+    python3 evals/peer/write_gguf.py --out PATH [--arch qwen3moe|qwen35moe|qwen3next|deepseek2|gpt-oss --layers N
+        --experts 128 --top-k 8 --hidden 2048 --inter 768 --heads 32 --kv-heads 4 --head-dim 128
+        --vocab-from VOCAB.gguf --seed 0 --dtype bf16 --quant bf16|q8_0|q4_k_m|mxfp4 --threads N --max-gib G]
         qwen35moe only: [--shared-inter 512 --full-attn-interval 4 --linear-key-heads 16
         --linear-value-heads 32 --linear-head-dim 128 --conv-kernel 4 --rope-dim 64
         --rope-sections 11,11,10,0]; qwen3next the same but --rope-sections
         deepseek2 only: [--ff 10240 --q-lora 768 --kv-lora 512 --qk-nope 192 --qk-rope 64 --v-head 256
         --first-dense 1 --shared-experts 1 --routed-scale 1.8]
+        gpt-oss only: [--sliding-window 128 --yarn-factor 32 --yarn-orig-ctx 4096]
 
 - --arch qwen3moe (the default): Qwen3-30B-A3B's per-layer shape with 24 layers instead of 48 (the
   GPU machine's disk holds that file: 27 GiB (29 GB) of experts, 29 GiB (31 GB) in all).
@@ -26,6 +27,15 @@ Contract:
   ssm_alpha, NEOX partial rotary (no rope.dimension_sections) (src/models/qwen3next.cpp).
 - --arch deepseek2 (MLA; GLM-4.7-Flash's shape, all 47 layers, which llama.cpp runs as deepseek2):
   evals/peer/gguf_mla.py.
+- --arch gpt-oss (gpt-oss-120b's shape, all 36 layers by default: 59 GiB, 57 GiB of MXFP4 experts, more
+  than the GPU machine's disk holds: --layers or --max-gib): the types of the released MXFP4 files
+  (MXFP4 experts, Q8_0 attention / embedding / output, F32 router, norms, biases and sinks; --quant
+  mxfp4, its only one) and, unless --vocab-from is given, the o200k_harmony tokenizer and harmony
+  chat template built from the bpe-openai package: evals/peer/gguf_gptoss.py. --rms-eps defaults to
+  its 1e-5 (the others' 1e-6).
+- --max-gib G: the largest layer count up to --layers whose file is at most G GiB (a multiple of
+  --full-attn-interval for the hybrids, even for gpt-oss; printed, and the file's block_count and
+  OUT.args.json say it), so a caller can fill a disk without computing sizes.
 - Matrices are normal(0, std) drawn in float32 and truncated to bf16 (or rounded to f16 with
   --dtype f16); the routers (ffn_gate_inp) are float32 normal(0, --std); every norm weight is 1.0.
   --scales residual (the default): std is --std except for the token embedding (1.0) and the
@@ -88,6 +98,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gguf_gptoss as go
 import gguf_mla as gm  # sibling modules (this file also runs as a script)
 import gguf_quant as gq
 
@@ -343,9 +354,11 @@ QWEN35_ONLY = ("shared_inter", "full_attn_interval", "linear_key_heads", "linear
 # all 48 layers; NEOX partial rotary (no IMRoPE sections)
 ARCH_DEFAULTS["qwen3next"] = {**ARCH_DEFAULTS["qwen35moe"], "layers": 48, "experts": 512, "top_k": 10}
 ARCH_DEFAULTS["deepseek2"] = dict(gm.GLM_FLASH)
+ARCH_DEFAULTS["gpt-oss"] = dict(go.GPT_OSS_120B)
 # the options each architecture takes beyond the common ones
 ARCH_ONLY: dict[str, tuple[str, ...]] = {"qwen3moe": ("ff",), "qwen35moe": QWEN35_ONLY,
-                                         "qwen3next": QWEN35_ONLY[:-1], "deepseek2": ("ff", *gm.OPTIONS)}
+                                         "qwen3next": QWEN35_ONLY[:-1], "deepseek2": ("ff", *gm.OPTIONS),
+                                         "gpt-oss": go.OPTIONS}
 HYBRIDS = ("qwen35moe", "qwen3next")
 PARTIAL_ROTARY = 0.25  # Qwen3.5/3.6's partial_rotary_factor: rope.dimension_count = head_dim / 4
 
@@ -364,7 +377,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
     p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3moe",
                    help="qwen3moe (Qwen3-MoE), qwen35moe (Qwen3.5/3.6-MoE, Gated DeltaNet 3:1 hybrid), qwen3next "
-                        "(Qwen3-Next) or deepseek2 (MLA; GLM-4.7-Flash's shape)")
+                        "(Qwen3-Next), deepseek2 (MLA; GLM-4.7-Flash's shape) or gpt-oss (gpt-oss-120b's shape)")
     p.add_argument("--layers", type=int, default=None, help="qwen3moe 24, qwen35moe 20")
     p.add_argument("--experts", type=int, default=None, help="qwen3moe 128, qwen35moe 256")
     p.add_argument("--top-k", type=int, default=None, help="experts used per token (8)")
@@ -390,26 +403,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rope-sections", type=str, default=None,
                    help="qwen35moe: IMRoPE sections, 4 comma-separated ints (11,11,10,0 for --rope-dim 64)")
     gm.add_options(p)
-    p.add_argument("--rms-eps", type=float, default=1e-6)
+    go.add_options(p)
+    p.add_argument("--rms-eps", type=float, default=None, help="1e-6 (gpt-oss 1e-5)")
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--scales", choices=["residual", "uniform"], default="residual",
                    help="residual (default): embedding std 1 and residual-stream writers --std / sqrt(2 x layers), "
                         "routing near-uniform; uniform: --std everywhere (routing collapses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(FILE_TYPE), default="bf16", help="the matrices' type with --quant bf16")
-    p.add_argument("--quant", choices=["bf16", *gq.FTYPES], default="bf16",
-                   help="bf16 (default: float matrices of --dtype), or the tensor types llama-quantize gives "
-                        "a q8_0 / q4_k_m file, written as random valid blocks")
+    p.add_argument("--quant", choices=["bf16", *gq.FTYPES, "mxfp4"], default=None,
+                   help="bf16 (the default but for gpt-oss: float matrices of --dtype), or the tensor types "
+                        "llama-quantize gives a q8_0 / q4_k_m file, written as random valid blocks; mxfp4: "
+                        "gpt-oss's released types (its default and only choice)")
     p.add_argument("--vocab-from", type=Path, default=None,
                    help="GGUF to copy the tokenizer from (default: models/ggml-vocab-qwen2.gguf of the "
                         "llama.cpp tree in $LLAMA_CPP_DIR, /tmp/llama.cpp or .peer-cpu/llama.cpp, else "
                         "taken out of .peer/llama.cpp.tar.xz)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--wheels", type=Path, default=REPO / ".whl")
+    p.add_argument("--max-gib", type=float, default=None,
+                   help="use the largest layer count up to --layers whose file is at most this many GiB")
     p.add_argument("--plan", action="store_true", help="print the tensors and sizes, write nothing")
     p.add_argument("--force", action="store_true",
                    help="rewrite --out even when OUT.args.json says it already holds these weights")
     args = p.parse_args(argv)
+    gpt_oss = args.arch == "gpt-oss"
+    args.quant = args.quant or ("mxfp4" if gpt_oss else "bf16")
+    if (args.quant == "mxfp4") != gpt_oss:
+        p.error(f"--quant {args.quant} with --arch {args.arch}: mxfp4 is gpt-oss's, and gpt-oss is written as "
+                "released (MXFP4 experts, Q8_0 attention and embeddings)")
     if args.quant != "bf16" and args.dtype != "bf16":
         p.error(f"--dtype {args.dtype}: only with --quant bf16 (a --quant {args.quant} file's types follow llama-quantize)")
     other = {k for only in ARCH_ONLY.values() for k in only} - set(ARCH_ONLY[args.arch])
@@ -419,6 +441,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in ARCH_DEFAULTS[args.arch].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.rms_eps is None:
+        args.rms_eps = 1e-6
     if args.arch in HYBRIDS:
         check_qwen35(p, args)
     return args
@@ -489,44 +513,64 @@ def stamp_of(args: argparse.Namespace) -> dict[str, Any]:
     return stamp
 
 
-def write(args: argparse.Namespace) -> dict[str, float]:
-    gguf = import_gguf(args.wheels)
-    vocab_path = args.vocab_from or default_vocab()
-    stamp_path = args.out.with_name(args.out.name + ".args.json")
-    stamp = stamp_of(args) | {"vocab_bytes": vocab_path.stat().st_size}
-    if not args.force and not args.plan and args.out.is_file() and stamp_path.is_file():
-        try:
-            same = json.loads(stamp_path.read_text()) == stamp
-        except (OSError, ValueError):
-            same = False
-        if same:
-            print(f"write_gguf: {args.out} already holds these weights ({stamp_path.name} matches); "
-                  "not rewriting it (--force does)", flush=True)
-            return {"bytes": float(args.out.stat().st_size), "seconds": 0.0}
-    arch = args.arch
-    part = args.out.with_name(args.out.name + ".part")
-    writer = gguf.GGUFWriter(str(part), arch)
-    n_vocab = copy_tokenizer(gguf, writer, vocab_path)
-    shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
-                  args.head_dim, n_vocab)
-    if arch in HYBRIDS:
-        shape = Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
-                      args.head_dim, n_vocab, args.shared_inter, args.full_attn_interval, args.linear_key_heads,
-                      args.linear_value_heads, args.linear_head_dim, args.conv_kernel)
-    if not (0 < shape.top_k <= shape.experts):
-        raise SystemExit("write_gguf.py: need 0 < --top-k <= --experts")
+def vocab_size(gguf: ModuleType, vocab_path: Path | None) -> int:
+    """The vocabulary's size: o200k_harmony's when there is no file (gpt-oss), else the file's token count."""
+    if vocab_path is None:
+        return go.O200K_HARMONY_SIZE
+    field = gguf.GGUFReader(str(vocab_path)).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise SystemExit(f"write_gguf.py: {vocab_path} has no tokenizer.ggml.tokens")
+    return len(field.data)
 
-    writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
-    writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}, {args.scales} scales), written by "
-                           "freetoken-agent evals/peer/write_gguf.py; not a trained model")
-    writer.add_file_type(gq.FTYPES[args.quant][0] if args.quant in gq.FTYPES else FILE_TYPE[args.dtype])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+def model_shape(args: argparse.Namespace, n_vocab: int) -> Shape:
+    if args.arch in HYBRIDS:
+        return Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
+                     args.head_dim, n_vocab, args.shared_inter, args.full_attn_interval, args.linear_key_heads,
+                     args.linear_value_heads, args.linear_head_dim, args.conv_kernel)
+    return Shape(args.layers, args.experts, args.top_k, args.hidden, args.inter, args.heads, args.kv_heads,
+                 args.head_dim, n_vocab)
+
+
+def arch_specs(args: argparse.Namespace, shape: Shape) -> list[TensorSpec]:
+    """Every tensor of the file, in order."""
+    if args.arch in HYBRIDS:
+        return qwen35moe_tensor_specs(shape, fused_ba=args.arch == "qwen3next")
+    if args.arch == "deepseek2":
+        return [TensorSpec(*t) for t in gm.deepseek2_tensors(args, shape.vocab)]
+    if args.arch == "gpt-oss":
+        return [TensorSpec(*t) for t in go.tensors(args, shape.vocab)]
+    return tensor_specs(shape)
+
+
+def file_bytes(args: argparse.Namespace, specs: list[TensorSpec]) -> int:
+    qtypes = quant_types(specs, args)
+    return sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs)
+
+
+def fit_layers(args: argparse.Namespace, n_vocab: int) -> None:
+    """--max-gib: lower args.layers to the largest count whose file fits (a multiple of the hybrids' interval;
+    even for gpt-oss, whose layers alternate sliding and full)."""
+    if args.max_gib is None:
+        return
+    step = args.full_attn_interval if args.arch in HYBRIDS else 2 if args.arch == "gpt-oss" else 1
+    for n in range(args.layers - args.layers % step, 0, -step):
+        args.layers = n
+        size = file_bytes(args, arch_specs(args, model_shape(args, n_vocab)))
+        if size <= args.max_gib * GIB:
+            print(f"write_gguf: --max-gib {args.max_gib}: {n} layers ({size / GIB:.2f} GiB)", flush=True)
+            return
+    raise SystemExit(f"write_gguf.py: not even {step} layer(s) fit in --max-gib {args.max_gib}")
+
+
+def add_hparams(writer: Any, args: argparse.Namespace, shape: Shape) -> None:
+    arch = args.arch
     if arch in HYBRIDS:
         add_qwen35moe_hparams(writer, arch, shape, args)
-        specs = qwen35moe_tensor_specs(shape, fused_ba=arch == "qwen3next")
     elif arch == "deepseek2":
         gm.add_deepseek2_hparams(writer, arch, args, shape.vocab)
-        specs = [TensorSpec(*t) for t in gm.deepseek2_tensors(args, shape.vocab)]
+    elif arch == "gpt-oss":
+        go.add_hparams(writer, arch, args)
     else:
         writer.add_uint32(f"{arch}.context_length", args.ctx)
         writer.add_uint32(f"{arch}.embedding_length", shape.hidden)
@@ -542,7 +586,46 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         writer.add_uint32(f"{arch}.expert_count", shape.experts)
         writer.add_uint32(f"{arch}.expert_used_count", shape.top_k)
         writer.add_uint32(f"{arch}.expert_feed_forward_length", shape.inter)
-        specs = tensor_specs(shape)
+
+
+def write(args: argparse.Namespace) -> dict[str, float]:
+    gguf = import_gguf(args.wheels)
+    built_vocab = args.vocab_from is None and args.arch == "gpt-oss"  # o200k_harmony, built from bpe-openai
+    vocab_path = None if built_vocab else (args.vocab_from or default_vocab())
+    n_vocab = vocab_size(gguf, vocab_path)
+    fit_layers(args, n_vocab)
+    stamp_path = args.out.with_name(args.out.name + ".args.json")
+    stamp = stamp_of(args) | ({"vocab": "o200k_harmony"} if vocab_path is None
+                              else {"vocab_bytes": vocab_path.stat().st_size})
+    if not args.force and not args.plan and args.out.is_file() and stamp_path.is_file():
+        try:
+            same = json.loads(stamp_path.read_text()) == stamp
+        except (OSError, ValueError):
+            same = False
+        if same:
+            print(f"write_gguf: {args.out} already holds these weights ({stamp_path.name} matches); "
+                  "not rewriting it (--force does)", flush=True)
+            return {"bytes": float(args.out.stat().st_size), "seconds": 0.0}
+    arch = args.arch
+    part = args.out.with_name(args.out.name + ".part")
+    writer = gguf.GGUFWriter(str(part), arch)
+    if vocab_path is None:
+        go.add_o200k_harmony(writer)
+    else:
+        copy_tokenizer(gguf, writer, vocab_path)
+    shape = model_shape(args, n_vocab)
+    if not (0 < shape.top_k <= shape.experts):
+        raise SystemExit("write_gguf.py: need 0 < --top-k <= --experts")
+
+    writer.add_name(f"random {arch} {shape.layers}L {shape.experts}x{shape.inter} top{shape.top_k}")
+    writer.add_description(f"random weights (seed {args.seed}, normal std {args.std}, {args.scales} scales), written by "
+                           "freetoken-agent evals/peer/write_gguf.py; not a trained model")
+    ftype = gq.MXFP4_MOE if args.quant == "mxfp4" else (
+        gq.FTYPES[args.quant][0] if args.quant in gq.FTYPES else FILE_TYPE[args.dtype])
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_hparams(writer, args, shape)
+    specs = arch_specs(args, shape)
 
     qtypes = quant_types(specs, args)
     total = sum(t.nbytes(args.dtype, qtypes.get(t.name)) for t in specs)
@@ -552,7 +635,8 @@ def write(args: argparse.Namespace) -> dict[str, float]:
         n_full = sum(shape.is_full_attention(i) for i in range(shape.layers))
         layout = f", {n_full} full-attention + {shape.layers - n_full} Gated DeltaNet layers"
     print(f"write_gguf: {arch}, {len(specs)} tensors, {total / GIB:.2f} GiB ({experts / GIB:.2f} GiB experts)"
-          f"{layout}, {args.quant if qtypes else args.dtype}, vocab {n_vocab} from {vocab_path}", flush=True)
+          f"{layout}, {args.quant if qtypes else args.dtype}, vocab {n_vocab} from "
+          f"{vocab_path or 'o200k_harmony (bpe-openai)'}", flush=True)
     if qtypes:
         mix: dict[str, int] = {}
         for q in qtypes.values():
@@ -670,6 +754,8 @@ def quant_types(specs: list[TensorSpec], args: argparse.Namespace) -> dict[str, 
     being the bf16 file: matrices bf16, the rest float32); {} for --quant bf16."""
     if args.quant == "bf16":
         return {}
+    if args.arch == "gpt-oss":
+        return go.tensor_types([(t.name, t.shape, t.kind) for t in specs])
     src = [(t.name, t.shape, gq.BF16 if t.kind == "mat" else gq.F32) for t in specs]
     return gq.tensor_types(src, args.quant, args.layers, args.experts)
 
