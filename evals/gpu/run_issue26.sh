@@ -34,9 +34,12 @@ at "native built"
 case "${PART:-build}" in
 build)
     for f in ${CPU_FORMATS:-q4_k q8_0}; do
-        timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch --json \
-            > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
-        at "cpu-experts $f: exit $?"
+        for pf in ${CPU_PF:-1024}; do  # the native software prefetch distance (FREETOKEN_NATIVE_PREFETCH)
+            sfx=$([ "$pf" = 1024 ] && echo "" || echo "_pf$pf")
+            FREETOKEN_NATIVE_PREFETCH=$pf timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 \
+                --rounds 2 --bank-gb 2 --no-torch --json > "$R/cpu_$f$sfx.json" 2> "$R/cpu_$f$sfx.err"
+            at "cpu-experts $f prefetch $pf: exit $?"
+        done
     done
     (bash evals/peer/build.sh --export > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!
@@ -68,6 +71,8 @@ one)
         tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py \
         tests/native/test_dma_fetch.py tests/engine/test_gpt_oss.py > "$R/gpu_tests.log" 2>&1
     at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    timeout 60 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k --iters 100 --rounds 3 > "$R/gemv.jsonl" 2> "$R/gemv.err"
+    at "gemv probe: exit $?"
     wait $gguf
     at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
     wait $build
