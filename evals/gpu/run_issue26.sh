@@ -77,8 +77,10 @@ one)
     at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
     wait $build
     at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
-    timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
-    at "calibrated"
+    if [ "${CALIBRATE:-1}" = 1 ]; then  # else the first decode measures it
+        timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
+        at "calibrated"
+    fi
     python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-34,23,11}" --threads 8 --prompts 0 --gen 128 \
         --ubatch 2048 --reps 2 --load-mode none --timeout 90 --out-dir "$R" | tail -6
     at "peer decode done"
