@@ -52,9 +52,9 @@ from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 # model family -> the output parser of its chat format (adapters/parsers FAMILIES)
 FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3", "gpt_oss": "harmony"}
 # A marker in the checkpoint's own chat template names its call format, whatever the model family:
-# GLM's, DeepSeek's and Kimi's templates each write calls their own way.
+# GLM's, DeepSeek's (V3 / V3.1, and V3.2's DSML) and Kimi's templates each write calls their own way.
 _TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("<arg_key>", "glm4"), ("<｜tool▁call▁begin｜>", "deepseek_v3"),
-                     ("<|tool_call_begin|>", "kimi_k2"))
+                     ("<|tool_call_begin|>", "kimi_k2"), ("｜DSML｜", "deepseek_v32"))
 
 
 def parser_family(model_family: str, chat_template: str | None) -> str:

@@ -29,7 +29,6 @@ class Family:
     specials: dict[str, str]
     stops: tuple[str, ...]  # tokens that end a reply (not passed to the parser)
     one_call: bool = False  # gpt-oss: one call per message, and a call turn has reasoning or content, not both
-    parsed: bool = True  # False: no parser reads its reply format yet (prompt rendering only)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -40,8 +39,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("GLM-4.6.jinja", "glm4_moe", GLM, ("<|endoftext|>", "<|user|>", "<|observation|>")),
     Family("GLM-4.7-Flash.jinja", "glm4_moe_lite", GLM, ("<|endoftext|>", "<|user|>", "<|observation|>")),
     Family("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v3", DEEPSEEK, ("<｜end▁of▁sentence｜>",)),
-    # llama.cpp's template for V3.2 (the checkpoint ships a Python encoder): DSML calls, not parsed yet
-    Family("deepseek-ai-DeepSeek-V3.2.jinja", "deepseek_v3", DEEPSEEK, ("<｜end▁of▁sentence｜>",), parsed=False),
+    # llama.cpp's template for V3.2 (the checkpoint ships a Python encoder instead): DSML calls
+    Family("deepseek-ai-DeepSeek-V3.2.jinja", "deepseek_v3", DEEPSEEK, ("<｜end▁of▁sentence｜>",)),
     Family("moonshotai-Kimi-K2.jinja", "kimi_k2", KIMI, ("<|im_end|>",)),
     Family("Kimi-K2-Instruct.jinja", "kimi_k2", KIMI, ("<|im_end|>",)),
     Family("Kimi-K2-Thinking.jinja", "kimi_k2", KIMI, ("<|im_end|>",)),
