@@ -109,3 +109,19 @@ def test_parser_reads_the_checkpoint_template_reply(templates: dict[str, str], f
     rng = random.Random(f"{family.template}/{name}/{thinking}")
     for _ in range(4):
         assert parse(kind, prompt, pieces_of(reply, rng)) == want
+
+
+def test_echo_reconciliation_is_off_where_the_template_refuses_its_probes(templates: dict[str, str]) -> None:
+    from freetoken_agent.service.types import ChatMessage
+    from freetoken_agent.sessions.echo import EchoOutcome, EchoReconciler, argument_close
+
+    def tok(name: str) -> ChatTokenizer:
+        family = next(f for f in FAMILIES if f.template == name)
+        return ChatTokenizer(Tokenizer(models.WordLevel({"x": 0}, unk_token="x")), family.specials, templates[name])
+
+    oss = tok("openai-gpt-oss-120b.jinja")  # a tool result must follow a call there
+    rec = EchoReconciler(oss)
+    echo = ChatMessage(role="assistant", content="Done.", reasoning="ok")
+    assert not rec.usable and argument_close(oss) is None
+    assert rec.reconcile(echo, "<|channel|>final<|message|>Done.") == EchoOutcome(echo, False, False, "rendering")
+    assert EchoReconciler(tok("GLM-4.7-Flash.jinja")).usable
