@@ -6,7 +6,8 @@ GLM-4.7-Flash, DeepSeek-V3.1, DeepSeek-V3.2, Kimi-K2, gpt-oss, Qwen3 as Qwen3-Ne
 reply is forced (`freetoken_forced_output`) to the text a model trained on that template writes
 (`checkpoint_reference.expected_reply`), so the test proves that the service picks the template's
 parser and reasoning start from its own rendering, and that OpenAI Chat Completions (whole and
-streamed) and Anthropic Messages return that reply's reasoning, text and tool calls.
+streamed), Anthropic Messages and OpenAI Responses return that reply's reasoning, text and tool
+calls.
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ def anthropic_body(messages: list[dict[str, Any]], thinking: bool) -> dict[str, 
     return body
 
 
+def responses_reply(response: dict[str, Any]) -> tuple[str, str, list[tuple[str, Any]]]:
+    items = response["output"]
+    return ("".join(p["text"] for i in items if i["type"] == "reasoning" for p in i.get("content") or []),
+            "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"]),
+            [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"])
+
+
 def anthropic_reply(message: dict[str, Any]) -> tuple[str, str, list[tuple[str, Any]]]:
     blocks = message["content"]
     return ("".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
@@ -127,8 +135,8 @@ def anthropic_reply(message: dict[str, Any]) -> tuple[str, str, list[tuple[str, 
 @pytest.mark.parametrize("family", SERVED_FAMILIES, ids=[f"{f.template}-{f.model_type}" for f in SERVED_FAMILIES])
 def test_served_reply_equals_the_templates(engine: Engine, base: ChatTokenizer, templates: dict[str, str],
                                            family: Family) -> None:
-    """Streamed Chat Completions for every template; the whole reply and Anthropic Messages too for
-    GLM-4.7-Flash (its prompt opens the reasoning) and gpt-oss (harmony channels)."""
+    """Streamed Chat Completions for every template; the whole reply, Anthropic Messages and Responses
+    too for GLM-4.7-Flash (its prompt opens the reasoning) and gpt-oss (harmony channels)."""
     template, name = templates[family.template], "first-call"
     _, reply, want = expected_reply(template, family, name, True)
     client = client_for(engine, base, template, family)
@@ -145,3 +153,10 @@ def test_served_reply_equals_the_templates(engine: Engine, base: ChatTokenizer, 
     r = client.post("/v1/messages", json={**anthropic_body(history, True), FORCED_OUTPUT_FIELD: reply})
     assert r.status_code == 200, r.text
     assert anthropic_reply(r.json()) == want
+    assert [m["role"] for m in history] == ["system", "user"]  # the first call: no history to map
+    tools = [{"type": "function", **t["function"]} for t in body["tools"]]
+    r = client.post("/v1/responses", json={"model": "m", "instructions": history[0]["content"], "tools": tools,
+                                           "input": [{"role": "user", "content": history[1]["content"]}],
+                                           "reasoning": {"effort": "medium"}, FORCED_OUTPUT_FIELD: reply})
+    assert r.status_code == 200, r.text
+    assert responses_reply(r.json()) == want
