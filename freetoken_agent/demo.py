@@ -32,7 +32,7 @@ ARCHES = ("qwen3_5_moe", "qwen3_moe", "glm4_moe_lite", "gpt_oss")
 # (multi-head latent attention, sigmoid grouped router, a dense first layer) carries Qwen3's.
 TOKENIZERS: dict[str, Family] = {"qwen3_5_moe": "qwen3_5", "qwen3_moe": "qwen3", "glm4_moe_lite": "qwen3",
                                  "gpt_oss": "gpt_oss"}
-DEMO_VERSION = 3
+DEMO_VERSION = 4  # 4: the Qwen3.5 template renders as the checkpoints' (trimmed text, True / False values)
 SEED = 1234
 
 

@@ -46,7 +46,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from freetoken_agent.models import load_tokenizer, resolve_model
     from freetoken_agent.progress import load_progress
     from freetoken_agent.serve import resolve_device
-    from freetoken_agent.service.chat import parser_family
+    from freetoken_agent.service.chat import opens_reasoning, parser_family, render_prompt
     from freetoken_agent.tokenizer import StreamDecoder
 
     if not args.prompt:
@@ -56,11 +56,9 @@ def run_generate(args: argparse.Namespace) -> int:
     with load_progress("reading the tokenizer"):
         tok = load_tokenizer(model_dir)
     thinking = not args.no_think
-    if args.raw:
-        ids = tok.encode(args.prompt)
-    else:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      enable_thinking=thinking, tokenize=True)
+    prompt = args.prompt if args.raw else render_prompt(tok, [{"role": "user", "content": args.prompt}], None,
+                                                        thinking, None)
+    ids = tok.encode(prompt)
     temperature = args.temperature or 0.0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
@@ -74,7 +72,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from adapters.parsers import ContentDelta, ReasoningDelta, create_parser
 
         family = parser_family(engine.cfg.family, tok.chat_template)
-        parser = create_parser(family, None, starts_in_reasoning=thinking and family == "qwen3_5")
+        parser = create_parser(family, None, starts_in_reasoning=opens_reasoning(prompt))
     reasoning = _Reasoning(sys.stderr)
 
     def show(text: str, final: bool = False) -> None:

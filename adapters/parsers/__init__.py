@@ -17,7 +17,9 @@ VALUE</arg_value>...</tool_call>`, values typed by the schemas as in the XML for
 `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` with JSON arguments, section markers dropped:
 `adapters.parsers.deepseek`). "kimi_k2" (Kimi-K2: `<|tool_call_begin|>functions.NAME:INDEX
 <|tool_call_argument_begin|>ARGS<|tool_call_end|>` within `<|tool_calls_section_begin|>` ...
-`<|tool_calls_section_end|>`, markers dropped). "harmony" (gpt-oss): channels and
+`<|tool_calls_section_end|>`, markers dropped). "deepseek_v32" (DeepSeek-V3.2: `<think>` reasoning,
+DSML calls `<｜DSML｜invoke name="NAME">` with `<｜DSML｜parameter name="KEY" string="true|false">`
+values, the `function_calls` markers dropped: `adapters.parsers.dsml`). "harmony" (gpt-oss): channels and
 `to=functions.NAME` calls, see `adapters.parsers.harmony` (the Qwen rules below are not its rules).
 
 Rules:
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapters.parsers import deepseek
+from adapters.parsers import deepseek, dsml
 from adapters.parsers.base import OutputParser
 from adapters.parsers.events import (
     ContentDelta,
@@ -76,6 +78,7 @@ _SYNTAX: dict[str, tuple[str, ChooseScanner, tuple[str, ...]]] = {
     "glm4": (TOOL_CALL_OPEN, lambda types, first: GlmCallScanner(types), ()),
     "deepseek_v3": (deepseek.CALL_OPEN, lambda types, first: deepseek.DeepSeekCallScanner(), deepseek.SECTION_TAGS),
     "kimi_k2": (deepseek.KIMI_CALL_OPEN, lambda types, first: deepseek.KimiCallScanner(), deepseek.KIMI_SECTION_TAGS),
+    "deepseek_v32": (dsml.INVOKE_OPEN, lambda types, first: dsml.DsmlCallScanner(types), dsml.SECTION_TAGS),
 }
 FAMILIES: tuple[str, ...] = (*_SYNTAX, "harmony")
 

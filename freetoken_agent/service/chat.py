@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 
@@ -51,9 +52,9 @@ from freetoken_agent.tokenizer import ChatTokenizer, StreamDecoder
 # model family -> the output parser of its chat format (adapters/parsers FAMILIES)
 FAMILIES = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3", "gpt_oss": "harmony"}
 # A marker in the checkpoint's own chat template names its call format, whatever the model family:
-# GLM's, DeepSeek's and Kimi's templates each write calls their own way.
+# GLM's, DeepSeek's (V3 / V3.1, and V3.2's DSML) and Kimi's templates each write calls their own way.
 _TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("<arg_key>", "glm4"), ("<｜tool▁call▁begin｜>", "deepseek_v3"),
-                     ("<|tool_call_begin|>", "kimi_k2"))
+                     ("<|tool_call_begin|>", "kimi_k2"), ("｜DSML｜", "deepseek_v32"))
 
 
 def parser_family(model_family: str, chat_template: str | None) -> str:
@@ -63,6 +64,24 @@ def parser_family(model_family: str, chat_template: str | None) -> str:
         if chat_template and marker in chat_template:
             return family
     return FAMILIES.get(model_family, "qwen3")
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether the model's reply starts inside its reasoning: the prompt (generation prompt and any
+    forced prefix included) ends with an open `<think>` (Qwen3.5 / 3.6, GLM-4.7, DeepSeek-V3.1 with
+    thinking on)."""
+    return prompt.rstrip().endswith("<think>")
+
+
+def render_prompt(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  thinking: bool, reasoning_effort: str | None) -> str:
+    """The prompt text of a conversation (template-ready messages) with the generation prompt; the
+    reasoning effort is passed only when set (templates default it themselves when it is undefined)."""
+    extra = {"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {}
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                         enable_thinking=thinking, tokenize=False, **extra)
+    assert isinstance(text, str)
+    return text
 
 
 log = logging.getLogger("freetoken.service")
@@ -82,7 +101,7 @@ class Tokenised:
     ids: list[int]
     forced_prefix: str
     constraint: TokenConstraint | None
-    thinking: bool
+    in_reasoning: bool  # the reply starts inside reasoning (opens_reasoning)
     forced: list[int] | None
     digest: str  # of ids and forced ids
 
@@ -117,7 +136,8 @@ class ChatService:
 
     # ------------------------------------------------------------------ rendering
     def render(self, req: ChatRequest) -> tuple[list[int], str, TokenConstraint | None, bool]:
-        """-> (prompt ids, forced prefix, constraint, thinking enabled). `req` is normalised already."""
+        """-> (prompt ids, forced prefix, constraint, whether the reply starts in reasoning). `req` is
+        normalised already."""
         choice = req.tool_choice
         tools = req.tools if choice != "none" else []
         forced = choice == "required" or isinstance(choice, dict)
@@ -127,12 +147,9 @@ class ChatService:
         messages = [self._escaped(m).to_template() for m in req.messages]
         tools = self.encoder.escape_tree(tools) if tools else tools
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                      enable_thinking=thinking, tokenize=False,
-                                                      reasoning_effort=req.reasoning_effort)
+            text = render_prompt(self.tokenizer, messages, tools, thinking, req.reasoning_effort)
         except jinja2.TemplateError as e:
             raise RequestError(f"the conversation cannot be rendered by the chat template: {e}") from None
-        assert isinstance(text, str)
         prefix, constraint = "", None
         if forced and self.family == "harmony":
             from freetoken_agent.constrain.harmony import harmony_call_prefix
@@ -150,7 +167,7 @@ class ChatService:
                                                           parallel_tool_calls=req.parallel_tool_calls)
             except ValueError as e:
                 raise RequestError(str(e)) from None
-        return self.encoder.encode(text + prefix), prefix, constraint, thinking
+        return self.encoder.encode(text + prefix), prefix, constraint, opens_reasoning(text + prefix)
 
     def _escaped(self, m: ChatMessage) -> ChatMessage:
         if m.role not in ESCAPED_ROLES:
@@ -165,18 +182,17 @@ class ChatService:
         """Checks, normalises, renders and encodes `req` (no engine or session state touched)."""
         check_stops(req.stop)
         req = self.sessions.normalise(req)
-        ids, prefix, constraint, thinking = self.render(req)
+        ids, prefix, constraint, in_reasoning = self.render(req)
         forced = self.encoder.encode_long(req.forced_output) if req.forced_output else None
         digest = hashlib.sha256(json.dumps([ids, forced], separators=(",", ":")).encode()).hexdigest()
-        return Tokenised(req=req, ids=ids, forced_prefix=prefix, constraint=constraint, thinking=thinking,
+        return Tokenised(req=req, ids=ids, forced_prefix=prefix, constraint=constraint, in_reasoning=in_reasoning,
                          forced=forced, digest=digest)
 
     def prepare(self, req: ChatRequest) -> Prepared:
         return self.prepared(self.tokenise(req))
 
     def prepared(self, t: Tokenised) -> Prepared:
-        req, ids, prefix, constraint, thinking, forced = t.req, t.ids, t.forced_prefix, t.constraint, t.thinking, \
-            t.forced
+        req, ids, prefix, constraint, forced = t.req, t.ids, t.forced_prefix, t.constraint, t.forced
         room = self.context_window - len(ids)
         if room < 1:
             raise ContextTooLong(len(ids), self.context_window - 1)
@@ -193,7 +209,7 @@ class ChatService:
         key_src = json.dumps([t.digest, max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
                               req.stop, prefix, req.parallel_tool_calls], separators=(",", ":"))
         return Prepared(ids=ids, forced_prefix=prefix, constraint=constraint, params=params,
-                        starts_in_reasoning=thinking and self.family == "qwen3_5",
+                        starts_in_reasoning=t.in_reasoning,
                         parse_tools=bool(req.tools) and req.tool_choice != "none",
                         key=hashlib.sha256(key_src.encode()).hexdigest(), plan=self.sessions.plan(req, ids),
                         forced=forced)

@@ -23,6 +23,9 @@ whose rendering continues with that token.
 Only the echo's own rendering is compared, in isolation: an assistant turn is delimited by the
 template's special turn tokens, so its tokens do not depend on the text around it. Argument
 values are compared by their rendering (`fragment`), which the template derives from the value.
+A template that refuses the probe conversations (gpt-oss's own: a tool result must follow a call,
+an assistant turn with calls may not hold both text and reasoning) turns reconciliation off for it
+(`usable` False, or a refused echo): the echo is kept as sent (`differed` is `rendering`).
 `argument_close(tokenizer)` is the token sequence that closes one argument value in the
 template's tool-call format (Qwen3.5 XML: `</parameter>` and its newline), or None when the format
 has no distinctive one (Qwen3 JSON): decode anchors after it let a late difference in a long
@@ -37,6 +40,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
 
 from freetoken_agent.service.types import ChatMessage, ToolCall
 from freetoken_agent.tokenizer import ChatTokenizer
@@ -68,8 +73,14 @@ def _args(call: ToolCall) -> dict[str, Any] | None:
 class EchoReconciler:
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
-        head = self._render([_USER])
-        both = self._render([_USER, _TOOL])
+        try:
+            head = self._render([_USER])
+            both = self._render([_USER, _TOOL])
+        except jinja2.TemplateError:  # the template refuses the probes: no reconciliation
+            head = both = ""
+            self.usable = False
+        else:
+            self.usable = True
         self._head, self._tail = len(head), len(both) - len(head)  # the user turn before, the tool turn after
 
     # ------------------------------------------------------------------ rendering
@@ -98,6 +109,14 @@ class EchoReconciler:
     # ------------------------------------------------------------------ reconciling
     def reconcile(self, echo: ChatMessage, generated: str,
                   defaults: Sequence[tuple[str, str, Any]] = ()) -> EchoOutcome:
+        if not self.usable:
+            return EchoOutcome(message=echo, reconciled=False, changed=False, differed="rendering")
+        try:
+            return self._reconcile(echo, generated, defaults)
+        except jinja2.TemplateError:  # the template refuses this echo in the probe conversation
+            return EchoOutcome(message=echo, reconciled=False, changed=False, differed="rendering")
+
+    def _reconcile(self, echo: ChatMessage, generated: str, defaults: Sequence[tuple[str, str, Any]]) -> EchoOutcome:
         def keep(differed: str | None) -> EchoOutcome:
             return EchoOutcome(message=echo, reconciled=False, changed=False, differed=differed)
 
@@ -174,6 +193,8 @@ def argument_close(tokenizer: ChatTokenizer) -> tuple[int, ...] | None:
     """Token ids that close one argument value of a generated call (see the module docstring): the
     text that follows a value both before another argument and at the end of the call."""
     rec = EchoReconciler(tokenizer)
+    if not rec.usable:
+        return None
 
     def after(args: dict[str, Any]) -> str:
         seg = rec.segment(ChatMessage(role="assistant", tool_calls=[ToolCall(id="c", name="f", arguments=args)]))

@@ -8,9 +8,11 @@ Contract:
     * ``encode(text)`` matches ``AutoTokenizer.encode(text, add_special_tokens=False)``: added tokens
       written in the text (``<|im_start|>``, ``<think>``, ...) are recognised as single tokens.
     * ``apply_chat_template`` renders the same string as ``AutoTokenizer.apply_chat_template`` for
-      the same arguments (same sandboxed Jinja environment options, same ``tojson``); before
-      rendering it copies the messages, fills ``reasoning_content`` from ``reasoning``/``thinking``
-      and decodes tool-call ``arguments`` given as a JSON-object string into a mapping.
+      the same arguments (same sandboxed Jinja environment options, same ``tojson``, the config's
+      named special tokens ``bos_token``, ``eos_token``, ... as variables); before rendering it
+      copies the messages, fills ``reasoning_content`` (and ``thinking`` when absent, which
+      gpt-oss's template reads) from ``reasoning_content``/``reasoning``/``thinking`` and decodes
+      tool-call ``arguments`` given as a JSON-object string into a mapping.
     * :class:`StreamDecoder` turns a stream of ids into text pieces whose concatenation equals
       ``decode(all_ids)`` and never splits a UTF-8 character (byte-level BPE vocabularies).
 """
@@ -32,6 +34,8 @@ from tokenizers import Tokenizer
 from freetoken_agent.tokenizer.byte_level import token_to_bytes
 
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
+# the named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES)
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _raise_exception(message: str) -> None:
@@ -73,6 +77,7 @@ def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(message)
     reasoning = next((out[k] for k in _REASONING_ALIASES if out.get(k) is not None), None)
     if reasoning is not None:
+        out.setdefault("thinking", reasoning)
         out["reasoning_content"] = reasoning
     calls = out.get("tool_calls")
     if calls:
@@ -111,6 +116,8 @@ class ChatTokenizer:
         eos = _token_content(self.config.get("eos_token"))
         pad = _token_content(self.config.get("pad_token"))
         self.eos_token: str | None = eos
+        named = ((name, _token_content(self.config.get(name))) for name in _NAMED_TOKENS)
+        self.named_tokens: dict[str, str] = {name: value for name, value in named if value is not None}
         self.eos_token_id: int | None = self.token_to_id(eos) if eos else None
         self.pad_token_id: int | None = self.token_to_id(pad) if pad else None
 
@@ -210,8 +217,7 @@ class ChatTokenizer:
             documents=None,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
-            eos_token=self.eos_token,
-            **kwargs,
+            **{**self.named_tokens, **kwargs},
         )
         return self.encode(text) if tokenize else text
 

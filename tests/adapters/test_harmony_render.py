@@ -165,7 +165,7 @@ def test_template_renders_like_openai_harmony(case: tuple[str, Any, Any, Any]) -
                                                              oh.Role.ASSISTANT))
     template = compile_template(chat_template("gpt_oss"))
     tok = ChatTokenizer.__new__(ChatTokenizer)  # the template path only: no vocabulary needed
-    tok._template, tok.eos_token = template, None  # type: ignore[attr-defined]
+    tok._template, tok.named_tokens = template, {}  # type: ignore[attr-defined]
     got = ChatTokenizer.apply_chat_template(tok, messages, tools=tools or None, **kwargs)
     assert got == want
 

@@ -73,7 +73,7 @@ def test_generate_default_demo_uses_cached_copy(cache: Path) -> None:
     proc = run_cli("generate", "--prompt", "hello", "--max-tokens", "4", "--output-ids", cache=cache)
     assert proc.returncode == 0, proc.stderr
     assert 1 <= len(json.loads(proc.stdout.strip().splitlines()[-1])) <= 4
-    assert (cache / "demo-qwen3_5_moe-v3" / "config.json").exists()
+    assert (cache / "demo-qwen3_5_moe-v4" / "config.json").exists()
 
 
 def test_sampling_is_seeded(demo: Path, cache: Path) -> None:

@@ -25,6 +25,7 @@ def test_shipped_templates(template_family: str, model_family: str, parser: str)
     ("{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>", "glm4"),
     ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name}}", "deepseek_v3"),
     ("{{'<|tool_calls_section_begin|><|tool_call_begin|>functions.' + name}}", "kimi_k2"),
+    ("{{ '<' + '｜DSML｜' + 'invoke name=\"' + name + '\">' }}", "deepseek_v32"),
 ])
 def test_a_checkpoint_template_names_its_format(snippet: str, parser: str) -> None:
     # a real GLM / DeepSeek / Kimi checkpoint ships its own template; the family alone would not say

@@ -505,7 +505,7 @@ Paris
 2
 </parameter>
 <parameter=metric>
-true
+True
 </parameter>
 </function>
 </tool_call>
