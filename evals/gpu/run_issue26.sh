@@ -101,8 +101,8 @@ one)
     at "prefill 12GiB: exit $?"
     ;;
 lite)
-    # no peer (too little device time for its build): the GPU tests while the GGUF is written, then
-    # ours alone at each cap (a bound, no ratio), then the packed GEMV probe
+    # no peer (too little device time for its build): the GPU tests while the GGUF is written, the
+    # packed GEMV probe, then ours alone at each cap (a bound, no ratio)
     GGUF=/tmp/peer/q4km.gguf
     (timeout 300 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 8 --out "$GGUF" \
         > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
@@ -111,17 +111,19 @@ lite)
         tests/engine/gpu_cache/test_device_step_cuda.py tests/native/test_dma_fetch.py tests/engine/test_sliding_ring.py \
         > "$R/gpu_tests.log" 2>&1
     at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    timeout 40 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k --iters 100 --rounds 3 > "$R/gemv.jsonl" 2> "$R/gemv.err"
+    at "gemv probe: exit $?"
     wait $gguf
     at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
-    timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
+    if [ "${CALIBRATE:-1}" = 1 ]; then
+        timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
+    fi
     for cap in ${CAPS:-8GiB 16GiB}; do
         [ "$(left)" -gt 50 ] || break
         timeout $(( $(left) - 10 )) $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" \
             --cpu-threads 8 --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
         at "decode $cap: exit $?"
     done
-    [ "$(left)" -gt 40 ] && timeout 30 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k > "$R/gemv.jsonl" 2> "$R/gemv.err"
-    at "gemv probe: exit $?"
     ;;
 sbs)
     [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1

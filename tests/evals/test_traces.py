@@ -1,7 +1,8 @@
 """Traces and replay: the sanitiser, forced output through every protocol, the scripted plan, and a
 replay of a stored trace against a real server on loopback.
 
-Servers are real `freetoken-agent serve` processes (the Qwen3.5 and Qwen3 demo models) talked to by
+Servers are real `freetoken-agent serve` processes (the Qwen3.5 and Qwen3 demo models; the Qwen3.5
+one is the evals' session-wide `demo_server`, tests/evals/conftest.py) talked to by
 the openai and anthropic SDKs; nothing here is mocked.
 """
 
@@ -39,10 +40,11 @@ FORCED_CALL = Reply(reasoning="I need to see the file first.", calls=[Call("read
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
-    """One server per model family: qwen3_5 (hybrid, XML tool calls) and qwen3 (JSON tool calls)."""
-    with rp.started_server(["--model", "demo"]) as q35, rp.started_server(["--model", "demo:qwen3_moe"]) as q3:
-        yield {"qwen3_5": q35, "qwen3": q3}
+def servers(demo_server: str) -> Iterator[dict[str, str]]:
+    """One server per model family: qwen3_5 (hybrid, XML tool calls; the evals' shared demo server)
+    and qwen3 (JSON tool calls)."""
+    with rp.started_server(["--model", "demo:qwen3_moe"]) as q3:
+        yield {"qwen3_5": demo_server, "qwen3": q3}
 
 
 # ------------------------------------------------------------------------------------ sanitiser

@@ -4,6 +4,7 @@ first requests of the real clients, and rendering a `ChatRequest` exactly as `Ch
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,19 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a
                                                "path": {"type": "string"}}, "required": ["path"]}}}]
 
 
+_WRITTEN: dict[str, Path] = {}  # family -> the first directory written in this process
+
+
 def make_tokenizer(family: str, out: Path) -> ChatTokenizer:
-    write_tokenizer(out, family)  # type: ignore[arg-type]
+    """The family's tokenizer files in `out` and the tokenizer read from them. They are built from the
+    ranks once per test process (seconds each) and copied for later callers (the output is
+    deterministic; each caller still reads its own copy)."""
+    first = _WRITTEN.get(family)
+    if first is None or not (first / "tokenizer.json").exists():
+        write_tokenizer(out, family)  # type: ignore[arg-type]
+        _WRITTEN[family] = out
+    else:
+        shutil.copytree(first, out, dirs_exist_ok=True)
     return ChatTokenizer.from_dir(out)
 
 

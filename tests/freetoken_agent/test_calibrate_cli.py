@@ -1,6 +1,7 @@
 """`freetoken-agent calibrate` as a user runs it (subprocess): it measures, stores the record in
 FREETOKEN_CACHE_DIR, prints it (text and --json), `--show` reads it back, and without a CUDA
-device it says that B_P was not measured. Bad arguments are one `error:` line."""
+device it says that B_P was not measured. Bad arguments are one `error:` line (those cases, and
+`--show` with nothing stored, call the CLI's `main` in the test process)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,26 @@ def test_calibrate_stores_and_shows(tmp_path: Path) -> None:
     assert len(json.loads((tmp_path / "calibration.json").read_text())["machines"]) == 2  # 1 thread: another key
 
 
-def test_show_without_records_and_bad_args(tmp_path: Path) -> None:
-    proc = run_cli("calibrate", "--show", cache=tmp_path)
-    assert proc.returncode == 0 and "no calibration stored" in proc.stdout
-    bad = run_cli("calibrate", "--threads", "-2", cache=tmp_path)
-    assert bad.returncode != 0 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
-    bad = run_cli("calibrate", "--shape", "nope", cache=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+def run_main(*args: str) -> subprocess.CompletedProcess[str]:
+    """`main(args)` in the test process (what the subprocess runs; an exception it lets escape fails
+    the test), with the exit status and output the subprocess would give; the caller sets
+    FREETOKEN_CACHE_DIR and passes capsys' readouterr."""
+    from freetoken_agent.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["freetoken-agent", *args], code)
+
+
+def test_show_without_records_and_bad_args(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    assert run_main("calibrate", "--show").returncode == 0
+    assert "no calibration stored" in capsys.readouterr().out
+    assert run_main("calibrate", "--threads", "-2").returncode != 0
+    err = capsys.readouterr().err
+    assert err.strip().startswith("error:") and "Traceback" not in err
+    assert run_main("calibrate", "--shape", "nope").returncode == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -1,6 +1,7 @@
 """The command line as a user runs it: demo model, generate, and one-line errors on bad input.
 
-Runs the real `python -m freetoken_agent` in a subprocess. Checks that `generate` streams the same
+Runs the real `python -m freetoken_agent` in a subprocess (the seeded-sampling and error cases call
+its `main` in the test process, which is what that subprocess runs). Checks that `generate` streams the same
 greedy tokens as `transformers` on the demo model, and that every broken-model or bad-argument
 case exits non-zero with a single `error:` line naming the culprit and no traceback.
 """
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,35 @@ import torch
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[2]
+RunMain = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FREETOKEN_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "freetoken_agent", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
+
+
+@pytest.fixture
+def run_main(cache: Path, capsys: pytest.CaptureFixture[str],
+             monkeypatch: pytest.MonkeyPatch) -> RunMain:
+    """`main(args)` in this process (no interpreter start per case): its exit status and what it wrote
+    to stdout and stderr, as `run_cli` gives them; an exception it lets escape fails the test (the
+    subprocess would print a traceback)."""
+    from freetoken_agent.cli import main
+
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(cache))
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["freetoken-agent", *args], code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +89,9 @@ def test_generate_streams_the_reference_greedy_tokens(demo: Path, cache: Path) -
     tok = AutoTokenizer.from_pretrained(demo)
     model = AutoModelForCausalLM.from_pretrained(demo)
     prompt = tok("def add(a, b):", return_tensors="pt").input_ids
-    ref = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()  # type: ignore[misc]
     assert ids == ref
-    assert proc.stdout.startswith(tok.decode(ids)[:5])
+    assert proc.stdout.startswith(str(tok.decode(ids))[:5])
 
 
 def test_generate_default_demo_uses_cached_copy(cache: Path) -> None:
@@ -76,12 +101,13 @@ def test_generate_default_demo_uses_cached_copy(cache: Path) -> None:
     assert (cache / "demo-qwen3_5_moe-v4" / "config.json").exists()
 
 
-def test_sampling_is_seeded(demo: Path, cache: Path) -> None:
+def test_sampling_is_seeded(demo: Path, run_main: RunMain) -> None:
     common = ("generate", "--model", str(demo), "--prompt", "x", "--max-tokens", "8", "--temperature", "1.0",
               "--output-ids")
-    a = run_cli(*common, "--seed", "1", cache=cache)
-    b = run_cli(*common, "--seed", "1", cache=cache)
-    c = run_cli(*common, "--seed", "2", cache=cache)
+    a = run_main(*common, "--seed", "1")
+    b = run_main(*common, "--seed", "1")
+    c = run_main(*common, "--seed", "2")
+    assert a.returncode == b.returncode == c.returncode == 0, (a.stderr, c.stderr)
     last = lambda p: json.loads(p.stdout.strip().splitlines()[-1])  # noqa: E731
     assert last(a) == last(b)
     assert last(a) != last(c)
@@ -97,18 +123,18 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str
         assert needle in lines[0], lines[0]
 
 
-def test_missing_safetensors(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_missing_safetensors(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     bad = _broken_copy(demo, tmp_path / "m")
     (bad / "model.safetensors").unlink()
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), "safetensors")
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"), "safetensors")
 
 
-def test_truncated_safetensors(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_truncated_safetensors(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     bad = _broken_copy(demo, tmp_path / "m")
     path = bad / "model.safetensors"
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size // 2)
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"),
                            "model.safetensors", "truncated")
 
 
@@ -120,33 +146,33 @@ def _rewrite(demo: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-de
     return bad
 
 
-def test_missing_tensor(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_missing_tensor(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
     bad = _rewrite(demo, tmp_path / "m", lambda t: t.pop(name))
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), name)
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"), name)
 
 
-def test_shape_mismatch(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_shape_mismatch(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     name = "model.layers.2.mlp.experts.3.up_proj.weight"
     bad = _rewrite(demo, tmp_path / "m", lambda t: t.__setitem__(name, torch.zeros(5, 7)))
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache), name, "[5, 7]")
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"), name, "[5, 7]")
 
 
-def test_unknown_model_type(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_unknown_model_type(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     bad = _broken_copy(demo, tmp_path / "m")
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model_type"] = "llama_moe_9000"
     (bad / "config.json").write_text(json.dumps(cfg))
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"),
                            "model_type", "llama_moe_9000")
 
 
-def test_missing_config_field(demo: Path, cache: Path, tmp_path: Path) -> None:
+def test_missing_config_field(demo: Path, run_main: RunMain, tmp_path: Path) -> None:
     bad = _broken_copy(demo, tmp_path / "m")
     cfg = json.loads((bad / "config.json").read_text())
     del cfg["num_experts_per_tok"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    _assert_one_line_error(run_cli("generate", "--model", str(bad), "--prompt", "hi", cache=cache),
+    _assert_one_line_error(run_main("generate", "--model", str(bad), "--prompt", "hi"),
                            "num_experts_per_tok")
 
 
@@ -157,9 +183,9 @@ def test_missing_config_field(demo: Path, cache: Path, tmp_path: Path) -> None:
     (("--prompt", "hi", "--temperature", "-1"), "--temperature"),
     (("--prompt", "hi", "--model", "/nonexistent/model"), "/nonexistent/model"),
 ])
-def test_bad_arguments(demo: Path, cache: Path, args: tuple[str, ...], needle: str) -> None:
+def test_bad_arguments(demo: Path, run_main: RunMain, args: tuple[str, ...], needle: str) -> None:
     model = () if "--model" in args else ("--model", str(demo))
-    _assert_one_line_error(run_cli("generate", *model, *args, cache=cache), needle)
+    _assert_one_line_error(run_main("generate", *model, *args), needle)
 
 
 def test_generate_renders_like_the_server(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from sessions_support import make_tokenizer, render, sys_, tool, user
 
 from engine.anchors import DecodeAnchor, decode_anchor_at
 from freetoken_agent.service import ChatMessage, ChatRequest, ToolCall
@@ -13,7 +14,6 @@ from freetoken_agent.sessions.echo import EchoReconciler
 from freetoken_agent.sessions.manager import SessionManager
 from freetoken_agent.sessions.profiles import CLAUDE_CODE, CODEX
 from freetoken_agent.tokenizer import ChatTokenizer
-from tests.freetoken_agent.sessions_support import make_tokenizer, render, sys_, tool, user
 
 EDIT = {"type": "function", "function": {"name": "Edit", "parameters": {"type": "object", "properties": {
     "file_path": {"type": "string"}, "old_string": {"type": "string"}, "new_string": {"type": "string"},

@@ -17,7 +17,7 @@ from evals.traces.echoes import run
 def rows(demo_model: Callable[[str], Path]) -> dict[tuple[str, str], dict]:
     model = demo_model("qwen3_5_moe")
     out = run(model, cold=True, profiles=["claude-code", "generic"], kinds=["claude-code", "appended", "reordered"],
-              baseline=["claude-code"], lines=6)
+              baseline=["claude-code"], lines=3)
     return {(r["profile"], r["kind"]): r for r in out}
 
 

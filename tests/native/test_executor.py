@@ -255,18 +255,22 @@ def test_cpu_generate_uses_the_native_executor(ft, demo_model):
 
 
 @pytest.mark.slow
-def test_cli_generate_reports_and_uses_the_native_executor(ft, demo_model):
+def test_cli_generate_reports_and_uses_the_native_executor(ft, demo_model, capsys):
+    """The real CLI process with the native executor; the torch executor's reference run goes
+    through the same `main` in the test process."""
+    from freetoken_agent.cli import main
+
     model = demo_model("qwen3_5_moe")
-    outs = {}
-    for name in ("native", "torch"):
-        cmd = [sys.executable, "-m", "freetoken_agent", "generate", "--model", str(model), "--prompt", "hi",
-               "--max-tokens", "12", "--executor", name, "--output-ids"]
-        res = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                             timeout=300)
-        assert res.returncode == 0, res.stderr
-        assert f"expert executor: {name} (" in res.stderr
-        outs[name] = res.stdout.strip().splitlines()[-1]
-    assert outs["native"] == outs["torch"]
+    argv = ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "12", "--output-ids", "--executor"]
+    res = subprocess.run([sys.executable, "-m", "freetoken_agent", *argv, "native"],
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "expert executor: native (" in res.stderr
+    capsys.readouterr()
+    assert main([*argv, "torch"]) == 0
+    torch_run = capsys.readouterr()
+    assert "expert executor: torch (" in torch_run.err
+    assert res.stdout.strip().splitlines()[-1] == torch_run.out.strip().splitlines()[-1]
 
 
 def test_worker_spin_is_settable_and_keeps_workers_busy(ft):
