@@ -37,7 +37,14 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure and store B_P (PCIe expert copies) and B_C (CPU experts)")
     p.add_argument("--threads", type=int, default=0, help="CPU executor threads (default: one per physical core)")
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="expert shape (hidden, expert, top-k)")
-    p.add_argument("--format", default="bf16", choices=["bf16", "f32", "fp8", "mxfp4"], help="expert weight format")
+    from engine.quant.formats import FORMATS
+
+    packed = sorted(f for f in FORMATS if f != "bf16")
+    p.add_argument("--format", default="bf16", choices=["bf16", "f32", *packed],
+                   help="expert weight format: bf16 / f32 float banks, or a packed format (GGUF types, fp8, mxfp4, "
+                        "nvfp4: the packed executor on random valid blocks, the calibration a packed model looks up)")
+    p.add_argument("--format-down", default="", choices=["", *packed],
+                   help="packed: the down projection's format when it differs (a Q4_K_M file: q4_k / q6_k)")
     p.add_argument("--bank-gb", type=float, default=2.0, help="host bank of random experts, GB (default 2)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per measurement per round")
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds per measurement; the best is kept")
@@ -86,9 +93,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     shape = SHAPES[args.shape]
+    packed = args.format not in ("bf16", "f32")
+    if args.format_down and not packed:
+        raise ValueError(f"--format-down names a packed format's down projection; --format {args.format} is not packed")
     spec = CalibrationSpec(fmt=args.format, hidden=shape.hidden, inter=shape.inter, top_k=shape.top_k,
                            threads=args.threads, bank_bytes=int(args.bank_gb * 1e9), seconds=args.seconds,
-                           rounds=args.rounds)
+                           rounds=args.rounds, packed=packed, fmt_down=args.format_down)
     from freetoken_agent.progress import load_progress
 
     with load_progress(f"measuring B_C and B_P ({args.rounds} rounds of {args.seconds:g} s per case)"):

@@ -4,8 +4,12 @@ Contract: `calibrate(CalibrationSpec)` -> `Calibration` (engine/gpu/calibration_
 - B_C: the native CPU executor (`native.ftnative.moe_layer`) at batch 1, top-k experts per call,
   on a bank of random experts (`native.formats.random_experts`) far larger than the CPU caches,
   consecutive calls on disjoint expert sets (every call streams from DRAM, as decode does); GB/s
-  counts the experts' weight (and scale) bytes. Best of `rounds`.
-- B_P: per-row `copy_(non_blocking=True)` of every tensor of an expert from a pinned host bank into
+  counts the experts' weight (and scale) bytes. Best of `rounds`. With `packed` the experts are
+  random valid blocks of `fmt` (gate_up) and `fmt_down` (down, default `fmt`) and the executor is
+  the packed one the engine runs them with (`engine.moe.packed`: the native `moe_packed` kernel when
+  built): a packed format's CPU rate per byte differs from bf16's, and so does the fetch ratio.
+- B_P: per-row `copy_(non_blocking=True)` of every tensor of an expert (packed: its stored bytes)
+  from a pinned host bank into
   a small device slot pool, as ExpertSlots.apply_copies and the prefill streamer copy, top-k
   experts per batch, synchronised per batch. Needs CUDA: without it, B_P is None and `note` says
   so (`NO_GPU`).
@@ -43,6 +47,13 @@ class CalibrationSpec:
     seconds: float = 1.0  # per measurement per round
     rounds: int = 3
     device: str = "cuda"  # where B_P copies go; ignored (no B_P) when CUDA is unavailable
+    packed: bool = False  # fmt / fmt_down are packed formats (engine/quant/formats.py), run as stored
+    fmt_down: str = ""  # packed: the down projection's format ("": fmt)
+
+    @property
+    def key_format(self) -> str:
+        """The format part of the machine key: `fmt`, or `packed FMT_GU/FMT_D`."""
+        return f"packed {self.fmt}/{self.fmt_down or self.fmt}" if self.packed else self.fmt
 
 
 def cpu_model() -> str:
@@ -58,7 +69,7 @@ def cpu_model() -> str:
 
 def machine_key(spec: CalibrationSpec, threads: int, gpu: bool) -> MachineKey:
     name = torch.cuda.get_device_name(torch.device(spec.device)) if gpu else "none"
-    return MachineKey(name, cpu_model(), threads, spec.fmt, spec.hidden, spec.inter)
+    return MachineKey(name, cpu_model(), threads, spec.key_format, spec.hidden, spec.inter)
 
 
 def _rate(fn: Callable[[], int], seconds: float) -> float:
@@ -83,29 +94,61 @@ class _Loops:
         self.ft = load_native()
         if spec.threads > 0 and self.ft.num_threads() != spec.threads:
             self.ft.set_num_threads(spec.threads)
-        probe = random_experts(spec.fmt, 1, spec.hidden, spec.inter)
-        self.per_expert = probe.expert_nbytes()
         k = spec.top_k
-        rows = max(int(spec.bank_bytes // self.per_expert), 2 * k)
-        self.bank = random_experts(spec.fmt, rows, spec.hidden, spec.inter, seed=0)
-        self.sets = [torch.arange(j * k, (j + 1) * k).reshape(1, k) for j in range(rows // k)]
         self.x = torch.randn(1, spec.hidden).to(torch.bfloat16)
         self.w = torch.rand(1, k)
-        self.out = torch.empty(1, spec.hidden, dtype=torch.bfloat16)
         self.k, self.cpu_step, self.copy_step = k, 0, 0
         self.host: list[torch.Tensor] = []
         self.dev: list[torch.Tensor] = []
-        if gpu:
+        self.packed_run: Callable[[torch.Tensor], None] | None = None
+        self.packed_banks: list[torch.Tensor] = []  # packed: the gate_up and down banks
+        if spec.packed:
+            tensors = self._packed_bank(spec)
+        else:
+            probe = random_experts(spec.fmt, 1, spec.hidden, spec.inter)
+            self.per_expert = probe.expert_nbytes()
+            rows = max(int(spec.bank_bytes // self.per_expert), 2 * k)
+            self.bank = random_experts(spec.fmt, rows, spec.hidden, spec.inter, seed=0)
+            self.out = torch.empty(1, spec.hidden, dtype=torch.bfloat16)
             tensors = [t for t in (self.bank.w13, self.bank.w2, self.bank.s13, self.bank.s2) if t is not None]
+        self.sets = [torch.arange(j * k, (j + 1) * k).reshape(1, k) for j in range(tensors[0].shape[0] // k)]
+        if gpu:
             # the fetch path reads a pinned bank; a second copy of the bank, pinned, stands in for it
             self.host = [t.pin_memory() for t in tensors]
             self.dev = [torch.empty((k, *t.shape[1:]), dtype=t.dtype, device=spec.device) for t in tensors]
             self.stream = torch.cuda.Stream(torch.device(spec.device))
 
+    def _packed_bank(self, spec: CalibrationSpec) -> list[torch.Tensor]:
+        """Random valid packed experts (gate_up and down banks) and the packed executor."""
+        from engine.moe.packed import native_moe_packed, torch_moe_packed
+        from engine.quant.formats import format_of
+
+        fgu, fd = format_of(spec.fmt), format_of(spec.fmt_down or spec.fmt)
+        self.per_expert = (2 * spec.inter * fgu.row_bytes(spec.hidden, "hidden size")
+                           + spec.hidden * fd.row_bytes(spec.inter, "expert intermediate size"))
+        rows = max(int(spec.bank_bytes // self.per_expert), 2 * spec.top_k)
+        gen = torch.Generator().manual_seed(0)
+        gate_up = fgu.random_rows((rows, 2 * spec.inter), spec.hidden, gen)
+        down = fd.random_rows((rows, spec.hidden), spec.inter, gen)
+        gscale = torch.ones(rows, 3)
+        kernel = native_moe_packed() or torch_moe_packed
+        self.out = torch.zeros(1, spec.hidden)
+        w = self.w
+
+        def run(ids: torch.Tensor) -> None:
+            kernel(self.x, ids.to(torch.int32), w, gate_up, fgu.name, down, fd.name, gscale, self.out)
+
+        self.packed_run = run
+        self.packed_banks = [gate_up, down]
+        return self.packed_banks
+
     def cpu_call(self) -> int:
         ids = self.sets[self.cpu_step % len(self.sets)]
         self.cpu_step += 1
-        self.ft.moe_layer(self.x, ids, self.w, self.bank, out=self.out)
+        if self.packed_run is not None:
+            self.packed_run(ids)
+        else:
+            self.ft.moe_layer(self.x, ids, self.w, self.bank, out=self.out)
         return self.k * self.per_expert
 
     def copy_call(self) -> int:

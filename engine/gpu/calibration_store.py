@@ -36,7 +36,7 @@ class MachineKey:
     gpu: str  # torch.cuda.get_device_name, or "none"
     cpu: str  # CPU model name
     threads: int  # CPU executor threads
-    fmt: str  # expert format: bf16, f32, fp8, mxfp4
+    fmt: str  # expert format: bf16, f32, or `packed GATE_UP/DOWN` (CalibrationSpec.key_format)
     hidden: int
     inter: int
 

@@ -45,7 +45,8 @@ Packed (quantized) banks (`PackedExpertBanks`) get a `PackedPool` (engine/gpu/qu
 packed slots instead of `ExpertSlots`: a fetch copies the expert's stored bytes, the GPU computes
 from them with the packed kernels (engine/gpu/quant/), the CPU part runs on the packed executor
 (engine/moe/packed.py; the native moe_packed kernel serves the decode steps' host tasks). No expert
-split; `adapt` defaults to on, since the starting ratio comes from a bf16 calibration.
+split; `adapt` defaults to on, since the starting ratio comes from one format pair's calibration
+(the most common; a Q4_K_M file mixes two down formats).
 """
 
 from __future__ import annotations
@@ -218,8 +219,8 @@ class CachedExpertExecutor(ExpertExecutor):
         # the ratio corrected online from which branch finishes last (engine/gpu/adapt.py): opt-in, and
         # on by default with the split: a ratio nudge then moves a fraction of an expert, where whole
         # experts per layer barely moved (ninth GPU session: the pair +13.6 %, the split alone +2.4 %)
-        # packed banks: the ratio comes from a bf16 calibration (the CPU's packed rate differs by
-        # format), so it adapts online by default
+        # packed banks: the ratio comes from the most common format pair's calibration (layers'
+        # formats differ), so it adapts online by default
         packed = isinstance(banks, PackedExpertBanks)
         self.adapt = (self.split or (packed and native and self.plan == "fused")) if adapt is None else adapt
         if self.adapt and self.plan != "fused":

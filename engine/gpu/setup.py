@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -90,8 +91,10 @@ def host_embedding(decoder: Decoder) -> int:
 
 
 def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
-    """Packed banks take the bf16 calibration's ratio as a start (a packed expert's bytes cost the
-    copy and the CPU's read alike), which the executor then adapts online (engine/gpu/adapt.py)."""
+    """The fetch ratio from the calibration of this machine for these banks' format (packed banks:
+    their most common gate_up / down format pair, run by the packed executor: a packed format's CPU
+    rate per byte is its own), measured now and stored when the store has none; the executor then
+    adapts it online where adaptation is on (engine/gpu/adapt.py)."""
     if opts.fetch_ratio >= 0:
         return opts.fetch_ratio
     from engine.gpu.calibrate import CalibrationSpec, calibrate, machine_key
@@ -100,21 +103,25 @@ def resolve_fetch_ratio(banks: ExpertBanks, opts: EngineOptions) -> float:
 
     pool = opts.native_pool_threads
     packed = isinstance(banks, PackedExpertBanks)
-    hidden, inter = banks.w2.shape[1], banks.w2.shape[2]  # packed banks: their empty float banks' shape
-    spec = CalibrationSpec(fmt="bf16" if packed else FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), hidden=hidden,
-                           inter=inter, threads=pool, bank_bytes=10**9, seconds=0.4, rounds=2,
-                           device=opts.device)
+    hidden, inter = banks.w2.shape[1], banks.w2.shape[2]
+    fmt, fmt_down = FORMAT_OF_DTYPE.get(banks.w13.dtype, "bf16"), ""
+    if isinstance(banks, PackedExpertBanks):
+        (fmt, fmt_down), _ = Counter(zip(banks.fmt_gu, banks.fmt_d, strict=True)).most_common(1)[0]
+        hidden, inter = banks.hidden, banks.inter
+    spec = CalibrationSpec(fmt=fmt, hidden=hidden, inter=inter, threads=pool, bank_bytes=10**9, seconds=0.4,
+                           rounds=2, device=opts.device, packed=packed, fmt_down=fmt_down)
     threads = pool or load_native().physical_cores()
     path = Path(opts.calibration_file) if opts.calibration_file else None
     if path is not None:
-        cal = load(path, machine_key(spec, threads, True))
+        cal = load(path, machine_key(spec, threads, spec.device.startswith("cuda") and torch.cuda.is_available()))
         if cal is not None:
             return cal.ratio()
     log.warning("no stored B_P / B_C for this machine: measuring them now (a few seconds)")
     cal = calibrate(spec)
     if path is not None:
         save(path, cal)
-    log.warning("measured B_C %.1f GB/s, B_P %s GB/s -> fetch ratio %.2f", cal.b_cpu, cal.b_pcie, cal.ratio())
+    log.warning("measured B_C %.1f GB/s, B_P %s GB/s (%s experts) -> fetch ratio %.2f", cal.b_cpu, cal.b_pcie,
+                spec.key_format, cal.ratio())
     return cal.ratio()
 
 

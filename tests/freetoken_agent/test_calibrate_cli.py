@@ -79,3 +79,17 @@ def test_show_without_records_and_bad_args(tmp_path: Path, capsys: pytest.Captur
     assert err.strip().startswith("error:") and "Traceback" not in err
     assert run_main("calibrate", "--shape", "nope").returncode == 2
     assert capsys.readouterr().err.count("\n") == 1
+    assert run_main("calibrate", "--format", "bf16", "--format-down", "q6_k").returncode != 0
+    err = capsys.readouterr().err
+    assert err.strip().startswith("error:") and "--format-down" in err and err.count("\n") == 1
+
+
+def test_calibrate_a_packed_format(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--format q4_k --format-down q6_k` measures the packed executor on those formats and stores the
+    record under the key a packed model's load looks up."""
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    fast = ("--shape", "qwen3.6-35b-a3b", "--bank-gb", "0.03", "--seconds", "0.02", "--rounds", "1", "--threads", "1")
+    assert run_main("calibrate", "--format", "q4_k", "--format-down", "q6_k", *fast, "--json").returncode == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["key"]["fmt"] == "packed q4_k/q6_k" and rec["b_cpu"] > 0 and rec["key"]["threads"] == 1

@@ -81,3 +81,45 @@ def test_a_record_with_the_retired_fetch_kernel_rate_is_read() -> None:
               "b_fetch_contended": 43.0, "b_cpu_fetch_contended": 66.0, "fetch_batch": 2, "measured_at": "", "note": ""}
     cal = Calibration.from_json(record)
     assert cal == Calibration(KEY, 50.0, 55.0, 49.0, 52.0) and cal.ratio() == pytest.approx(52 / 101)
+
+
+def test_packed_formats_are_calibrated_with_the_packed_executor(tmp_path: Path) -> None:
+    """A packed bank's calibration runs its own formats through the packed executor (the CPU call
+    computes the real layer: equal to the torch reference on the same experts), counts packed bytes,
+    and is stored under a key naming the pair; the fetch ratio of a packed bank resolves to it."""
+    from engine.gpu.calibrate import _Loops
+    from engine.gpu.setup import resolve_fetch_ratio
+    from engine.moe.packed import torch_moe_packed
+    from engine.options import EngineOptions
+    from engine.quant.formats import format_of
+    from engine.weights.layout import PackedExpertBanks
+
+    hidden, inter, k = 256, 256, 2
+    spec = CalibrationSpec(fmt="q4_k", fmt_down="q6_k", packed=True, hidden=hidden, inter=inter, top_k=k,
+                           bank_bytes=3_000_000, seconds=0.02, rounds=1, device="cpu")
+    loops = _Loops(spec, gpu=False)
+    gate_up, down = (format_of(f) for f in ("q4_k", "q6_k"))
+    per_expert = 2 * inter * gate_up.row_bytes(hidden, "h") + hidden * down.row_bytes(inter, "i")
+    assert loops.cpu_call() == k * per_expert
+    ids = loops.sets[0].to(torch.int32)
+    bank = loops.packed_banks
+    want = torch.zeros(1, hidden)
+    torch_moe_packed(loops.x, ids, loops.w, bank[0], "q4_k", bank[1], "q6_k", torch.ones(bank[0].shape[0], 3), want)
+    torch.testing.assert_close(loops.out, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    cal = calibrate(spec)
+    assert cal.b_cpu > 0 and cal.key.fmt == "packed q4_k/q6_k" and (cal.key.hidden, cal.key.inter) == (hidden, inter)
+
+    banks = PackedExpertBanks.empty(4, hidden, inter)
+    g = torch.Generator().manual_seed(1)
+    for fd in ("q6_k", "q4_k", "q6_k"):  # the most common pair is q4_k / q6_k
+        banks.gate_up.append(gate_up.random_rows((4, 2 * inter), hidden, g))
+        banks.down.append(format_of(fd).random_rows((4, hidden), inter, g))
+        banks.fmt_gu.append("q4_k")
+        banks.fmt_d.append(fd)
+        banks.gscale.append(torch.ones(4, 3))
+    path = tmp_path / "calibration.json"
+    opts = EngineOptions(calibration_file=str(path), device="cpu")
+    assert resolve_fetch_ratio(banks, opts) == 0.0  # no CUDA here: every miss on the CPU
+    (stored,) = load_all(path).values()
+    assert stored.key.fmt == "packed q4_k/q6_k" and stored.b_cpu > 0
+
