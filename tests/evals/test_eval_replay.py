@@ -104,3 +104,29 @@ def test_loads_the_capture_format_and_refuses_bad_lines(tmp_path: Path) -> None:
     bad.write_text(json.dumps(_trace()[0]) + "\n" + json.dumps({"path": "/v1/messages"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: each line needs"):
         load(bad)
+
+
+def test_replay_cli_on_a_recorded_trace(demo_server: str, tmp_path: Path) -> None:
+    """The CLI on a trace recorded from a real client (evals/traces/data/opencode.json: its title side
+    request and first main steps, in the project's capture format): every turn answered, the later
+    steps reuse most of their prompt, and per server session the report's sums are the server's own."""
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "evals/traces/data/opencode.json").read_text())
+    recorded["requests"] = recorded["requests"][:5]
+    trace = tmp_path / "opencode.json"
+    trace.write_text(json.dumps(recorded))
+    out = tmp_path / "out"
+    assert main(["eval", "replay", str(trace), "--base-url", demo_server, "--tokenizer", "demo",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    turns = result["turns"]
+    assert [t["status"] for t in turns] == [200] * 5
+    main_turns = [t for t in turns if t["reused_tokens"] > 0]
+    assert len(main_turns) >= 3 and all(t["recomputed_tokens"] < t["prompt_tokens"] // 4 for t in main_turns)
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for t in turns:
+        by_session.setdefault(t["server_session"], []).append(t)
+    for sid, ts in by_session.items():
+        server_turns = httpx.get(f"{demo_server}/v1/sessions/{sid}").json()["turns"]
+        assert len(server_turns) == len(ts)
+        for key in ("prompt_tokens", "reused_tokens", "recomputed_tokens"):
+            assert sum(t[key] for t in ts) == sum(s[key] for s in server_turns), key

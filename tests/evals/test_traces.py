@@ -180,8 +180,6 @@ def test_forced_output_refuses_a_non_string(servers: dict[str, str]) -> None:
 # ------------------------------------------------------------------------------------ replay
 def test_replay_of_a_stored_trace_computes_the_numbers(servers: dict[str, str]) -> None:
     path = DATA / "opencode.json"
-    if not path.exists():
-        pytest.skip(f"{path.name} is not captured")
     trace = json.loads(path.read_text())
     trace["requests"] = trace["requests"][:5]  # title side request + the first main steps: enough, cheap
     result = rp.replay_traces([trace], base_url=servers["qwen3_5"], model="demo")
