@@ -31,19 +31,21 @@ def calibration_path() -> Path:
     return cache_root() / FILE_NAME
 
 
+# engine/quant/formats.py's FORMATS less bf16, spelled out: `--help` imports no torch (a test checks the two agree)
+PACKED_FORMATS = ("fp8", "iq4_nl", "iq4_xs", "mxfp4", "nvfp4", "q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1",
+                  "q5_k", "q6_k", "q8_0")
+
+
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     from engine.weights.shapes import SHAPES
 
     p = sub.add_parser("calibrate", help="measure and store B_P (PCIe expert copies) and B_C (CPU experts)")
     p.add_argument("--threads", type=int, default=0, help="CPU executor threads (default: one per physical core)")
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="expert shape (hidden, expert, top-k)")
-    from engine.quant.formats import FORMATS
-
-    packed = sorted(f for f in FORMATS if f != "bf16")
-    p.add_argument("--format", default="bf16", choices=["bf16", "f32", *packed],
+    p.add_argument("--format", default="bf16", choices=["bf16", "f32", *PACKED_FORMATS],
                    help="expert weight format: bf16 / f32 float banks, or a packed format (GGUF types, fp8, mxfp4, "
                         "nvfp4: the packed executor on random valid blocks, the calibration a packed model looks up)")
-    p.add_argument("--format-down", default="", choices=["", *packed],
+    p.add_argument("--format-down", default="", choices=["", *PACKED_FORMATS],
                    help="packed: the down projection's format when it differs (a Q4_K_M file: q4_k / q6_k)")
     p.add_argument("--bank-gb", type=float, default=2.0, help="host bank of random experts, GB (default 2)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per measurement per round")

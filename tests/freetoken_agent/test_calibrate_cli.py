@@ -93,3 +93,7 @@ def test_calibrate_a_packed_format(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run_main("calibrate", "--format", "q4_k", "--format-down", "q6_k", *fast, "--json").returncode == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["key"]["fmt"] == "packed q4_k/q6_k" and rec["b_cpu"] > 0 and rec["key"]["threads"] == 1
+    from engine.quant.formats import FORMATS
+    from freetoken_agent.calibrate import PACKED_FORMATS
+
+    assert sorted(PACKED_FORMATS) == sorted(set(FORMATS) - {"bf16"})  # the CLI's torch-free list is complete
