@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from adapters.parsers.base import compact_json, loads_json, partial_tag_suffix
+from adapters.parsers.base import compact_json, loads_json
 from adapters.parsers.tagged_args import ParamTypes, Status, TaggedArgsScanner
 
 INVOKE_OPEN = '<｜DSML｜invoke name="'
@@ -82,7 +82,7 @@ class DsmlCallScanner(TaggedArgsScanner):
                 self._open_tagged(header.group(1).strip(), header.group(2))
                 self._pos = self._mark = close + 1
                 self._phase = "value"
-            elif not self._value(body):
+            elif not self._read_value(body, PARAM_CLOSE):
                 return "more", 0
 
     def _open_tagged(self, key: str, string: str | None) -> None:
@@ -107,17 +107,3 @@ class DsmlCallScanner(TaggedArgsScanner):
         else:
             super()._close_value(raw)
 
-    def _value(self, body: str) -> bool:
-        """Advance through a value; True once its close tag was read."""
-        close = body.find(PARAM_CLOSE, self._mark)
-        if close < 0:
-            if self._streaming:
-                settled = max(self._pos, len(body) - partial_tag_suffix(body, PARAM_CLOSE))
-                self._stream(body[self._pos:settled])
-                self._pos = settled
-            return False
-        if self._streaming:
-            self._stream(body[self._pos:close])
-        self._close_value(body[self._mark:close])
-        self._pos, self._phase = close + len(PARAM_CLOSE), "elements"
-        return True

@@ -76,20 +76,6 @@ class GlmCallScanner(TaggedArgsScanner):
                 if not self._key:
                     return "reject", close
                 self._pos, self._phase = close + len(KEY_CLOSE), "value_open"
-            elif not self._value(body):
+            elif not self._read_value(body, VALUE_CLOSE):
                 return "more", 0
 
-    def _value(self, body: str) -> bool:
-        """Advance through a value; True once its `</arg_value>` was read."""
-        close = body.find(VALUE_CLOSE, self._mark)
-        if close < 0:
-            if self._streaming:
-                settled = max(self._pos, len(body) - partial_tag_suffix(body, VALUE_CLOSE))
-                self._stream(body[self._pos:settled])
-                self._pos = settled
-            return False
-        if self._streaming:
-            self._stream(body[self._pos:close])
-        self._close_value(body[self._mark:close])
-        self._pos, self._phase = close + len(VALUE_CLOSE), "elements"
-        return True

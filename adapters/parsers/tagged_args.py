@@ -22,7 +22,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from adapters.parsers.base import ScanResult, compact_json, loads_json, skip_space, tag_may_start
+from adapters.parsers.base import (
+    ScanResult,
+    compact_json,
+    loads_json,
+    partial_tag_suffix,
+    skip_space,
+    tag_may_start,
+)
 from freetoken_agent.constrain.schema import declared_types
 
 Status = Literal["more", "done", "reject"]
@@ -75,6 +82,8 @@ class TaggedArgsScanner(ABC):
         self._types = types
         self._name: str | None = None
         self._pos = 0  # scan position in the body
+        self._mark = 0  # start of the key / value being read (a subclass's scan sets it)
+        self._phase = ""  # where a subclass's scan is in its form
         self._key = ""  # the current value's key
         self._streaming = False  # the current value is a string streamed as it comes
         self._opened = False  # "{" is out
@@ -128,6 +137,22 @@ class TaggedArgsScanner(ABC):
 
     def _close_call(self) -> None:
         self._delta.append("}" if self._opened else "{}")
+
+    def _read_value(self, body: str, close_tag: str) -> bool:
+        """Advance through a value that ends at `close_tag` (a string value's settled text streamed as
+        it comes); True once the tag was read, the scan then back at "elements"."""
+        close = body.find(close_tag, self._mark)
+        if close < 0:
+            if self._streaming:
+                settled = max(self._pos, len(body) - partial_tag_suffix(body, close_tag))
+                self._stream(body[self._pos:settled])
+                self._pos = settled
+            return False
+        if self._streaming:
+            self._stream(body[self._pos:close])
+        self._close_value(body[self._mark:close])
+        self._pos, self._phase = close + len(close_tag), "elements"
+        return True
 
     def _member(self) -> None:
         self._delta.append(("," if self._opened else "{") + compact_json(self._key) + ":")
