@@ -4,7 +4,8 @@
 #               q6_k at 6, 8 and 16 threads against the read bound), then, while llama.cpp builds in
 #               the background (evals/peer/build.sh --export), the packed GPU tests and the packed
 #               GEMV probe (evals/gpu/packed_gemv_probe.py).
-#   PART=one    the build, the GGUF and the GPU tests at once, then both decodes, then prefill (one call)
+#   PART=one    the build, the GGUF and the GPU tests at once, then both decodes, then prefill (one call;
+#               EXPORT=1 also exports the llama-bench pieces, as PART=build does)
 #   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
 #               llama-bench at each -ncmoe of NCMOE (decode, PROMPTS prefill), then ours at each cap
 #               of CAPS (bench decode / bench prefill on the same file, 8 threads), and llama.cpp's
@@ -60,7 +61,9 @@ build)
 one)
     # everything in one call: llama.cpp builds and the GGUF is written while the GPU tests run; then
     # both systems' decode on a quiet machine, then what time is left: prefill, the CPU kernels
-    (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
+    # shellcheck disable=SC2046
+    (bash evals/peer/build.sh $([ "${EXPORT:-0}" = 1 ] && echo --export) > "$R/peer_build.log" 2>&1
+     echo $? > "$R/peer_build.rc") &
     build=$!
     GGUF=/tmp/peer/q4km.gguf
     (timeout 400 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 6 --out "$GGUF" \
