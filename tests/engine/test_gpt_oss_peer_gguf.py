@@ -212,17 +212,20 @@ def test_o200k_harmony_tokenizer_keys(tmp_path: Path) -> None:
     bpe_openai = pytest.importorskip("bpe_openai")
     from freetoken_agent.models import load_tokenizer
     from freetoken_agent.tokenizer.build import chat_template
+    from freetoken_agent.tokenizer.gguf import _fields as gguf_fields
 
     path = _write(tmp_path, "--layers", "1", name="o200k.gguf")
-    r = gguf.GGUFReader(str(path))
-    assert field(r, "tokenizer.ggml.model") == "gpt2" and field(r, "tokenizer.ggml.pre") == "gpt-4o"
-    tokens = field(r, "tokenizer.ggml.tokens")
+    # read back with the metadata reader the loader uses: the gguf package's reader takes ~17 s on
+    # 200k-entry arrays (it is the reference for the small vocabularies of the other tests)
+    r = gguf_fields(path)
+    assert r["tokenizer.ggml.model"] == "gpt2" and r["tokenizer.ggml.pre"] == "gpt-4o"
+    tokens = r["tokenizer.ggml.tokens"]
     assert len(tokens) == 201088  # o200k_harmony: gpt-oss's embedding rows
-    assert [tokens[field(r, f"tokenizer.ggml.{k}_token_id")] for k in ("bos", "eos", "padding")] == \
+    assert [tokens[r[f"tokenizer.ggml.{k}_token_id"]] for k in ("bos", "eos", "padding")] == \
         ["<|startoftext|>", "<|return|>", "<|endoftext|>"]
-    types = field(r, "tokenizer.ggml.token_type")
+    types = r["tokenizer.ggml.token_type"]
     assert set(types[:199998]) == {1} and set(types[199998:]) == {3}
-    assert field(r, "tokenizer.chat_template") == chat_template("gpt_oss")
+    assert r["tokenizer.chat_template"] == chat_template("gpt_oss")
     ours, ref = load_tokenizer(path), bpe_openai.build_encoding_from_name("o200k_base")
     for text in ("Hello, world! don't WE'LL 12345678", "def f(x):\n    return x  # ünïcödé 中文 🎉\r\n\n"):
         assert ours.encode(text) == ref.encode(text)
