@@ -95,7 +95,7 @@ one)
     done
     if [ "$(left)" -gt 100 ]; then
         mkdir -p "$R/pp"
-        python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe 23 --threads 8 --prompts 16384 --gen 0 --ubatch 2048 \
+        python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${PP_NCMOE:-18}" --threads 8 --prompts 16384 --gen 0 --ubatch 2048 \
             --reps 1 --load-mode none --timeout 80 --out-dir "$R/pp" | tail -3
         at "peer prefill done"
     fi
