@@ -10,9 +10,9 @@ directory: `eval replay --tokenizer` reads a directory's tokenizer files, not a 
 DIR/vocab.gguf holding only `tokenizer.*` keys as llama.cpp's converter writes them:
 model `gpt2`, pre-tokenizer `qwen35`, every token by id (padding ids up to the model's padded size as
 `[PAD<id>]`), added tokens CONTROL (3) when special else USER_DEFINED (4), merges, eos / pad ids and
-the chat template. `evals/peer/write_gguf.py --vocab-from DIR/vocab.gguf` then writes a model file
-whose tokenizer and template are Qwen3.6's, so both servers render the traces' tools and messages as
-that model would (the default qwen2 vocabulary's template drops the tools); DIR is the
+the chat template (written as vocab.gguf.part, renamed when whole). `evals/peer/write_gguf.py
+--vocab-from DIR/vocab.gguf` then writes a model file whose tokenizer and template are Qwen3.6's,
+so both servers render the traces' tools and messages as that model would (the default qwen2 vocabulary's template drops the tools); DIR is the
 `eval replay --tokenizer` that counts the same tokens. Prints DIR.
 """
 
@@ -42,7 +42,8 @@ def write_vocab(out: Path) -> Path:
     types = [3 if t in special else 4 if t in added or i not in by_id else 1 for i, t in enumerate(tokens)]
     merges = doc["model"]["merges"]
     (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "tokenizer_only": True}) + "\n")
-    w = gguf.GGUFWriter(str(out / "vocab.gguf"), "qwen35moe")
+    part = out / "vocab.gguf.part"  # renamed when whole: a killed write leaves no vocab.gguf
+    w = gguf.GGUFWriter(str(part), "qwen35moe")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
     w.add_token_list(tokens)
@@ -55,6 +56,7 @@ def write_vocab(out: Path) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    part.replace(out / "vocab.gguf")
     return out
 
 

@@ -105,7 +105,8 @@ native=$!
 vocab=() TOKDIR=""
 if [ "$VOCAB" = qwen36 ]; then
     TOKDIR=/tmp/replay-vocab
-    python3 -m evals.gpu.replay_vocab --out "$TOKDIR" > "$R/vocab.log" 2>&1 || { tail -5 "$R/vocab.log"; at "vocab failed"; exit 1; }
+    [ -f "$TOKDIR/vocab.gguf" ] || python3 -m evals.gpu.replay_vocab --out "$TOKDIR" > "$R/vocab.log" 2>&1 \
+        || { tail -5 "$R/vocab.log"; rm -f "$TOKDIR/vocab.gguf"; at "vocab failed"; exit 1; }
     vocab=(--vocab-from "$TOKDIR/vocab.gguf")
     GGUF=$GGUF_DIR/qwen3.6-35b-a3b-q4km-v36.gguf
 else
