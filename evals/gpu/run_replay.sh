@@ -42,7 +42,11 @@
 #   --head-dim 64 --linear-key-heads 2 --linear-value-heads 4 --linear-head-dim 32 --threads 2" \
 #   PEER_CMD='python3 -m freetoken_agent serve --model $GGUF --device cpu --threads 1 --port $PORT' \
 #   bash evals/gpu/run_replay.sh
-# (with a CPU llama-server instead: PEER_BIN=path/to/llama-server and no PEER_CMD).
+# With a CPU llama-server instead of the stand-in (PEER_BIN=path and no PEER_CMD; built here from the same tarball:
+# cmake -S SRC -B BUILD -G Ninja -DGGML_CUDA=OFF -DLLAMA_BUILD_SERVER=ON ..., as evals/peer/build.sh configures it,
+# then ninja llama-server, ~10 minutes on 2 cores) the dry run replayed all three traces through llama-server
+# with these flags (-ngl 0) and Qwen3.6's template: every request answered, its prompt tokens equal to ours on
+# OpenCode and OpenClaw (70871 and 75661 over the run), and the table printed (about 4 minutes).
 set -u
 export OUT=${OUT:-/tmp/replay}
 R=${R:-/tmp/replay-results}
