@@ -177,6 +177,7 @@ mkdir -p "$R/ours" "$R/peer"
 ours_end=$(( $(date +%s) + $(left) * 2 / 5 ))  # the rest (at least 3/5 of it) for the peer, slower to load
 gpu=(--gpu-memory "$OURS_CAP")
 [ "$DEVICE" = cuda ] || gpu=()  # a CPU dry run: no cap
+# shellcheck disable=SC2206
 cmd=($F serve --model "$GGUF" --device "$DEVICE" "${gpu[@]}" --threads "$THREADS" --kv-tokens "$CTX"
      --host 127.0.0.1 --port "${PORT:-18181}")
 echo "${cmd[*]}" > "$R/ours/cmd.txt"
