@@ -15,7 +15,8 @@
 #   - --export (and $OUT set): writes each binary `xz -T$JOBS -6` compressed and split into pieces of
 #     15 MiB as $OUT/NAME.xz.part-NN, plus $OUT/peer-bin.sha256, llama-bench first, skipping (with a
 #     warning) a binary that would pass $EXPORT_BUDGET_MIB (default 60) MiB or 8 files in all: the
-#     CUDA llama-bench alone is ~40 MiB compressed. evals/peer/restore.sh DIR reassembles them into
+#     CUDA llama-bench alone is ~40 MiB compressed; $EXPORT_ONLY (names, space-separated, e.g.
+#     llama-server) exports only those. evals/peer/restore.sh DIR reassembles them into
 #     .peer/bin/ on any machine. On a failed build with $OUT set, the log goes to
 #     $OUT/peer-build.log.gz.
 #   - prints the time of every step; any failure exits non-zero with the reason and the log's tail.
@@ -240,12 +241,15 @@ step_done "checks"
 # 6. export compressed pieces (what comes back from $OUT: at most 8 files, 64 MiB together)
 if (( EXPORT )); then
     [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || die "--export needs \$OUT set to an existing directory"
-    step "exporting xz pieces of ${TARGETS[*]} to $OUT"
+    step "exporting xz pieces of ${EXPORT_ONLY:-${TARGETS[*]}} to $OUT"
     BUDGET=$(( ${EXPORT_BUDGET_MIB:-60} * 1048576 ))
     USED=0
     N_FILES=1  # peer-bin.sha256
     : > "$OUT/peer-bin.sha256"
-    for t in "${TARGETS[@]}"; do  # in order: llama-bench first
+    # shellcheck disable=SC2206
+    EXPORTS=(${EXPORT_ONLY:-${TARGETS[*]}})
+    for t in "${EXPORTS[@]}"; do  # in order: llama-bench first
+        [[ -x "$BIN_DIR/$t" ]] || die "EXPORT_ONLY names $t, which this build did not make"
         XZ="$(mktemp)"
         xz -T"$JOBS" -6 -c "$BIN_DIR/$t" > "$XZ"
         SIZE=$(stat -c %s "$XZ")
