@@ -6,7 +6,7 @@ Contract:
 writes DIR/tokenizer.json, tokenizer_config.json and chat_template.jinja (the project's `qwen3_5`
 tokenizer: freetoken_agent/tokenizer/build.py, the real 248320-id vocabulary and the family's chat
 template), a config.json naming only the model type (so `--tokenizer DIR` passes as a model
-directory: `eval replay --tokenizer` reads a directory's tokenizer files, not a GGUF's) and
+directory; `eval replay --tokenizer` takes DIR/vocab.gguf as well) and
 DIR/vocab.gguf holding only `tokenizer.*` keys as llama.cpp's converter writes them:
 model `gpt2`, pre-tokenizer `qwen35`, every token by id (padding ids up to the model's padded size as
 `[PAD<id>]`), added tokens CONTROL (3) when special else USER_DEFINED (4), merges, eos / pad ids and

@@ -56,7 +56,6 @@ from evals.traces.scripted import normalise, thinking_on
 from evals.traces.sse import carries_output, sse_events, usage_of
 from freetoken_agent.sessions.echo import common_prefix
 from freetoken_agent.sessions.normalise import normalise as session_normalise
-from freetoken_agent.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SESSION_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "x-session-id", "session_id", "session-id")
@@ -68,9 +67,9 @@ class Renderer:
     """Prompt token ids as the server renders them (adapter -> chat template -> tokenizer)."""
 
     def __init__(self, model: str) -> None:
-        from freetoken_agent.models import resolve_model
+        from freetoken_agent.models import load_tokenizer, resolve_model
 
-        self.tok = ChatTokenizer.from_dir(resolve_model(model))
+        self.tok = load_tokenizer(resolve_model(model))  # a model folder or a GGUF file
 
     def prompt_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         req = normalise(path, body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evals.gpu.replay_vocab import write_vocab
+from evals.traces.replay import Renderer
 from freetoken_agent.models import load_tokenizer, resolve_model
 from freetoken_agent.tokenizer import ChatTokenizer
 from freetoken_agent.tokenizer.gguf import _fields
@@ -34,3 +35,10 @@ def test_vocab_gguf_reads_back_as_the_directory(tmp_path: Path) -> None:
     assert fields["tokenizer.ggml.pre"] == "qwen35" and len(tokens) == len(types) == 248320
     kind = {t: types[tokens.index(t)] for t in ("<|im_end|>", "<think>", "Hello")}
     assert kind == {"<|im_end|>": 3, "<think>": 4, "Hello": 1}
+    # `eval replay --tokenizer` takes the GGUF file as well as the directory: the same prompt ids
+    body = {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {
+        "name": "read", "description": "read a file", "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}}, "required": ["path"]}}}]}
+    want = Renderer(str(out)).prompt_ids("/v1/chat/completions", body)
+    assert Renderer(str(out / "vocab.gguf")).prompt_ids("/v1/chat/completions", body) == want
+    assert len(want) > len(ref.encode("be brief hi")) + 20  # the tool schema is in the prompt
