@@ -5,13 +5,14 @@
 #   evals/peer/fetch_source.sh [--no-verify] [--no-wheels]
 #   - downloads the sdist of llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (default below) with
 #     `pip download --no-binary :all: --no-deps` (or takes the file named by $SDIST), extracts its
-#     vendor/llama.cpp and keeps only what building llama-bench and llama-server with CUDA needs
-#     (an allowlist; tools/CMakeLists.txt is replaced by one that adds only those tools);
+#     vendor/llama.cpp and keeps only what building llama-bench, llama-quantize and llama-server
+#     with CUDA needs (an allowlist; tools/CMakeLists.txt is replaced by one that adds only those tools);
 #   - writes PEER_VERSION (llama.cpp commit, sdist version) into the tree and packs it as
 #     .peer/llama.cpp.tar.xz in the repository root (gitignored), printing its size;
-#   - unless --no-verify: configures the packed tree with -DGGML_CUDA=OFF and builds llama-bench
-#     for the CPU in .peer-cpu/build (gitignored, never carried), proving the trimmed tree builds;
-#     .peer-cpu/build/bin/llama-bench is the CPU binary the local tests of run_bench.py use.
+#   - unless --no-verify: configures the packed tree with -DGGML_CUDA=OFF and builds llama-bench and
+#     llama-quantize for the CPU in .peer-cpu/build (gitignored, never carried), proving the trimmed
+#     tree builds; .peer-cpu/build/bin/llama-bench is the CPU binary the local tests of run_bench.py
+#     use, .peer-cpu/build/bin/llama-quantize the one of tests/evals/test_peer_requantize.py.
 #     VERIFY_SERVER=1 also builds llama-server there;
 #   - unless --no-wheels: downloads the pure-python `gguf` wheel into .whl/ (gitignored) for
 #     write_gguf.py on the GPU machine (no network there; its image has numpy and pyyaml, gguf's
@@ -63,6 +64,7 @@ SDIST_COMMIT="$(tr -d '[:space:]' < "$WORK/$TOP/.git/HEAD")"
 
 # 2. the allowlist
 [[ -f "$SRC/tools/llama-bench/llama-bench.cpp" ]] || die "tools/llama-bench not found in this llama.cpp version"
+grep -q -- '--allow-requantize' "$SRC/tools/quantize/quantize.cpp" || die "this llama-quantize has no --allow-requantize"
 grep -q -- '--n-cpu-moe' "$SRC/tools/llama-bench/llama-bench.cpp" || die "this llama-bench has no --n-cpu-moe"
 grep -q -- '--load-mode' "$SRC/tools/llama-bench/llama-bench.cpp" \
     || echo "fetch_source.sh: WARNING: this llama-bench has no --load-mode: give run_bench.py --load-mode '' --extra '-mmp 0'" >&2
@@ -78,7 +80,7 @@ keep() {  # keep PATH... (relative to the llama.cpp root; each must exist)
 }
 keep CMakeLists.txt LICENSE licenses cmake include src common vendor \
      ggml/CMakeLists.txt ggml/cmake ggml/include ggml/src/ggml-cpu ggml/src/ggml-cuda \
-     tools/llama-bench tools/server tools/cli tools/mtmd \
+     tools/llama-bench tools/quantize tools/server tools/cli tools/mtmd \
      tools/ui/CMakeLists.txt tools/ui/sources.cmake tools/ui/ui.cpp.in tools/ui/ui.h.in \
      scripts/ui-assets.cmake models/ggml-vocab-qwen2.gguf
 # ggml/src: every top-level file (the core library), no backend directories besides cpu and cuda
@@ -89,12 +91,14 @@ rm -rf "$DST/tools/server/bench" "$DST/tools/mtmd/legacy-models" "$DST"/tools/mt
 
 cat > "$DST/tools/CMakeLists.txt" <<'CMAKE'
 # Replaced by freetoken-agent's evals/peer/fetch_source.sh: the peer benchmark builds only
-# llama-bench, and with LLAMA_BUILD_SERVER also llama-server / llama-cli (which need mtmd and ui).
+# llama-bench and llama-quantize, and with LLAMA_BUILD_SERVER also llama-server / llama-cli (which
+# need mtmd and ui).
 find_package(Threads REQUIRED)
 
 llama_add_compile_flags()
 
 add_subdirectory(llama-bench)
+add_subdirectory(quantize)
 if (LLAMA_BUILD_SERVER)
     add_subdirectory(ui)
     add_subdirectory(cli)
@@ -119,13 +123,13 @@ echo "== packed $TARBALL: $SIZE bytes ($(awk -v s="$SIZE" 'BEGIN{printf "%.2f", 
      "llama.cpp $LLAMA_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION)"
 (( SIZE < 40 * 1048576 )) || die "tarball is $SIZE bytes, over 40 MiB"
 
-# 4. verify: the packed tree builds llama-bench for the CPU
+# 4. verify: the packed tree builds llama-bench and llama-quantize for the CPU
 if (( VERIFY )); then
     CPU="$REPO/.peer-cpu"
     rm -rf "$CPU/llama.cpp"
     mkdir -p "$CPU"
     tar -xJf "$TARBALL" -C "$CPU"
-    TARGETS=(llama-bench)
+    TARGETS=(llama-bench llama-quantize)
     SERVER=OFF
     if [[ "${VERIFY_SERVER:-0}" == 1 ]]; then TARGETS+=(llama-server); SERVER=ON; fi
     echo "== verify: configure (GGML_CUDA=OFF) and build ${TARGETS[*]} in $CPU/build"
@@ -138,7 +142,8 @@ if (( VERIFY )); then
     ninja -C "$CPU/build" -j"${JOBS:-$(nproc)}" "${TARGETS[@]}" >"$CPU/build.log" 2>&1 \
         || { tail -40 "$CPU/build.log" >&2; die "building the trimmed tree failed"; }
     "$CPU/build/bin/llama-bench" --help | grep -E -- '--n-cpu-moe|--load-mode'
-    echo "== verify ok: $CPU/build/bin/llama-bench"
+    { "$CPU/build/bin/llama-quantize" --help 2>&1 || true; } | grep -- '--allow-requantize'  # usage exits 1
+    echo "== verify ok: $CPU/build/bin/llama-bench, $CPU/build/bin/llama-quantize"
 fi
 
 # 5. wheels for write_gguf.py on the GPU machine (no network there)
