@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# build.sh - build the peer (llama.cpp's llama-bench, optionally llama-server) with CUDA on the GPU machine.
+# build.sh - build the peer (llama.cpp's llama-bench, optionally llama-quantize and llama-server) with CUDA on
+# the GPU machine.
 #
 # Contract (runs in the repository root of the GPU machine's copy; no network needed):
-#   bash evals/peer/build.sh [--server] [--export] [--force]
+#   bash evals/peer/build.sh [--server] [--quantize] [--export] [--force]
 #   - input: .peer/llama.cpp.tar.xz (made by fetch_source.sh; carry the FILE `.peer/llama.cpp.tar.xz`,
 #     not the folder `.peer`, or a later carry would replace .peer/bin there);
 #   - extracts it to $LLAMA_CPP_DIR (default /tmp/llama.cpp), configures it in $BUILD_DIR (default
 #     /tmp/llama.cpp-build) with CUDA for sm_$CUDA_ARCH (default 90), static llama/ggml libraries, no
-#     curl/openssl/nccl/UI downloads, and builds llama-bench (plus llama-server with --server) with
-#     ninja -j$JOBS (default 16);
+#     curl/openssl/nccl/UI downloads, and builds llama-bench (plus llama-server with --server and
+#     llama-quantize with --quantize) with ninja -j$JOBS (default 16);
 #   - strips the binaries into .peer/bin/ (gitignored) with a stamp (sha256 of the tarball + targets):
 #     a later call on the same warm machine that finds a matching stamp skips the build (--force rebuilds);
 #     checks that they link (ldd) and that llama-bench sees a CUDA device;
@@ -16,7 +17,8 @@
 #     15 MiB as $OUT/NAME.xz.part-NN, plus $OUT/peer-bin.sha256, llama-bench first, skipping (with a
 #     warning) a binary that would pass $EXPORT_BUDGET_MIB (default 60) MiB or 8 files in all: the
 #     CUDA llama-bench alone is ~40 MiB compressed; $EXPORT_ONLY (names, space-separated, e.g.
-#     llama-server) exports only those. evals/peer/restore.sh DIR reassembles them into
+#     llama-server) exports only those; llama-quantize is left out of the export unless EXPORT_ONLY
+#     names it (it is only needed on the machine that writes the GGUF). evals/peer/restore.sh DIR reassembles them into
 #     .peer/bin/ on any machine. On a failed build with $OUT set, the log goes to
 #     $OUT/peer-build.log.gz.
 #   - prints the time of every step; any failure exits non-zero with the reason and the log's tail.
@@ -38,11 +40,13 @@ CUDA_ARCH="${CUDA_ARCH:-90}"
 PEER_CUDA="${PEER_CUDA:-ON}"
 
 SERVER=0
+QUANTIZE=0
 EXPORT=0
 FORCE=0
 for arg in "$@"; do
     case "$arg" in
         --server) SERVER=1 ;;
+        --quantize) QUANTIZE=1 ;;
         --export) EXPORT=1 ;;
         --force) FORCE=1 ;;
         -h|--help) awk 'NR > 1 && /^set -euo/ {exit} NR > 1' "$0"; exit 0 ;;
@@ -51,6 +55,7 @@ for arg in "$@"; do
 done
 TARGETS=(llama-bench)
 (( SERVER )) && TARGETS+=(llama-server)
+(( QUANTIZE )) && TARGETS+=(llama-quantize)
 
 die() { echo "build.sh: FAILED: $*" >&2; exit 1; }
 step_t0=0
@@ -241,13 +246,13 @@ step_done "checks"
 # 6. export compressed pieces (what comes back from $OUT: at most 8 files, 64 MiB together)
 if (( EXPORT )); then
     [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || die "--export needs \$OUT set to an existing directory"
-    step "exporting xz pieces of ${EXPORT_ONLY:-${TARGETS[*]}} to $OUT"
+    step "exporting xz pieces of ${EXPORT_ONLY:-${TARGETS[*]/llama-quantize/}} to $OUT"
     BUDGET=$(( ${EXPORT_BUDGET_MIB:-60} * 1048576 ))
     USED=0
     N_FILES=1  # peer-bin.sha256
     : > "$OUT/peer-bin.sha256"
     # shellcheck disable=SC2206
-    EXPORTS=(${EXPORT_ONLY:-${TARGETS[*]}})
+    EXPORTS=(${EXPORT_ONLY:-${TARGETS[*]/llama-quantize/}})
     for t in "${EXPORTS[@]}"; do  # in order: llama-bench first
         [[ -x "$BIN_DIR/$t" ]] || die "EXPORT_ONLY names $t, which this build did not make"
         XZ="$(mktemp)"
