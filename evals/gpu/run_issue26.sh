@@ -10,6 +10,10 @@
 #               llama-bench at each -ncmoe of NCMOE (decode, PROMPTS prefill), then ours at each cap
 #               of CAPS (bench decode / bench prefill on the same file, 8 threads), and llama.cpp's
 #               CPU MoE path (-ncmoe all) next to ours with every expert on the CPU.
+# QUANTIZER=llama (PART=one / sbs; default: write_gguf.py writes the Q4_K_M blocks directly): the GGUF is
+#               made by llama.cpp's llama-quantize instead (evals/peer/requantize.sh: a Q8_0 source of the
+#               same shape, requantized with --allow-requantize, then deleted); build.sh gets --quantize
+#               (PART=sbs builds when .peer/bin has no llama-quantize: restore.sh does not bring it).
 # Carry [".whl", ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
 # Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
 # llama-bench pieces; a summary is printed last.
@@ -23,6 +27,15 @@ export PYTHONPATH=/tmp/site:$PWD
 export FREETOKEN_CACHE_DIR=$R/cache
 F="python3 -m freetoken_agent"
 t0=$(date +%s)
+QZ_FLAG=$([ "${QUANTIZER:-}" = llama ] && echo --quantize)
+gguf_q4km() {  # gguf_q4km OUT THREADS [WRITE_GGUF_ARGS...]: the side by side's Q4_K_M file, per QUANTIZER
+    local out=$1 th=$2; shift 2
+    if [ "${QUANTIZER:-}" = llama ]; then
+        bash evals/peer/requantize.sh --out "$out" --type Q4_K_M --threads "$th" -- "$@" --seed 0 --threads "$th"
+    else
+        python3 evals/peer/write_gguf.py "$@" --quant q4_k_m --seed 0 --threads "$th" --out "$out"
+    fi
+}
 pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
 at() { echo "[$(( $(date +%s) - t0 )) s] $*"; pack; }  # results packed after every step: a killed call keeps them
 left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - t0) )); }  # seconds this call has left
@@ -62,11 +75,15 @@ one)
     # everything in one call: llama.cpp builds and the GGUF is written while the GPU tests run; then
     # both systems' decode on a quiet machine, then what time is left: prefill, the CPU kernels
     # shellcheck disable=SC2046
-    (bash evals/peer/build.sh $([ "${EXPORT:-0}" = 1 ] && echo --export) > "$R/peer_build.log" 2>&1
+    rm -f "$R/peer_build.rc"
+    (bash evals/peer/build.sh $([ "${EXPORT:-0}" = 1 ] && echo --export) $QZ_FLAG > "$R/peer_build.log" 2>&1
      echo $? > "$R/peer_build.rc") &
     build=$!
     GGUF=/tmp/peer/q4km.gguf
-    (timeout 400 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 6 --out "$GGUF" \
+    # QUANTIZER=llama: llama-quantize comes from the build, so the GGUF waits for it
+    (if [ -n "$QZ_FLAG" ]; then wait_build() { while [ ! -f "$R/peer_build.rc" ]; do sleep 2; done; }; wait_build
+         [ "$(cat "$R/peer_build.rc")" = 0 ] || { echo 1 > "$R/gguf.rc"; exit 0; }; fi
+     timeout 400 bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF 6 --layers 48" \
         > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
     gguf=$!
     timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
@@ -130,10 +147,14 @@ lite)
     ;;
 sbs)
     [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
+    if [ -n "$QZ_FLAG" ] && [ ! -x .peer/bin/llama-quantize ]; then
+        bash evals/peer/build.sh --quantize > "$R/peer_build.log" 2>&1 || { tail -5 "$R/peer_build.log"; exit 1; }
+        at "llama.cpp build with llama-quantize"
+    fi
     GGUF=/tmp/peer/q4km.gguf
     # shellcheck disable=SC2086
-    [ -f "$GGUF" ] || timeout 240 python3 evals/peer/write_gguf.py ${GGUF_ARGS:---layers 48} --quant q4_k_m --seed 0 \
-        --out "$GGUF" > "$R/gguf.log" 2>&1 || { tail -5 "$R/gguf.log"; exit 1; }
+    [ -f "$GGUF" ] || timeout 240 bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF $(nproc) ${GGUF_ARGS:---layers 48}" \
+        > "$R/gguf.log" 2>&1 || { tail -5 "$R/gguf.log"; exit 1; }
     at "gguf: $(du -h "$GGUF" | cut -f1)"
     python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-48,34,23,11}" --threads 8 \
         --prompts "${PROMPTS:-16384}" --gen 128 --ubatch 2048 --reps "${REPS:-2}" --load-mode none \
