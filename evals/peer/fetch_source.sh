@@ -12,7 +12,7 @@
 #   - unless --no-verify: configures the packed tree with -DGGML_CUDA=OFF and builds llama-bench and
 #     llama-quantize for the CPU in .peer-cpu/build (gitignored, never carried), proving the trimmed
 #     tree builds; .peer-cpu/build/bin/llama-bench is the CPU binary the local tests of run_bench.py
-#     use, .peer-cpu/build/bin/llama-quantize the one of tests/evals/test_peer_requantize.py.
+#     use, .peer-cpu/build/bin/llama-quantize the one of tests/engine/test_peer_requantize.py.
 #     VERIFY_SERVER=1 also builds llama-server there;
 #   - unless --no-wheels: downloads the pure-python `gguf` wheel into .whl/ (gitignored) for
 #     write_gguf.py on the GPU machine (no network there; its image has numpy and pyyaml, gguf's

@@ -14,7 +14,7 @@
 #     argv), "write_gguf" (write_gguf.py's argv), "source_args" (the source's own OUT.args.json)}; a
 #     later call whose OUT.args.json holds the same type and source arguments leaves OUT alone;
 #   - the type of each tensor in OUT is llama-quantize's choice (for Q4_K_M the map that
-#     `write_gguf.py --quant q4_k_m` writes directly: tests/evals/test_peer_requantize.py);
+#     `write_gguf.py --quant q4_k_m` writes directly: tests/engine/test_peer_requantize.py);
 #   - exits non-zero with a one-line reason on any failure. $PYTHON (default python3) runs write_gguf.py.
 set -euo pipefail
 
