@@ -27,6 +27,7 @@ export PYTHONPATH=/tmp/site:$PWD
 export FREETOKEN_CACHE_DIR=$R/cache
 F="python3 -m freetoken_agent"
 t0=$(date +%s)
+export QUANTIZER=${QUANTIZER:-}  # read by gguf_q4km, also in the bash -c below
 QZ_FLAG=$([ "${QUANTIZER:-}" = llama ] && echo --quantize)
 gguf_q4km() {  # gguf_q4km OUT THREADS [WRITE_GGUF_ARGS...]: the side by side's Q4_K_M file, per QUANTIZER
     local out=$1 th=$2; shift 2
