@@ -14,6 +14,9 @@
 #               made by llama.cpp's llama-quantize instead (evals/peer/requantize.sh: a Q8_0 source of the
 #               same shape, requantized with --allow-requantize, then deleted); build.sh gets --quantize
 #               (PART=sbs builds when .peer/bin has no llama-quantize: restore.sh does not bring it).
+#               Both files are on the disk at once for a while (48 layers, --plan: Q8_0 30.25 GiB + Q4_K_M
+#               17.28 GiB); its time on the GPU machine is not measured yet: GGUF_S (seconds, default 400
+#               in PART=one, 240 in PART=sbs) bounds the GGUF step.
 # Carry [".whl", ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
 # Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
 # llama-bench pieces; a summary is printed last.
@@ -84,7 +87,7 @@ one)
     # QUANTIZER=llama: llama-quantize comes from the build, so the GGUF waits for it
     (if [ -n "$QZ_FLAG" ]; then wait_build() { while [ ! -f "$R/peer_build.rc" ]; do sleep 2; done; }; wait_build
          [ "$(cat "$R/peer_build.rc")" = 0 ] || { echo 1 > "$R/gguf.rc"; exit 0; }; fi
-     timeout 400 bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF 6 --layers 48" \
+     timeout "${GGUF_S:-400}" bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF 6 --layers 48" \
         > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
     gguf=$!
     timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
@@ -154,7 +157,7 @@ sbs)
     fi
     GGUF=/tmp/peer/q4km.gguf
     # shellcheck disable=SC2086
-    [ -f "$GGUF" ] || timeout 240 bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF $(nproc) ${GGUF_ARGS:---layers 48}" \
+    [ -f "$GGUF" ] || timeout "${GGUF_S:-240}" bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF $(nproc) ${GGUF_ARGS:---layers 48}" \
         > "$R/gguf.log" 2>&1 || { tail -5 "$R/gguf.log"; exit 1; }
     at "gguf: $(du -h "$GGUF" | cut -f1)"
     python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-48,34,23,11}" --threads 8 \

@@ -16,6 +16,8 @@
 #   - the type of each tensor in OUT is llama-quantize's choice (for Q4_K_M the map that
 #     `write_gguf.py --quant q4_k_m` writes directly: tests/engine/test_peer_requantize.py);
 #   - exits non-zero with a one-line reason on any failure. $PYTHON (default python3) runs write_gguf.py.
+#   - disk: the source and OUT coexist until the end (qwen3moe, 48 layers, write_gguf.py --plan: Q8_0
+#     30.25 GiB, Q4_K_M 17.28 GiB); write_gguf.py checks the room for the source only.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
