@@ -59,7 +59,8 @@ Contract:
   exactly 8 experts, Q5_0 / Q5_1 / Q8_0 / F16 where a row is not whole blocks; norms, routers,
   ssm_conv1d and 1-D tensors stay float32), its bytes written directly as random valid blocks
   (no float weights, no quantizer) whose dequantized values have mean ~0 and the std the bf16 file's
-  tensor has (--scales).
+  tensor has (--scales). evals/peer/requantize.sh makes the Q4_K_M file with llama-quantize itself
+  (from a --quant q8_0 source); tests/engine/test_peer_requantize.py checks this type map against it.
 - The tokenizer (every tokenizer.* key) is copied from --vocab-from, by default llama.cpp's
   models/ggml-vocab-qwen2.gguf (Qwen2/Qwen3's 151936-token BPE vocabulary); the embedding and
   output matrices take its vocabulary size.
