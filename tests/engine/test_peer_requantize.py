@@ -1,8 +1,8 @@
 """evals/peer/requantize.sh with llama.cpp's real llama-quantize (a CPU build of the peer's commit).
 
 Marked `peer`: it runs `.peer-cpu/build/bin/llama-quantize`, which `evals/peer/fetch_source.sh` builds
-from the packed tree (its verify step); without that binary the tests are skipped with that reason,
-as the `clients` tests are without the agent CLIs. Checked, on tiny qwen3moe shapes: requantize.sh
+from the packed tree (its verify step); the README's test command deselects `peer` (CI has no
+llama.cpp build), and a selected test without that binary fails saying how to build it. Checked, on tiny qwen3moe shapes: requantize.sh
 writes a Q8_0 source with write_gguf.py, requantizes it to Q4_K_M with `--allow-requantize`, deletes
 the source and records both commands in OUT.args.json; every tensor's type in the result equals the
 one `write_gguf.py --quant q4_k_m` writes directly for the same shape (our transcription of
@@ -48,7 +48,7 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def quantize() -> Path:
     if not os.access(QUANTIZE, os.X_OK):
-        pytest.skip(f"{QUANTIZE} not built (bash evals/peer/fetch_source.sh builds it)")
+        pytest.fail(f"{QUANTIZE} not built (bash evals/peer/fetch_source.sh builds it; `-m 'not peer'` deselects these)")
     return QUANTIZE
 
 
