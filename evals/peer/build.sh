@@ -27,6 +27,10 @@
 #     ldconfig, and libcuda from the installed driver; with no libcuda at all it builds with
 #     GGML_CUDA_NO_VMM=ON and says so.
 #   - PEER_CUDA=OFF (only for testing this script on a machine without CUDA) builds for the CPU instead.
+#   - PEER_CMAKE_ARGS: more cmake options, word-split (part of the stamp). For a build made on another
+#     machine (CUDA from pip wheels on PATH, no GPU), name the GPU host's CPU instead of -march=native:
+#     "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON ..."; the check that
+#     llama-bench sees a CUDA device then fails there, after the binary is in .peer/bin.
 set -euo pipefail
 
 T_START=$(date +%s.%N)
@@ -157,7 +161,7 @@ fi
 echo "   cmake: $(cmake --version | head -1); ninja $(ninja --version); $(nproc) CPUs; JOBS=$JOBS"
 [[ -f "$TARBALL" ]] || die "$TARBALL not found: run evals/peer/fetch_source.sh here and carry .peer/llama.cpp.tar.xz"
 TAR_SHA="$(sha256sum "$TARBALL" | cut -d' ' -f1)"
-STAMP="tarball=$TAR_SHA targets=${TARGETS[*]} cuda=$PEER_CUDA arch=$CUDA_ARCH"
+STAMP="tarball=$TAR_SHA targets=${TARGETS[*]} cuda=$PEER_CUDA arch=$CUDA_ARCH cmake=${PEER_CMAKE_ARGS:-}"
 step_done "tools"
 
 have_bins() {  # the binaries in .peer/bin were built from this tarball for these targets
@@ -191,7 +195,7 @@ else
             -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
             -DLLAMA_BUILD_SERVER="$SERVER_FLAG" -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-            -DLLAMA_BUILD_COMMIT="${COMMIT:0:9}" > "$BUILD.configure.log" 2>&1; then
+            -DLLAMA_BUILD_COMMIT="${COMMIT:0:9}" ${PEER_CMAKE_ARGS:-} > "$BUILD.configure.log" 2>&1; then
         tail -60 "$BUILD.configure.log" >&2
         save_log "$BUILD.configure.log"
         die "cmake configure failed (log: $BUILD.configure.log)"
