@@ -53,7 +53,10 @@ def rows(root: Path) -> list[dict[str, Any]]:
                if p.is_dir() and ((p / "cmd.txt").is_file() or any(p.rglob("result.json")))}
     for f in sorted(root.glob("*/**/result.json")):
         system = f.relative_to(root).parts[0]
-        result = json.loads(f.read_text())
+        try:
+            result = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"replay_summary: {f}: not a readable result.json ({e})") from None
         for run in result.get("runs") or []:
             turns = [t for t in result.get("turns") or [] if t.get("run") == run["run"]]
             ttfts = [t["ttft_ms"] for t in turns if t.get("status") == 200 and t.get("ttft_ms") is not None]

@@ -61,12 +61,17 @@ def _sums_match_the_server(server: str, turns: list[dict[str, Any]]) -> int:
     return len(by_session)
 
 
+def _replay_cli(trace: Path, server: str, out: Path) -> dict[str, Any]:
+    """`freetoken-agent eval replay TRACE --base-url SERVER` (the demo tokenizer counting); its result.json."""
+    assert main(["eval", "replay", str(trace), "--base-url", server, "--tokenizer", "demo", "--out", str(out)]) == 0
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result
+
+
 def test_replay_cli_reports_what_the_server_saw(demo_server: str, tmp_path: Path) -> None:
     trace = _write(tmp_path, _trace())
     out = tmp_path / "out"
-    assert main(["eval", "replay", str(trace), "--base-url", demo_server, "--tokenizer", "demo",
-                 "--out", str(out)]) == 0
-    result = json.loads((out / "result.json").read_text())
+    result = _replay_cli(trace, demo_server, out)
     turns = result["turns"]
     assert [t["status"] for t in turns] == [200] * 4
     assert result["server_sessions"] is True and result["forced"] is True
@@ -121,9 +126,7 @@ def test_replay_cli_on_a_recorded_trace(demo_server: str, tmp_path: Path) -> Non
     trace = tmp_path / "opencode.json"
     trace.write_text(json.dumps(recorded))
     out = tmp_path / "out"
-    assert main(["eval", "replay", str(trace), "--base-url", demo_server, "--tokenizer", "demo",
-                 "--out", str(out)]) == 0
-    result = json.loads((out / "result.json").read_text())
+    result = _replay_cli(trace, demo_server, out)
     turns = result["turns"]
     assert [t["status"] for t in turns] == [200] * 5
     main_turns = [t for t in turns if t["reused_tokens"] > 0]

@@ -86,3 +86,11 @@ def test_table_equals_the_result_files(demo_server: str, tmp_path: Path, capsys:
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["trace"], r["system"], r["finished"]) for r in rows] == [
         ("alpha", "ours", True), ("alpha", "peer", True), ("beta", "ours", True), ("beta", "peer", False)]
+
+
+def test_a_broken_result_json_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "ours" / "alpha" / "result.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"runs": [')  # a replay killed while writing
+    with pytest.raises(SystemExit, match=r"alpha/result.json: not a readable result.json"):
+        replay_summary.main([str(tmp_path)])
