@@ -130,7 +130,8 @@ class NativeOptions:
     native_isa: str = _opt("", "force a SIMD path (empty: the best this CPU has)",
                            _choice("", "avx512bf16", "avx512", "avx2", "scalar"), "FREETOKEN_NATIVE_ISA")
     native_threads: int = _opt(0, "the native pool's threads (0: `threads`)", _int, "FREETOKEN_NATIVE_THREADS")
-    native_prefetch: int = _opt(1024, "software prefetch distance on each weight row, bytes (0: off; benchmarks)",
+    native_prefetch: int = _opt(1024, "float kernels' software prefetch distance along a weight row, bytes (packed "
+                                "kernels: two tiles ahead); 0: both off; benchmarks",
                                 _int, "FREETOKEN_NATIVE_PREFETCH")
 
     def __post_init__(self) -> None:

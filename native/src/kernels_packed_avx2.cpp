@@ -33,7 +33,7 @@ struct V {
         return _mm256_cvtph_ps(_mm_or_si128(sign, mag));
     }
     static void prefetch(const uint8_t* p) {
-        if (g_prefetch_bytes > 0) _mm_prefetch(reinterpret_cast<const char*>(p) + g_prefetch_bytes, _MM_HINT_T0);
+        if (g_prefetch_bytes > 0) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
     }
 };
 

@@ -28,7 +28,7 @@ struct V {
         return _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
     }
     static void prefetch(const uint8_t* p) {
-        if (g_prefetch_bytes > 0) _mm_prefetch(reinterpret_cast<const char*>(p) + g_prefetch_bytes, _MM_HINT_T0);
+        if (g_prefetch_bytes > 0) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
     }
 };
 

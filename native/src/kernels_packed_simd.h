@@ -6,13 +6,17 @@
 //   W (lanes), TMAX (tokens per tile), F (float vector), zero(), set1(f), load(const float*),
 //   fmadd(a, b, c) = a * b + c, mul(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
 //   [off, off + W) of q as floats; off a multiple of W below 16), fp8(p) (W e4m3 bytes at p, as
-//   floats / 256), and prefetch(p).
+//   floats / 256), and prefetch(p) (p itself, when software prefetch is on).
 //
 // Per block and row, the scales of every group of values are decoded once (value = code * d + m);
 // then the block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers:
 // the byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths gives
 // int8 codes, widened to S / W float vectors, scaled, and multiplied into the accumulators of R
 // rows x TT tokens. fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
+// Prefetch: a tile reads its R consecutive rows side by side, and the next tiles read the rows that
+// follow, so each block is prefetched kPfTiles tiles ahead (the same block of the rows kPfTiles * R
+// further on): a fixed distance along the row would land in the tile's own next row once rows are
+// shorter than it, as expert rows of 2-4k values in 4-bit formats are.
 
 inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m128i low4(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(15)); }
@@ -251,12 +255,15 @@ inline void decode_floats(const uint8_t* b, int j, const float* d, const float* 
 }
 
 // R rows x TT tokens: each decoded vector is used for every token of the tile.
+constexpr int kPfTiles = 2;
+
 template <class Q, int R, int TT>
 void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, size_t ldo) {
     constexpr int B = kQInfo[int(Q::kFmt)].block, kBytes = kQInfo[int(Q::kFmt)].bytes, S = sub_size<Q>();
     constexpr int NV = S / V::W, kPfEvery = kBytes >= 64 ? 1 : 64 / kBytes;  // one prefetch per <= 64 bytes
     const uint8_t* W[R];
     for (int r = 0; r < R; ++r) W[r] = m.w + (r0 + r) * m.ld;
+    const size_t ahead = kPfTiles * R * m.ld;
     typename V::F acc[R][TT];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) acc[r][t] = V::zero();
@@ -266,7 +273,7 @@ void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, si
     for (int b = 0; b < nb; ++b) {
         if (b % kPfEvery == 0)
             for (int r = 0; r < R; ++r)
-                for (int o = 0; o < kBytes; o += 64) V::prefetch(W[r] + b * kBytes + o);
+                for (int o = 0; o < kBytes; o += 64) V::prefetch(W[r] + ahead + b * kBytes + o);
         for (int r = 0; r < R; ++r) Q::scales(W[r] + b * kBytes, ds[r], ms[r]);
 #pragma GCC unroll 8
         for (int j = 0; j < B / S; ++j) {  // unrolled: j's shifts, masks and scale indices become constants
