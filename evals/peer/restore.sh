@@ -10,7 +10,7 @@
 #   naming that machine's CUDA) is kept as DEST/NAME.bin behind a wrapper DEST/NAME that sets
 #   LD_LIBRARY_PATH to the folders holding them: those of $PEER_LIB_DIRS (colon-separated), then the
 #   CUDA wheels of $PYTHON (default python3; torch's nvidia/*/lib), then /usr/local/cuda*/lib64; it
-#   fails when a library is still missing.
+#   fails when a library is still missing (or a symbol version, as `ldd` says), leaving no DEST/NAME.
 #   Exits non-zero when DIR has no parts, a checksum differs or a library cannot be found.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -35,7 +35,7 @@ for name in "${names[@]}"; do
     mv "$DEST/$name.tmp" "$DEST/$name"
     rm -f "$DEST/$name.bin"
     echo "restore.sh: $DEST/$name (${#parts[@]} parts, $(stat -c %s "$DEST/$name") bytes)"
-    missing=$(ldd "$DEST/$name" 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
+    missing=$(ldd "$DEST/$name" 2>/dev/null | awk '/not found/ {sub(":$", "", $1); print $1}' | sort -u)
     [[ -z "$missing" ]] && continue
     lib_dirs=()  # the folders that hold the missing libraries, in the order of the contract
     cands=()
@@ -53,7 +53,7 @@ PY
         for d in "${cands[@]}"; do
             [[ -n "$d" && -e "$d/$lib" ]] && { found=$d; break; }
         done
-        [[ -n "$found" ]] || { echo "restore.sh: $name needs $lib, found in none of: ${cands[*]}" >&2; exit 1; }
+        [[ -n "$found" ]] || { rm -f "$DEST/$name"; echo "restore.sh: $name needs $lib, found in none of: ${cands[*]}" >&2; exit 1; }
         [[ " ${lib_dirs[*]} " == *" $found "* ]] || lib_dirs+=("$found")
     done
     libpath=$(IFS=:; echo "${lib_dirs[*]}")
@@ -62,6 +62,6 @@ PY
         "$name" "$libpath" "$name" > "$DEST/$name"
     chmod +x "$DEST/$name"
     ! LD_LIBRARY_PATH="$libpath" ldd "$DEST/$name.bin" | grep -q "not found" \
-        || { echo "restore.sh: $name: still missing libraries with LD_LIBRARY_PATH=$libpath" >&2; exit 1; }
+        || { rm -f "$DEST/$name" "$DEST/$name.bin"; echo "restore.sh: $name: still missing libraries with LD_LIBRARY_PATH=$libpath" >&2; exit 1; }
     echo "restore.sh: $DEST/$name runs $name.bin with LD_LIBRARY_PATH=$libpath (for $(echo $missing))"
 done

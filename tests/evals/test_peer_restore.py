@@ -78,6 +78,7 @@ def test_missing_library_fails_with_its_name(tmp_path: Path) -> None:
     res = _restore(tmp_path / "exp", tmp_path / "bin", PEER_LIB_DIRS=str(tmp_path / "nowhere"))
     assert res.returncode != 0
     assert "libans.so.1" in res.stderr
+    assert not (tmp_path / "bin" / "tool").exists()  # nothing a caller could mistake for a working binary
 
 
 def test_self_contained_binary_is_not_wrapped(tmp_path: Path) -> None:
