@@ -18,7 +18,8 @@
 # ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
 # reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
 # .peer/vocab/o200k-harmony.gguf && xz -6 .peer/vocab/o200k-harmony.gguf, on a machine with bpe-openai).
-# Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them),
+# Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them), GGUF_FILE (a file
+# of the PART's shape already written, with its .args.json, e.g. run_replay.sh's Qwen3.6 file for qwen36: no write),
 # CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
 # DISK_MARGIN_GIB (3; BUILD_GIB (4) more while llama-bench builds), THREADS (8, both systems), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
@@ -72,6 +73,10 @@ glm)
     ;;
 *) echo "PART=$PART: one of gptoss qwen36 glm"; exit 2 ;;
 esac
+if [ -n "${GGUF_FILE:-}" ]; then  # an existing file of this PART's shape instead of writing one
+    [ -f "$GGUF_FILE" ] && [ -f "$GGUF_FILE.args.json" ] || { echo "GGUF_FILE=$GGUF_FILE: no such file (or no .args.json)"; exit 2; }
+    GGUF=$GGUF_FILE GGUF_DIR=$(dirname "$GGUF_FILE")
+fi
 rm -f "$GGUF_DIR"/*.gguf.part  # a killed write's leftovers would hold the room this file needs
 for f in "$GGUF_DIR"/*.gguf; do [ "$f" = "$GGUF" ] || rm -f "$f" "$f.args.json"; done  # no other GGUF beside it
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
@@ -97,8 +102,8 @@ fi
 native=$!
 wt=$(( $(left) - 120 )); [ "$wt" -ge 60 ] || wt=60  # the rest of the call after the write needs ~2 minutes
 # shellcheck disable=SC2086
-timeout "$wt" python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} --out "$GGUF" \
-    > "$D/gguf.log" 2>&1 || { tail -5 "$D/gguf.log"; at "gguf failed"; exit 1; }
+[ -n "${GGUF_FILE:-}" ] || timeout "$wt" python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} \
+    --out "$GGUF" > "$D/gguf.log" 2>&1 || { tail -5 "$D/gguf.log"; at "gguf failed"; exit 1; }
 cp "$GGUF.args.json" "$D/gguf.args.json"
 at "gguf: $(du -h "$GGUF" | cut -f1), $(grep -o '"layers": [0-9]*' "$GGUF.args.json")"
 PAIRS=$(python3 -m evals.gpu.cap_plan --model "$GGUF" --caps "$CAPS" --full-layers "$FULL" \
