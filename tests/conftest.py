@@ -3,7 +3,9 @@
 per-user temp directory kept between runs (the models are deterministic and versioned, written
 atomically). `demo_model(arch)` is that cache's demo model of an arch, the very directory
 `--model demo[:ARCH]` serves from there: tests read it and never write into it (one that edits a
-model copies it first)."""
+model copies it first). The peer GGUF writer's tests share `wg` (evals/peer/write_gguf.py loaded as a
+module; a test that changes one of its settings does so through monkeypatch) and `vocab` (the small
+stand-in vocabulary GGUF of tests/peer_gguf.py, N_VOCAB tokens)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -43,3 +46,17 @@ def demo_model(demo_cache: Path) -> Callable[[str], Path]:
             return demo_model_dir(arch, progress=lambda *_: None)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def wg() -> ModuleType:
+    from peer_gguf import write_gguf_module
+
+    return write_gguf_module()
+
+
+@pytest.fixture(scope="session")
+def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from peer_gguf import N_VOCAB, write_vocab
+
+    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)

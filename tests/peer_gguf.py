@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+N_VOCAB = 300  # the stand-in vocabulary's size (the `vocab` fixture of tests/conftest.py)
 
 
 def write_gguf_module(name: str = "peer_write_gguf") -> ModuleType:

@@ -23,7 +23,7 @@ from types import ModuleType
 import pytest
 import torch
 from checkpoints import hf_prefill_logits, rel_err
-from peer_gguf import shape_args, write_gguf_module, write_vocab
+from peer_gguf import N_VOCAB, shape_args
 from test_gguf_quant import _engine_logits
 
 from engine.model.load import load_decoder
@@ -33,7 +33,6 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pi
 pytestmark = pytest.mark.peer
 REPO = Path(__file__).resolve().parents[2]
 QUANTIZE = REPO / ".peer-cpu" / "build" / "bin" / "llama-quantize"
-N_VOCAB = 300
 TOL = 1e-4
 SHAPES = {
     # rows of 256: every type reachable without fallbacks; 4 experts
@@ -51,15 +50,6 @@ def quantize() -> Path:
         pytest.fail(f"{QUANTIZE} not built (bash evals/peer/fetch_source.sh builds it; `-m 'not peer'` deselects these)")
     return QUANTIZE
 
-
-@pytest.fixture(scope="module")
-def wg() -> ModuleType:
-    return write_gguf_module("peer_write_gguf_requantize")
-
-
-@pytest.fixture(scope="module")
-def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _requantize(quantize: Path, vocab: Path, out: Path, shape: dict[str, int]) -> list[str]:

@@ -13,23 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from peer_gguf import field, shape_args, write_gguf_module, write_vocab
+from peer_gguf import N_VOCAB, field, shape_args
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = {"layers": 2, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "heads": 4, "kv_heads": 2, "head_dim": 16}
-N_VOCAB = 300
 
-
-@pytest.fixture(scope="module")
-def wg() -> ModuleType:
-    return write_gguf_module()
-
-
-@pytest.fixture(scope="module")
-def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _write(wg: ModuleType, vocab: Path, out: Path, *extra: str) -> Path:

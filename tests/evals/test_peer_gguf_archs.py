@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from peer_gguf import field, shape_args, write_gguf_module, write_vocab
+from peer_gguf import N_VOCAB, field, shape_args
 
 from engine.engine import Engine
 from engine.options import EngineOptions
@@ -23,22 +23,12 @@ from engine.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 T = gguf.GGMLQuantizationType
-N_VOCAB = 300
 # 3 layers (1 dense), q through a LoRA pair; rows of 256 where a K type is expected
 MLA = {"layers": 3, "experts": 4, "top_k": 2, "hidden": 256, "inter": 256, "heads": 2, "ff": 256, "q_lora": 256,
        "kv_lora": 256, "qk_nope": 32, "qk_rope": 16, "v_head": 32, "first_dense": 1, "shared_experts": 1}
 NEXT = {"layers": 4, "experts": 4, "top_k": 2, "hidden": 64, "inter": 32, "shared_inter": 24, "heads": 4,
         "kv_heads": 2, "head_dim": 64, "linear_key_heads": 2, "linear_value_heads": 4, "linear_head_dim": 16}
 
-
-@pytest.fixture(scope="module")
-def wg() -> ModuleType:
-    return write_gguf_module("peer_write_gguf_archs")
-
-
-@pytest.fixture(scope="module")
-def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _write(wg: ModuleType, vocab: Path, out: Path, arch: str, shape: dict[str, int], *extra: str) -> Path:

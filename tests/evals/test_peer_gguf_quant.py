@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from peer_gguf import field, shape_args, write_gguf_module, write_vocab
+from peer_gguf import N_VOCAB, field, shape_args
 
 from engine.engine import Engine
 from engine.options import EngineOptions
@@ -29,7 +29,6 @@ from engine.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 T = gguf.GGMLQuantizationType
-N_VOCAB = 300
 STD = 0.02
 # rows of 256: every type is reachable without fallbacks; 4 experts (not 8)
 QWEN3 = {"layers": 6, "experts": 4, "top_k": 2, "hidden": 256, "inter": 256, "heads": 2, "kv_heads": 1, "head_dim": 128}
@@ -40,15 +39,6 @@ MORE_BITS_8 = {0, 3, 6, 7}  # 8/8 = 1, 7*8/8 = 7: i < 1, i >= 7, (i - 1) % 3 == 
 # 48 layers (Qwen3-30B-A3B): i < 6, i >= 42, (i - 6) % 3 == 2
 MORE_BITS_48 = {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47}
 
-
-@pytest.fixture(scope="module")
-def wg() -> ModuleType:
-    return write_gguf_module("peer_write_gguf_quant")
-
-
-@pytest.fixture(scope="module")
-def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _write(wg: ModuleType, vocab: Path, out: Path, shape: dict[str, int], *extra: str) -> Path:

@@ -15,27 +15,17 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from peer_gguf import field, shape_args, write_gguf_module, write_vocab
+from peer_gguf import N_VOCAB, field, shape_args
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
 REPO = Path(__file__).resolve().parents[2]
-N_VOCAB = 300
 # 8 layers: two full-attention (3, 7) and six Gated DeltaNet layers; kv heads != q heads, value
 # heads = 2 x key heads, partial rotary (16 of 64 dims) as in Qwen3.6-35B-A3B, only smaller.
 SHAPE = {"layers": 8, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "shared_inter": 24, "heads": 4,
          "kv_heads": 2, "head_dim": 64, "linear_key_heads": 2, "linear_value_heads": 4, "linear_head_dim": 16}
 ARCH = "qwen35moe"
 
-
-@pytest.fixture(scope="module")
-def wg() -> ModuleType:
-    return write_gguf_module("peer_write_gguf_35")
-
-
-@pytest.fixture(scope="module")
-def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_vocab(tmp_path_factory.mktemp("vocab") / "vocab.gguf", N_VOCAB)
 
 
 def _args(vocab: Path, out: Path, shape: dict[str, int] = SHAPE) -> list[str]:
