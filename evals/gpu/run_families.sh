@@ -22,7 +22,8 @@
 # of the PART's shape already written, with its .args.json, e.g. run_replay.sh's Qwen3.6 file for qwen36: no write),
 # CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
-# DISK_MARGIN_GIB (3; BUILD_GIB (4) more while llama-bench builds), THREADS (8, both systems), REPS / PEER_S (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
+# DISK_MARGIN_GIB (3; BUILD_GIB (4) more while llama-bench builds), THREADS (8, both systems), REPS / PEER_S
+# (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
 # A CPU dry run (tiny shapes, a CPU llama-bench or a stand-in printing llama-bench's JSON):
 #   DEVICE=cpu NATIVE=0 THREADS=1 BENCH=PATH GGUF_DIR=/tmp/x R=/tmp/x-res OUR_REPS=1 TOKENS=8 REPS=1 PART=gptoss \
 #   GGUF_ARGS="--layers 4 --experts 8 --hidden 64 --inter 64 --heads 4 --kv-heads 2 --head-dim 16" bash evals/gpu/run_families.sh

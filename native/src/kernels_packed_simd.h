@@ -254,9 +254,9 @@ inline void decode_floats(const uint8_t* b, int j, const float* d, const float* 
     }
 }
 
-// R rows x TT tokens: each decoded vector is used for every token of the tile.
-constexpr int kPfTiles = 2;
+constexpr int kPfTiles = 2;  // prefetch distance, in tiles (see the top of this file)
 
+// R rows x TT tokens: each decoded vector is used for every token of the tile.
 template <class Q, int R, int TT>
 void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, size_t ldo) {
     constexpr int B = kQInfo[int(Q::kFmt)].block, kBytes = kQInfo[int(Q::kFmt)].bytes, S = sub_size<Q>();
