@@ -4,11 +4,13 @@ Contract: `GraphCache(name)`; `run(key, fn)` calls `fn` (which only queues work 
 stream, reading and writing fixed buffers) eagerly the first time a key is seen (kernels compile,
 lazy state settles), captures it into a CUDA graph the second time and replays that graph, and
 replays it afterwards. A capture that fails is logged once, with `name` and the key, and that key
-runs eagerly from then on: correct, only slower. `enabled=False` always runs `fn` eagerly (off
+runs eagerly until `clear()`: correct, only slower. `enabled=False` always runs `fn` eagerly (off
 CUDA, or with graphs turned off). All graphs share one memory pool; they must replay in stream
 order, never concurrently (`pool` shares one pool with other caches). Python's garbage collector
 is off during a capture. `clear()` drops every graph (when something they captured by reference
-is replaced); `captured` counts the graphs.
+is replaced) and forgets which keys failed; a cache that made its own pool takes a fresh one
+then, since PyTorch's allocator refuses to capture into a pool whose graphs were all destroyed
+while its memory is still cached. `captured` counts the graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class GraphCache:
     def __init__(self, name: str, enabled: bool = True, pool: Any = None) -> None:
         self.name = name
         self.enabled = enabled
+        self._own_pool = pool is None
         self.pool = (pool or torch.cuda.graph_pool_handle()) if enabled else None
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._seen: set[Hashable] = set()
@@ -64,6 +67,7 @@ class GraphCache:
             except Exception as exc:  # torch raises AcceleratorError or RuntimeError
                 # nothing captured ran, so the state fn updates is as before: run it eagerly
                 self._failed.add(key)
+                self._renew_pool()  # a failed capture may leave the pool as clear() does
                 log.warning("%s %s: CUDA graph capture failed, running eagerly: %s (at %s)", self.name, key,
                             str(exc).splitlines()[0], _where(exc))
             else:
@@ -77,8 +81,20 @@ class GraphCache:
         fn()
 
     def clear(self) -> None:
+        had_graphs = bool(self._graphs)
         self._graphs.clear()
         self._seen.clear()
+        self._failed.clear()
+        if had_graphs:
+            self._renew_pool()
+
+    def _renew_pool(self) -> None:
+        """A fresh pool when this cache made its own: once every graph of a pool is destroyed its use
+        count is 0 but its blocks stay cached until the allocator frees them, and capturing into it
+        again fails an internal assertion (use_count > 0). The old pool's memory returns to the
+        device when the allocator next releases cached blocks (empty_cache, or a failed cudaMalloc)."""
+        if self.enabled and self._own_pool:
+            self.pool = torch.cuda.graph_pool_handle()
 
     @property
     def captured(self) -> int:

@@ -10,6 +10,7 @@ Hardening (docs/security.md): `--max-request-bytes` caps a request body (default
 context window), `--allowed-hosts` extends the Host names served (loopback names only by default
 when bound to a loopback address; any when bound elsewhere, unless this is given), `--admin-key`
 gates `POST /v1/memory`, `--shutdown-grace` is how long running generations get after SIGTERM.
+`--warmup` (auto: on CUDA) runs engine/warmup.py's requests before the port opens.
 The HTTP layer lives in `adapters/` (the top layer); this command is the composition root that
 wires it to the engine and the chat service. Defining the parser imports neither torch nor the
 engine: `run_serve` does.
@@ -73,6 +74,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="require this key (instead of --api-key) for POST /v1/memory, which resizes the pools")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish after SIGTERM before their streams end")
+    p.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                   help="before serving, run a few requests of random tokens so that kernels compile and "
+                        "decode graphs are captured then, not in the first clients' time to first token "
+                        "(auto: on CUDA only; the prefix cache is emptied after)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="server log level (info: one line per request)")
 
@@ -118,6 +123,13 @@ def run_serve(args: argparse.Namespace) -> int:
                           calibration_file=str(calibration_path()))
     with load_progress("loading weights") as progress:
         engine = Engine(model_dir, opts, progress=progress)
+    if args.warmup == "on" or (args.warmup == "auto" and device == "cuda"):
+        from engine.warmup import warm_up
+
+        with load_progress("warming up (compiling kernels, capturing decode graphs)"):
+            done = warm_up(engine)
+        print(f"freetoken-agent: warm-up: {done['requests']} requests, {done['prompt_tokens']} prompt tokens "
+              f"in {done['seconds']:.1f} s", file=sys.stderr, flush=True)
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)
     service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens, sessions=sessions)
     limits = Limits(max_request_bytes=args.max_request_bytes, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

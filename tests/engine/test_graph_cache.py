@@ -103,3 +103,34 @@ def test_no_garbage_collection_inside_a_capture() -> None:
     assert cache.captured == 1
     assert _SyncingCycle.during_capture and not any(_SyncingCycle.during_capture)
     assert torch.equal(x, torch.full((4,), 2.0, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_clear_then_capture_again(caplog: pytest.LogCaptureFixture) -> None:
+    """After clear() (the decode pass does it when its rotary tables grow) the key is captured
+    again: PyTorch's allocator refuses a capture into a pool whose graphs were all destroyed while
+    its blocks are still cached, so the cache must not reuse that pool. A key that failed before
+    clear() is tried again after it."""
+    cache = GraphCache("test graphs")
+    x = torch.zeros(4, device="cuda")
+    out = torch.zeros(4, device="cuda")
+    host_read = {"on": True}
+
+    def fn() -> None:  # temporaries allocated inside the capture: the pool keeps blocks
+        y = x * 2 + 1
+        if host_read["on"]:
+            y = y + float(x.sum().item()) * 0  # a host read: this capture fails
+        out.copy_(torch.relu(y) + 0)
+
+    with caplog.at_level(logging.WARNING, logger="freetoken.engine"):
+        for round_ in range(3):
+            host_read["on"] = round_ == 0
+            cache.clear()
+            for step in range(3):
+                x.fill_(step + round_)
+                cache.run("k", fn)
+                torch.cuda.synchronize()
+                assert torch.equal(out, torch.full((4,), 2.0 * (step + round_) + 1, device="cuda"))
+            assert cache.captured == (0 if round_ == 0 else 1), round_
+    failed = [r.getMessage() for r in caplog.records if "CUDA graph capture failed" in r.getMessage()]
+    assert len(failed) == 1, failed  # round 0's host read only

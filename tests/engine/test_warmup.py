@@ -1,0 +1,55 @@
+"""engine/warmup.py: the warm-up runs its planned requests (the resumed one served from the first
+one's checkpoint), leaves no cached prefix or checkpoint behind, and changes no later result: a
+request after the warm-up gives the same greedy tokens and logits as on an engine that never warmed
+up. The plan keeps every request inside the KV pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from checkpoints import FULL, LIN, TinySpec, qwen3_5_moe_text
+
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.warmup import DECODE_STEPS, plan, warm_up
+
+HYBRID = TinySpec("warmup_q35", "qwen3_5_moe", qwen3_5_moe_text(layer_types=[LIN, LIN, FULL, LIN]), seed=31)
+
+
+@pytest.mark.parametrize("kv", [64, 256, 4096, 32768])
+@pytest.mark.parametrize("step", [0, 8])
+def test_plan_fits_the_pool(kv: int, step: int) -> None:
+    requests, mid = plan(1024, kv, step)
+    base = requests[0][1]
+    assert requests[0][0] == 0 and 0 < mid < base
+    for shared, new in requests:
+        assert shared in (0, base, mid) and new > 0
+        assert shared + new + DECODE_STEPS < kv
+    if kv >= 4096:  # every regime: a full chunk, extensions of each size, a resume
+        extensions = {n for s, n in requests if s == base}
+        assert base == 1024 + 11 and extensions == {45, 96, 304, 333} | ({step} if step else set())
+        assert (mid, 200) in requests and (0, 333) in requests
+
+
+def test_warm_up_leaves_nothing_and_changes_no_result(
+        tiny_checkpoint: Callable[[TinySpec], tuple], make_engine: Callable[..., Engine]) -> None:
+    ckpt, _ = tiny_checkpoint(HYBRID)
+    opts = {"device": "cpu", "kv_tokens": 512, "prefill_chunk": 64}
+    warm, cold = make_engine(ckpt, **opts), make_engine(ckpt, **opts)
+    done = warm_up(warm)
+    requests, _ = plan(64, 512, 0)
+    assert done["requests"] == len(requests)
+    assert done["prompt_tokens"] == sum(s + n for s, n in requests)
+    # every extension reused the whole base prompt, the last request the checkpoint at `mid`
+    assert done["reused_tokens"] == sum(s for s, _ in requests), done
+    assert warm.stats()["kv_tokens_used"] == 0 and warm.checkpoints() == []
+    prompt = [int(t) for t in torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a, b = warm.submit(prompt, params, capture_logits=True), cold.submit(prompt, params, capture_logits=True)
+    list(a), list(b)
+    assert a.cached_tokens == 0
+    assert a.output_ids == b.output_ids
+    for x, y in zip(a.logits, b.logits, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
