@@ -160,7 +160,8 @@ class EngineOptions:
     host_checkpoint_slots: int = _opt(128, "checkpoints spilled to host memory before they are dropped (hybrid "
                                       "models)", _int, cli=("--host-checkpoint-slots",))
     max_running: int = _opt(8, "requests decoded together", _at_least(1), cli=("--max-running",))
-    prefill_chunk: int = _opt(1024, "prompt tokens per step", _int)
+    prefill_chunk: int = _opt(1024, "prompt tokens per step (a streamed prefill reads every non-resident expert "
+                              "once per chunk)", _int, "FREETOKEN_PREFILL_CHUNK", ("--prefill-chunk",))
     max_model_len: int = _opt(0, "longest sequence (0: the model's max_position_embeddings)", _int)
     gpu_memory: int = _opt(0, "bytes: the engine's whole GPU footprint, an expert cache in the room left (0: no "
                            "cache; the CLI's --gpu-memory also takes auto and off)", cli=("--gpu-memory",))

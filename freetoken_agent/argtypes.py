@@ -87,7 +87,7 @@ def positive_int_list(text: str) -> list[int]:
 
 # the engine options every engine command takes as flags; `serve` adds the pool sizes
 ENGINE_FLAGS = ("threads", "executor", "dtype", "gpu_memory", "fetch_ratio", "cuda_graphs", "overlap_decode")
-POOL_FLAGS = ("kv_tokens", "max_running", "checkpoint_slots", "host_checkpoint_slots")
+POOL_FLAGS = ("kv_tokens", "max_running", "prefill_chunk", "checkpoint_slots", "host_checkpoint_slots")
 
 
 def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:

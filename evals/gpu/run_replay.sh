@@ -32,7 +32,8 @@
 # TRACES (opencode claude-code openclaw), UB (2048: llama-server's batch and micro-batch), OVERHEAD_GIB
 # (1.5: llama.cpp's GPU use beyond weights, for -ncmoe), FULL_LAYERS (40), VOCAB (qwen36|qwen2), GGUF_ARGS
 # (more write_gguf.py options, last wins), GGUF_DIR (/tmp/peer), DEVICE (cuda; cpu for a dry run),
-# NATIVE (1: build the native extension), BUDGET_S (560), SERVE_S (300), PEER_ARGS (more llama-server
+# NATIVE (1: build the native extension), BUDGET_S (560), SERVE_S (300), SYSTEMS ("ours peer"; "ours" alone
+# gets the whole budget), OURS_ARGS (more serve flags), PEER_ARGS (more llama-server
 # flags), PEER_BIN (.peer/bin/llama-server), PEER_CMD (instead of llama-server: a command started with
 # `exec` under bash, GGUF / PORT / THREADS exported; it must serve on 127.0.0.1:$PORT), PORT (18181),
 # PEER_PORT (18182), R (/tmp/replay-results), OUT.
@@ -174,18 +175,22 @@ sampler() {  # GPU memory samples of this system's phase, the first before its s
     sleep 1
 }
 mkdir -p "$R/ours" "$R/peer"
-ours_end=$(( $(date +%s) + $(left) * 2 / 5 ))  # the rest (at least 3/5 of it) for the peer, slower to load
+SYSTEMS=${SYSTEMS:-ours peer}
+share=2
+[[ " $SYSTEMS " == *" peer "* ]] || share=5
+ours_end=$(( $(date +%s) + $(left) * share / 5 ))  # the rest (at least 3/5 of it) for the peer, slower to load
 gpu=(--gpu-memory "$OURS_CAP")
 [ "$DEVICE" = cuda ] || gpu=()  # a CPU dry run: no cap
 # shellcheck disable=SC2206
 cmd=($F serve --model "$GGUF" --device "$DEVICE" "${gpu[@]}" --threads "$THREADS" --kv-tokens "$CTX"
-     --host 127.0.0.1 --port "${PORT:-18181}")
+     --host 127.0.0.1 --port "${PORT:-18181}" ${OURS_ARGS:-})
 echo "${cmd[*]}" > "$R/ours/cmd.txt"
 sampler "$R/ours/gpu_mem.txt"
 "${cmd[@]}" > "$R/ours/serve.log" 2>&1 &
 PIDS=($! "${PIDS[@]}")
 replay_system ours "${PORT:-18181}" "$ours_end"
 
+[[ " $SYSTEMS " == *" peer "* ]] || { python3 -m evals.gpu.replay_summary "$R" | tee "$R/summary.md"; at "done"; exit 0; }
 peer_end=$(( $(date +%s) + $(left) - 15 ))
 export GGUF THREADS
 sampler "$R/peer/gpu_mem.txt"
