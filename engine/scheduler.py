@@ -4,8 +4,11 @@ Contract: `Scheduler.step()` advances every running request by one forward pass:
 request contributes one token, prefilling requests contribute chunks up to `prefill_chunk` tokens
 in total. Admission restores the longest reusable prefix from the radix cache (KV slots, and for
 recurrent layers the deepest checkpoint at or before the first divergence, from the device or the
-host tier) and prefills only the rest; `RequestHandle.reuse` says what was reused. Prefill chunks
-end at anchor positions and the state there is checkpointed; a generated `DecodeAnchor` token is
+host tier) and prefills only the rest; `RequestHandle.reuse` says what was reused. Anchors inside a
+prefill chunk are checkpointed within its pass (the recurrent layers write the state at each into
+a free state slot, `SeqEntry.cuts`; a chunk ends early only at an anchor no slot is free for, and
+at every anchor on models with sliding-window rings, whose rings a cut cannot keep), so anchors add
+no forward passes; a generated `DecodeAnchor` token is
 checkpointed after the next step has computed it (one extra step, not reported, when the request
 ends on it). A finished request's computed tokens (prompt + output) are inserted into the cache
 with its final recurrent state as a checkpoint of kind "request_end", so the next request that
@@ -23,7 +26,7 @@ from collections import deque
 
 import torch
 
-from engine.anchors import DecodeAnchor, ReuseInfo, SnapshotMeta, decode_anchor_at
+from engine.anchors import Anchor, DecodeAnchor, ReuseInfo, SnapshotMeta, decode_anchor_at
 from engine.cache.checkpoints import CheckpointStore
 from engine.cache.pools import HostStatePool, KVPool, StatePool
 from engine.cache.radix import RadixCache
@@ -42,6 +45,9 @@ class Scheduler:
         cfg = decoder.cfg
         self.device = torch.device(opts.device)
         self.hybrid = cfg.is_hybrid
+        # checkpoints inside a pass: the recurrent layers write the state at a cut; sliding-window
+        # rings cannot (a chunk still ends at each anchor on models that have them)
+        self.cuts_in_pass = not cfg.sliding_attention_layer_ids
         self.kv = KVPool(cfg, opts.kv_tokens, dtype, self.device)
         self.states = StatePool(cfg, opts.device_state_slots if self.hybrid else 0, dtype, self.device)
         self.host_states = HostStatePool(cfg, opts.host_checkpoint_slots if self.hybrid else 0, dtype, self.device)
@@ -145,6 +151,7 @@ class Scheduler:
         if not self.running:
             return
         entries: list[tuple[Request, list[int]]] = []
+        cuts: dict[int, list[tuple[Anchor, int]]] = {}  # id(request): the checkpoints inside its chunk
         budget = self.opts.prefill_chunk
         for req in self.running:
             if req.phase is Phase.DECODE:
@@ -152,9 +159,7 @@ class Scheduler:
         for req in self.running:
             if req.phase is Phase.PREFILL and budget > 0:
                 end = min(req.computed + budget, len(req.prompt))
-                stop_at = next((a.position for a in req.anchors if a.position > req.computed), None)
-                if stop_at is not None:
-                    end = min(end, stop_at)  # a chunk ends at each checkpoint so its state can be saved
+                end, cuts[id(req)] = self._cuts(req, end)
                 chunk = req.prompt[req.computed:end]
                 budget -= len(chunk)
                 entries.append((req, chunk))
@@ -166,6 +171,7 @@ class Scheduler:
                 new = self._alloc_kv(len(toks), req.session)
             except CapacityError as e:
                 entries.remove((req, toks))
+                self._free_cuts(cuts.pop(id(req), []))
                 if req.finish_pending is not None:  # only the extra step for a decode anchor: skip it
                     self._finish(req, req.finish_pending)
                 else:
@@ -173,10 +179,13 @@ class Scheduler:
                 continue
             assert req.kv_slots is not None
             req.kv_slots = torch.cat([req.kv_slots, new])
-            batch_entries.append(SeqEntry(len(ids), len(toks), req.computed, req.kv_slots, req.state_slot))
+            inside = tuple((a.position - req.computed, slot) for a, slot in cuts.get(id(req), []) if slot >= 0)
+            batch_entries.append(SeqEntry(len(ids), len(toks), req.computed, req.kv_slots, req.state_slot, inside))
             ids.extend(toks)
             pos.extend(range(req.computed, req.computed + len(toks)))
         if not entries:
+            for held in cuts.values():
+                self._free_cuts(held)
             return
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
@@ -201,12 +210,16 @@ class Scheduler:
             if pipeline is not None:
                 pipeline.abandon()  # nothing may stay in flight while the requests are released
             err = e if isinstance(e, EngineError) else EngineError(f"forward pass failed: {type(e).__name__}: {e}")
+            for held in cuts.values():
+                self._free_cuts(held)
             for req, _ in entries:
                 self._finish(req, "error", err, keep_cache=False)
             return
         for row, (req, toks) in enumerate(entries):
             req.computed += len(toks)
             if req.phase is Phase.PREFILL:
+                for a, slot in cuts.pop(id(req), []):
+                    self._checkpoint(req, SnapshotMeta(a.kind, a.priority, req.session), a.position, slot)
                 anchor = next((a for a in req.anchors if a.position == req.computed), None)
                 if anchor is not None:
                     self._checkpoint(req, SnapshotMeta(anchor.kind, anchor.priority, req.session))
@@ -315,11 +328,41 @@ class Scheduler:
             req.decode_anchor_at = len(req.output)
         return anchor
 
-    def _checkpoint(self, req: Request, meta: SnapshotMeta) -> None:
-        """Publishes the computed prefix (prompt + output so far) to the radix cache and keeps a
-        checkpoint of the state after it when the policy finds room (skipped, never wrong)."""
+    def _cuts(self, req: Request, end: int) -> tuple[int, list[tuple[Anchor, int]]]:
+        """The anchors strictly inside the chunk [computed, end), each with the state slot its
+        checkpoint is written to inside the pass (-1 for models without per-sequence state, which
+        only publish the prefix), and the chunk's end: it stops at the first anchor for which no
+        state slot is free, or at the first anchor on a model with sliding-window rings (its state
+        is then the working state after the pass, as at `end`)."""
+        out: list[tuple[Anchor, int]] = []
+        for a in req.anchors:
+            if a.position <= req.computed:
+                continue
+            if a.position >= end:
+                break
+            if not self.cuts_in_pass:
+                return a.position, out
+            slot = -1
+            if self.hybrid:
+                got = self.states.alloc()
+                if got is None:
+                    return a.position, out
+                slot = got
+            out.append((a, slot))
+        return end, out
+
+    def _free_cuts(self, held: list[tuple[Anchor, int]]) -> None:
+        for _, slot in held:
+            if slot >= 0:
+                self.states.free(slot)
+
+    def _checkpoint(self, req: Request, meta: SnapshotMeta, at: int | None = None, slot: int = -1) -> None:
+        """Publishes the computed prefix (prompt + output so far; the first `at` tokens when given)
+        to the radix cache and keeps a checkpoint of the state after it when the policy finds room
+        (skipped, never wrong): the working state, or the state a cut wrote to `slot` inside the
+        pass (the slot then belongs to the store, kept as the checkpoint or freed)."""
         assert req.kv_slots is not None and req.match_node is not None
-        n = req.computed
+        n = req.computed if at is None else at
         node, existing = self.cache.insert(req.tokens[:n], req.kv_slots[:n])
         if existing > req.owned:
             # Another request cached these tokens first: use its slots, free our duplicates.
@@ -329,7 +372,10 @@ class Scheduler:
         self.cache.unlock(req.match_node)
         req.match_node, req.owned = node, n
         if self.hybrid:
-            self.store.save(node, req.state_slot, meta, req.session, donate=False)
+            if slot >= 0:
+                self.store.save(node, slot, meta, req.session, donate=True)
+            else:
+                self.store.save(node, req.state_slot, meta, req.session, donate=False)
 
     def reset_cache(self) -> None:
         """Drops every cached prefix and checkpoint (both tiers); only while no request runs."""

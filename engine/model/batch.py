@@ -1,8 +1,9 @@
 """The forward context of one engine step: ragged sequences flattened into one token batch.
 
 Contract: `ForwardBatch` lists, per sequence, where its new tokens sit in the flat batch, how many
-of its tokens are already cached, the KV slot of every token (cached and new) and its recurrent
-state slot. Filled by the scheduler; read by the decoder. `PassMeta` is what the layers of one
+of its tokens are already cached, the KV slot of every token (cached and new), its recurrent
+state slot and the cuts: positions inside the new tokens whose recurrent state is also kept, each
+in a slot of its own (checkpoints taken inside one pass instead of a pass ending at each). Filled by the scheduler; read by the decoder. `PassMeta` is what the layers of one
 forward pass read besides the hidden states (positions, rotary limit, and per kind of layer the
 form its mix across tokens takes): made from a `ForwardBatch` for a pass that runs eagerly, or
 over the fixed buffers of a captured pass (engine/model/decode_graph.py). Layers that mix across
@@ -25,10 +26,23 @@ class SeqEntry:
     cached_len: int  # tokens already in the KV cache / recurrent state
     kv_slots: torch.Tensor  # [cached_len + length] long, KV slot of every token so far
     state_slot: int = -1  # recurrent state slot (hybrid models)
+    # (offset, slot) ascending, 0 < offset < length: the recurrent state after the first `offset`
+    # new tokens is also written to state slot `slot` (a checkpoint inside the chunk)
+    cuts: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """The new tokens as (start, end, save_to) in the flat batch, split at the cuts: each piece
+        but the last saves the state after it into its cut's slot (-1: no save)."""
+        out, a = [], self.start
+        for offset, slot in self.cuts:
+            out.append((a, self.start + offset, slot))
+            a = self.start + offset
+        out.append((a, self.end, -1))
+        return out
 
 
 @dataclass

@@ -9,7 +9,8 @@ host read, so a captured pass (engine/model/decode_graph.py) holds it; the recur
 conv's dot are float32. On CUDA the same step runs as three Triton kernels
 (engine/model/fused_gdn.py; the option kernels.fused_gdn off keeps the torch ops). Longer chunks: for
 bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's chunked Triton
-kernel as one varlen call; float32 models (whose promise is the reference's logits to 1e-4) and
+kernel as one varlen call (one per round of pieces when a sequence has cuts: `SeqEntry.cuts`,
+whose slots receive the conv window and the SSM state at each cut); float32 models (whose promise is the reference's logits to 1e-4) and
 other devices use the torch ops in `gdn_ops` per sequence. The option kernels.gdn (torch | fla)
 forces either path for those chunks.
 """
@@ -65,22 +66,27 @@ def gated_deltanet(
     mixed, z, beta, g = _projections(x, w)
     conv_out = torch.empty_like(mixed)
     for s in batch.seqs:
-        sl = slice(s.start, s.end)
-        conv_out[sl], conv_state[s.state_slot] = gdn_ops.causal_conv1d(mixed[sl], conv_state[s.state_slot], w.conv)
+        for a, b, save in s.pieces():
+            conv_out[a:b], conv_state[s.state_slot] = gdn_ops.causal_conv1d(mixed[a:b], conv_state[s.state_slot],
+                                                                           w.conv)
+            if save >= 0:
+                conv_state[save] = conv_state[s.state_slot]
     q, k, v = torch.split(conv_out, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
     kernels = _fla(x)
     if kernels is not None:
-        core = _fla_rule(kernels, q, k, v, g, beta, batch, ssm_state).to(x.dtype)
+        core = _fla_pieces(kernels, q, k, v, g, beta, batch, ssm_state).to(x.dtype)
     else:
         core = torch.empty(n, hv, dv, dtype=x.dtype, device=x.device)
         rep = hv // hk
         for s in batch.seqs:
-            sl = slice(s.start, s.end)
-            o, ssm_state[s.state_slot] = gdn_ops.gated_delta_rule(
-                q[sl].repeat_interleave(rep, dim=1), k[sl].repeat_interleave(rep, dim=1), v[sl], g[sl], beta[sl],
-                ssm_state[s.state_slot])
-            core[sl] = o.to(x.dtype)
+            for a, b, save in s.pieces():
+                o, ssm_state[s.state_slot] = gdn_ops.gated_delta_rule(
+                    q[a:b].repeat_interleave(rep, dim=1), k[a:b].repeat_interleave(rep, dim=1), v[a:b], g[a:b],
+                    beta[a:b], ssm_state[s.state_slot])
+                core[a:b] = o.to(x.dtype)
+                if save >= 0:
+                    ssm_state[save] = ssm_state[s.state_slot]
     core = gated_rms_norm(core.reshape(n * hv, dv), z.reshape(n * hv, dv), w.norm, cfg.rms_norm_eps)
     return F.linear(core.reshape(n, hv * dv), w.out_proj)
 
@@ -133,12 +139,40 @@ def gated_deltanet_decode_fused(x: torch.Tensor, w: LinearAttentionWeights, cfg:
     return F.linear(core.view(n, hv * dv), w.out_proj)
 
 
+def _fla_pieces(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor) -> torch.Tensor:
+    """fla's chunked rule over the batch: one varlen call when no sequence has cuts, else one call
+    per round (the r-th piece of every sequence that has one), each piece starting from the state
+    the previous left in the sequence's slot, the cuts' slots filled between rounds."""
+    if not any(s.cuts for s in batch.seqs):
+        return _fla_rule(kernels, q, k, v, g, beta, [(s.start, s.end, s.state_slot) for s in batch.seqs], ssm_state,
+                         batch.state_slots(q.device))
+    out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    pieces = [s.pieces() for s in batch.seqs]
+    for r in range(max(len(p) for p in pieces)):
+        now = [(s, p[r]) for s, p in zip(batch.seqs, pieces, strict=True) if r < len(p)]
+        index = torch.cat([torch.arange(a, b) for _, (a, b, _) in now]).to(v.device)
+        flat: list[tuple[int, int, int]] = []
+        at = 0
+        for s, (a, b, _) in now:
+            flat.append((at, at + b - a, s.state_slot))
+            at += b - a
+        out[index] = _fla_rule(kernels, q[index], k[index], v[index], g[index], beta[index], flat, ssm_state)
+        for s, (_, _, save) in now:
+            if save >= 0:
+                ssm_state[save] = ssm_state[s.state_slot]
+    return out
+
+
 def _fla_rule(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor) -> torch.Tensor:
+              beta: torch.Tensor, seqs: list[tuple[int, int, int]], ssm_state: torch.Tensor,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One varlen call over `seqs` ((start, end, state slot), contiguous from 0 in q's rows);
+    `slots`: their state slots on q's device, when the caller has them."""
     chunk_rule = kernels
-    slots = batch.state_slots(q.device)
-    lengths = [s.length for s in batch.seqs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=q.device)
+    if slots is None:
+        slots = torch.tensor([slot for _, _, slot in seqs], dtype=torch.long).to(q.device)
+    cu = torch.tensor([0, *[end for _, end, _ in seqs]], dtype=torch.long).to(q.device)
     out, final = chunk_rule(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta.float()[None],
         initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,

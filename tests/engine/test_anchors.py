@@ -418,3 +418,37 @@ def test_concurrent_requests_with_anchors_under_tight_budgets(hybrid, make_engin
         h = served(engine, cold, [*full[:pos], 127])
         assert h.reuse.state_position == pos if still else h.reuse.state_position <= pos
     assert_baseline(engine)
+
+
+def test_anchors_inside_a_chunk_add_no_passes(hybrid, make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints inside one prefill chunk are taken within its pass (`SeqEntry.cuts`): a 30-token
+    prompt with anchors at 7, 16 and 29 is one forward pass, not four, and a request resumed from
+    each of those checkpoints gives a cold prefill's tokens and logits. With no free state slot for
+    a cut the chunk ends at that anchor instead (the earlier cuts still inside the pass)."""
+    path, _, cold = hybrid
+    engine = make_engine(path)
+    passes: list[int] = []
+    forward = engine.decoder.forward
+
+    def counted(batch, kv, states):  # type: ignore[no-untyped-def]
+        passes.append(batch.num_tokens)
+        return forward(batch, kv, states)
+
+    monkeypatch.setattr(engine.decoder, "forward", counted)
+    anchors = [Anchor(7, "system_end", 5), Anchor(16, "user_start", 1), Anchor(29, "prompt_end", 2)]
+    h = engine.submit(PROMPT, greedy(1), session="main", anchors=anchors)
+    h.result(timeout=120)
+    assert passes == [30]
+    assert {7, 16, 29} <= set(held(engine, "main"))
+    for p in (7, 16, 29):
+        assert reuse(served(engine, cold, [*PROMPT[:p], 3, 1, 4, 1, 5]))[:3] == (p, p, anchors[[7, 16, 29].index(p)].kind)
+    # one free state slot beyond the working one: the cut at 7 takes it, the pass ends at 16
+    engine.reset_cache()
+    s = engine.scheduler
+    taken = [s.states.alloc() for _ in range(s.states.num_free - 2)]
+    passes.clear()
+    h = engine.submit(PROMPT, greedy(1), session="main", anchors=anchors)
+    h.result(timeout=120)
+    for slot in taken:
+        s.states.free(slot)
+    assert passes == [16, 13, 1]  # the cut at 7 in the first pass; then no slot is free for 29 either

@@ -139,3 +139,37 @@ def test_fla_varlen_batch_equals_single(tiny_checkpoint, make_engine, monkeypatc
         engine.scheduler.cache.reset()
     together = [engine.submit(p, params) for p in prompts]
     assert [h.result() for h in together] == alone
+
+
+def test_fla_cuts_inside_a_chunk_equal_cold_prefills(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints inside one pass on fla's path (rounds of varlen calls, engine/model/linear_attention.py
+    `_fla_pieces`): two prompts prefilled together, one with cuts at 40 and 97, the other with one at
+    60 (rounds of two and three pieces); a request resumed from each checkpoint gives the greedy
+    tokens and, within fla's TF32 error, the logits of a cold prefill of the same prompt."""
+    from engine.anchors import Anchor
+
+    if _import_fla() is None:
+        pytest.fail("fla-core is not importable on this CUDA machine")
+    path, _ = tiny_checkpoint(SPECS[0])
+    engine = make_engine(path, device="cuda", gdn="fla")
+    gen = torch.Generator().manual_seed(6)
+    a, b = ([int(t) for t in torch.randint(0, 128, (n,), generator=gen)] for n in (150, 90))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = [engine.submit(a, params, anchors=[Anchor(40, "system_end", 5), Anchor(97, "user_start", 1)]),
+             engine.submit(b, params, anchors=[Anchor(60, "user_start", 1)])]
+    for h in first:
+        h.result(timeout=120)
+    cases = [(a, 40), (a, 97), (b, 60)]
+    resumed = []
+    for prompt, p in cases:
+        h = engine.submit([*prompt[:p], 7, 8, 9], params, capture_logits=True)
+        h.result(timeout=120)
+        assert h.reuse is not None and h.reuse.state_position == p, (p, h.reuse)
+        resumed.append(h)
+    for (prompt, p), h in zip(cases, resumed, strict=True):
+        engine.reset_cache()
+        cold = engine.submit([*prompt[:p], 7, 8, 9], params, capture_logits=True)
+        assert cold.result(timeout=120) == h.output_ids
+        err = rel_err(torch.stack(h.logits).cpu(), torch.stack(cold.logits).cpu())
+        print(f"resumed at {p}: logits vs cold {err:.2e}")
+        assert err <= 5e-3
