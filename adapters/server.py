@@ -137,6 +137,7 @@ def create_app(state: AppState) -> FastAPI:
         load = state.service.engine.stats()
         state.metrics.running.set(load["running"])
         state.metrics.kv_in_use.set(load["kv_tokens_used"])
+        state.metrics.prefill_passes.set(load["prefill_passes"])
         state.metrics.request_kv.set(state.service.tokens_in_flight())
         state.metrics.observe_engine(state.service.engine)
         return PlainTextResponse(generate_latest(state.metrics.registry).decode(),

@@ -57,6 +57,8 @@ class Metrics:
         # with a GPU expert cache only (engine.gpu_report())
         self.gpu_bytes = Gauge("freetoken_gpu_memory_bytes", "The GPU cap, its split and the measured peak",
                                ["part"], registry=r)
+        self.prefill_passes = Gauge("freetoken_prefill_passes", "Forward passes that computed prompt tokens "
+                                    "(since the pools were made)", registry=r)
         self.expert_hit_rate = Gauge("freetoken_expert_cache_hit_rate", "GPU expert cache hits / lookups so far",
                                      registry=r)
 

@@ -233,9 +233,10 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """What other threads may read without waiting for a step: {"running", "waiting",
-        "kv_tokens", "kv_tokens_used", "staged_passes"} as of the end of the last step (KV tokens
-        in use count the prefix cache's slots too; staged passes: decode passes queued before the
-        previous pass's tokens were read, engine/decode_pipeline.py, since the pools were made).
+        "kv_tokens", "kv_tokens_used", "staged_passes", "prefill_passes"} as of the end of the last
+        step (KV tokens in use count the prefix cache's slots too; staged passes: decode passes
+        queued before the previous pass's tokens were read, engine/decode_pipeline.py, since the
+        pools were made; prefill passes: forward passes that computed prompt tokens, since then).
         Safe from any thread; never blocks."""
         out = dict(self._stats)
         out["waiting"] += len(self._inbox)
@@ -245,7 +246,8 @@ class Engine:
         """Engine thread (or a caller holding the step lock): the figures `stats()` returns."""
         s = self.scheduler
         self._stats = {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv.capacity,
-                       "kv_tokens_used": s.kv.capacity - s.kv.num_free, "staged_passes": s.staged_passes}
+                       "kv_tokens_used": s.kv.capacity - s.kv.num_free, "staged_passes": s.staged_passes,
+                       "prefill_passes": s.prefill_passes}
 
     def _refresh_cache_stats(self) -> None:
         """Copies the expert cache's device counters to the host at most once a second, here on the

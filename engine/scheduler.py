@@ -56,6 +56,7 @@ class Scheduler:
         self.eos = set(cfg.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefill_passes = 0  # forward passes that computed prompt tokens, since the start
         # steady decode through captured graphs: the next pass queued before this one's tokens are read
         self.pipeline = (DecodePipeline(decoder, self.kv, self.states, self.device, opts.overlap_width)
                          if opts.overlap_decode else None)
@@ -187,6 +188,8 @@ class Scheduler:
             for held in cuts.values():
                 self._free_cuts(held)
             return
+        if any(req.phase is Phase.PREFILL for req, _ in entries):
+            self.prefill_passes += 1
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                              torch.tensor(pos, dtype=torch.long, device=self.device), batch_entries)
         overlap = pipeline is not None and pipeline.may_start(self.running, entries)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 import anthropic
@@ -90,6 +91,14 @@ def test_metrics_counters_increase(q35: ServerProcess) -> None:
     assert after[key] == before.get(key, 0.0) + 1
     assert after["freetoken_time_to_first_token_seconds_count"] > before.get(
         "freetoken_time_to_first_token_seconds_count", 0.0)
+    # one short prompt is one prefill pass, its checkpoints (system end, user start, reply start,
+    # prompt end) taken inside it; the gauge follows the engine's step, published just after it
+    for _ in range(20):
+        if after["freetoken_prefill_passes"] > before["freetoken_prefill_passes"]:
+            break
+        time.sleep(0.1)
+        after = q35.metrics()
+    assert after["freetoken_prefill_passes"] - before["freetoken_prefill_passes"] == 1
 
 
 # ---------------------------------------------------------------- auth
