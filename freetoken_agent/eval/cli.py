@@ -94,11 +94,12 @@ def server(args: argparse.Namespace) -> Iterator[str]:
         yield url
 
 
-def _baseline(args: argparse.Namespace, url: str, model: object, force: bool) -> float | None:
+def _baseline(args: argparse.Namespace, url: str, model: object, force: bool, text: object = None) -> float | None:
     from freetoken_agent.eval.wire import baseline_decode
 
     auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return baseline_decode(url, str(model) if model else None, force, auth)
+    return baseline_decode(url, str(model) if model else None, force, auth,
+                           text=text if isinstance(text, str) else None)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, object], ok: bool) -> int:
@@ -122,7 +123,7 @@ def run_eval(args: argparse.Namespace) -> int:
         with server(args) as url, load_progress("replaying") as progress:
             result = replay(traces, url, force=args.force, tokenizer=tokenizer, api_key=args.api_key,
                             model=args.served_model, max_tokens=args.max_tokens, progress=progress)
-            add_decode_drop(result, _baseline(args, url, result["model"], args.force))
+            add_decode_drop(result, _baseline(args, url, result["model"], args.force, result["baseline_text"]))
         return _finish(args, result, all(r["failed"] == 0 for r in result["runs"]))  # type: ignore[index]
     if args.eval_command == "swe":
         from freetoken_agent.eval.swe.run import run_swe

@@ -18,7 +18,8 @@ Contract:
   reused / recomputed tokens, divergence cause and expert-cache hit rate, elsewhere recomputed is
   `prompt - cached` from usage; TTFT and decode tok/s as measured by this client (wire.py); with a
   `tokenizer` (a local model), truly new tokens: the prompt minus the longest prefix it shares with
-  an earlier request of its session followed by that request's forced reply.
+  an earlier request of its session followed by that request's forced reply. The result's
+  `baseline_text` (`baseline_text(traces)`) is what the single-turn decode baseline forces.
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ def load(path: str | Path) -> Trace:
     if not reqs:
         raise ValueError(f"{p}: no requests")
     return Trace(p.stem.removesuffix(".jsonl"), "qwen3_5", reqs)
+
+
+def baseline_text(traces: list[Trace], least: int = 200, most: int = 320) -> str | None:
+    """Plain text in the traces' own words for the single-turn decode baseline: their recorded
+    replies' reasoning and content (and string responses) joined and cut at a space before `most`
+    characters (about 64-80 tokens: the server decodes a forced reply whole), when they add up to
+    `least`; else None (the eval's default baseline text). A baseline of other text would measure
+    other routing, and with it another expert-cache hit rate, not the session's cost."""
+    parts: list[str] = []
+    for trace in traces:
+        for req in trace.requests:
+            if isinstance(req.get("response"), str):
+                parts.append(str(req["response"]))
+            reply = req.get("reply")
+            if isinstance(reply, dict):
+                parts += [str(reply[k]) for k in ("reasoning", "content") if isinstance(reply.get(k), str)]
+    text = " ".join(" ".join(p.split()) for p in parts if p.strip())
+    if len(text) > most:
+        text = text[:most].rsplit(" ", 1)[0]
+    return text if len(text) >= least else None
 
 
 def _forced_text(req: dict[str, Any], family: str) -> str | None:
@@ -183,4 +204,5 @@ def replay(traces: list[Trace], base: str, force: bool = True, tokenizer: str | 
             turns += mine
             runs.append({"run": trace.name, **summarise(mine)})
     return {"eval": "replay", "base_url": base, "model": model, "forced": force,
-            "server_sessions": server.available, "runs": runs, "turns": turns}
+            "server_sessions": server.available, "runs": runs, "turns": turns,
+            "baseline_text": baseline_text(traces)}

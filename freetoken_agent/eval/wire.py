@@ -120,12 +120,15 @@ BASELINE_TEXT = " ".join(f"{i}" for i in range(1, 26))
 
 
 def baseline_decode(base: str, model: str | None, force: bool = True, headers: dict[str, str] | None = None,
-                    tokens: int = 64) -> float | None:
+                    tokens: int = 64, text: str | None = None) -> float | None:
+    """Decode tok/s of one single-turn request of `tokens` output tokens: forced to `text` (an
+    eval's own words, e.g. a trace's replies) or to BASELINE_TEXT, or sampled with `force` off."""
+    ask = "Say that again, word for word." if text else "Count upwards from 1, numbers only."
     body: dict[str, Any] = {"model": model or "default", "stream": True, "max_tokens": tokens,
                             "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": "Count upwards from 1, numbers only."}]}
+                            "messages": [{"role": "user", "content": ask}]}
     if force:
-        body["freetoken_forced_output"] = BASELINE_TEXT
+        body["freetoken_forced_output"] = text or BASELINE_TEXT
     with httpx.Client(timeout=600) as client:
         s = send(client, base, "/v1/chat/completions", body, headers or {})
     return None if s.decode_tps is None else round(s.decode_tps, 2)

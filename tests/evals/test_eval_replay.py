@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from freetoken_agent.cli import main
-from freetoken_agent.eval.replay import load, replay
+from freetoken_agent.eval.replay import baseline_text, load, replay
 
 SYSTEM = "You are a careful assistant. " * 20
 TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
@@ -132,3 +132,18 @@ def test_replay_cli_on_a_recorded_trace(demo_server: str, tmp_path: Path) -> Non
     main_turns = [t for t in turns if t["reused_tokens"] > 0]
     assert len(main_turns) >= 3 and all(t["recomputed_tokens"] < t["prompt_tokens"] // 4 for t in main_turns)
     assert _sums_match_the_server(demo_server, turns) >= 1
+
+
+def test_the_baseline_decodes_the_traces_own_words(tmp_path: Path) -> None:
+    """The single-turn decode baseline forces the traces' reply text (reasoning and content), cut at
+    a space to about 64-80 tokens, so the decode drop compares decode of the same kind of text; a
+    trace with too little reply text falls back to the default baseline (None)."""
+    data = Path(__file__).resolve().parents[2] / "evals" / "traces" / "data" / "opencode.json"
+    trace = load(data)
+    text = baseline_text([trace])
+    assert text is not None and 200 <= len(text) <= 320 and not text.endswith(" ")
+    replies = [r["reply"] for r in trace.requests if r.get("reply")]
+    words = set(" ".join(str(r.get(k, "")) for r in replies for k in ("reasoning", "content")).split())
+    assert set(text.split()[:-1]) <= words  # every whole word is the trace's own
+    assert text.split()[0] == str(replies[0].get("reasoning") or replies[0].get("content")).split()[0]
+    assert baseline_text([load(_write(tmp_path, _trace()[:1]))]) is None
