@@ -71,10 +71,13 @@ class Engine:
 
     def _start(self, decoder: Decoder, opts: EngineOptions) -> None:
         """Everything after the decoder exists: the GPU expert cache, the scheduler, the loop state."""
+        from engine.gpu.budget import resolve_checkpoint_slots
+
+        self.dtype = decoder.weights.embed.dtype
+        opts = resolve_checkpoint_slots(opts, decoder.cfg, self.dtype)
         self.opts = opts
         self.decoder = decoder
         self.cfg = decoder.cfg
-        self.dtype = decoder.weights.embed.dtype
         self.gpu_budget = None
         self._cache_stats: dict[str, float] = {}
         self._cache_stats_at = 0.0

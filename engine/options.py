@@ -17,7 +17,9 @@ of the engine reads the environment (`triton_interpreted()` answers for Triton's
 Sizes are budgets the engine never exceeds: `kv_tokens` KV slots (tokens across all requests and
 the prefix cache), `max_running` concurrently decoding requests, `prefill_chunk` prompt tokens per
 step. Recurrent state (hybrid models only): `checkpoint_slots` device checkpoint slots (snapshots
-attached to the radix tree); `host_checkpoint_slots` the host-memory spill tier for checkpoints
+attached to the radix tree; -1, the default, is sized when the engine starts: 32, or under a GPU
+cap as many as fit in 1/16 of it, between 2 and 32, since a checkpoint restores from the host tier
+in milliseconds and the cap's room is worth more as expert slots); `host_checkpoint_slots` the host-memory spill tier for checkpoints
 (pinned when on CUDA); `state_slots` the device state pool, shared by live requests' working states
 and device checkpoints (0 sizes it `max_running + checkpoint_slots`, so working states never
 compete with checkpoints; an explicit value caps both together: a live request always gets a slot
@@ -155,7 +157,8 @@ class EngineOptions:
                           cli=("--kv-tokens",))
     state_slots: int = _opt(0, "device recurrent-state slots, working states and checkpoints together (0: "
                             "max_running + checkpoint_slots)", _int)
-    checkpoint_slots: int = _opt(32, "recurrent-state checkpoints kept on the device (hybrid models)", _int,
+    checkpoint_slots: int = _opt(-1, "recurrent-state checkpoints kept on the device (hybrid models; -1: 32, "
+                                 "under a GPU cap as many as fit in 1/16 of it, 2 to 32)", _int,
                                  cli=("--checkpoint-slots",))
     host_checkpoint_slots: int = _opt(128, "checkpoints spilled to host memory before they are dropped (hybrid "
                                       "models)", _int, cli=("--host-checkpoint-slots",))
@@ -191,15 +194,21 @@ class EngineOptions:
                 raise ConfigError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_memory < 0 or self.fetch_ratio > 1 or self.follow_free_memory < 0 or self.step_watch_s < 0:
             raise ConfigError("gpu_memory, follow_free_memory and step_watch_s must be >= 0 and fetch_ratio <= 1")
-        for name in ("state_slots", "checkpoint_slots", "host_checkpoint_slots", "max_model_len", "threads"):
+        for name in ("state_slots", "host_checkpoint_slots", "max_model_len", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"engine option {name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_slots < -1:
+            raise ConfigError(f"engine option checkpoint_slots must be >= 0 (or -1: sized by the engine), got "
+                              f"{self.checkpoint_slots}")
         if self.state_slots and self.state_slots < self.max_running:
             raise ConfigError(f"state_slots ({self.state_slots}) must be >= max_running ({self.max_running})")
 
     @property
     def device_state_slots(self) -> int:
-        """Size of the device state pool (working states + device checkpoints)."""
+        """Size of the device state pool (working states + device checkpoints); `checkpoint_slots`
+        must be resolved (engine/gpu/budget.py `resolve_checkpoint_slots`)."""
+        if self.checkpoint_slots < 0:
+            raise ConfigError("checkpoint_slots -1 is sized when the engine starts; these options were not resolved")
         return self.state_slots or self.max_running + self.checkpoint_slots
 
     @property

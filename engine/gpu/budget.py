@@ -11,6 +11,8 @@ attention and MoE intermediates, the Gated DeltaNet temporaries of hybrid models
 chunk's last tokens), the attention temporaries of the longest context the KV pool holds, and a
 fixed margin for the allocator and CUDA graphs; the benchmarks report the measured peak next to
 the cap.
+`resolve_checkpoint_slots(opts, cfg, dtype)` sizes `checkpoint_slots` -1 (the default): 32, or
+under a GPU cap as many state slots as fit in 1/16 of it (2 to 32).
 `auto_gpu_memory(device)` is the cap when none is given: `auto_cap` of `device_memory(device)`, what
 this process could use on the device (free memory plus what its allocator already holds), less
 `auto_margin(total)` for other processes, the CUDA context and fragmentation; 0 off CUDA.
@@ -89,6 +91,27 @@ def _tensors(obj: object, seen: dict[tuple[int, int], torch.Tensor]) -> dict[tup
     return seen
 
 
+AUTO_CHECKPOINT_SLOTS = 32  # device checkpoint slots of an engine without a GPU cap
+CHECKPOINT_SHARE = 16  # under a cap, device checkpoints take at most 1/16 of it
+MIN_CHECKPOINT_SLOTS = 2
+
+
+def resolve_checkpoint_slots(opts: EngineOptions, cfg: ModelConfig, dtype: torch.dtype,
+                             cap: int | None = None) -> EngineOptions:
+    """`opts` with `checkpoint_slots` -1 (the default) made a number: 32 without a GPU cap (`cap`,
+    default `opts.gpu_memory`) or for a model without per-sequence state; under a cap, as many state
+    slots as fit in 1/16 of it, between 2 and 32 (a Qwen3.6-35B-A3B state slot is 61.4 MiB: 12 slots at a 12 GiB cap, 1.2 GiB less than 32
+    would take). Any other value is returned as it is."""
+    if opts.checkpoint_slots >= 0:
+        return opts
+    per_slot = StatePool.bytes_per_slot(cfg, dtype)
+    cap = opts.gpu_memory if cap is None else cap
+    n = AUTO_CHECKPOINT_SLOTS
+    if cap and per_slot:
+        n = max(MIN_CHECKPOINT_SLOTS, min(n, cap // CHECKPOINT_SHARE // per_slot))
+    return dataclasses.replace(opts, checkpoint_slots=n)
+
+
 def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -> int:
     item = torch.empty(0, dtype=dtype).element_size()
     tokens = opts.prefill_chunk + opts.max_running
@@ -136,6 +159,7 @@ def linear_attention_bytes(cfg: ModelConfig, opts: EngineOptions, item: int) -> 
 
 def split_gpu_memory(total: int, cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype, dense: int,
                      expert_bytes: int) -> GpuBudget:
+    opts = resolve_checkpoint_slots(opts, cfg, dtype, total)
     kv = KVPool.bytes_per_slot(cfg, dtype) * opts.kv_tokens
     states = StatePool.bytes_per_slot(cfg, dtype) * opts.device_state_slots
     work = workspace_bytes(cfg, opts, dtype)

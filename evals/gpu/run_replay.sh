@@ -33,7 +33,8 @@
 # (1.5: llama.cpp's GPU use beyond weights, for -ncmoe), FULL_LAYERS (40), VOCAB (qwen36|qwen2), GGUF_ARGS
 # (more write_gguf.py options, last wins), GGUF_DIR (/tmp/peer), DEVICE (cuda; cpu for a dry run),
 # NATIVE (1: build the native extension), BUDGET_S (560), SERVE_S (300), SYSTEMS ("ours peer"; "ours" alone
-# gets the whole budget), OURS_ARGS (more serve flags), PEER_ARGS (more llama-server
+# gets the whole budget), PEER_S (120: the seconds kept for the peer's phase; ours gets the rest),
+# OURS_ARGS (more serve flags), PEER_ARGS (more llama-server
 # flags), PEER_BIN (.peer/bin/llama-server), PEER_CMD (instead of llama-server: a command started with
 # `exec` under bash, GGUF / PORT / THREADS exported; it must serve on 127.0.0.1:$PORT), PORT (18181),
 # PEER_PORT (18182), R (/tmp/replay-results), OUT.
@@ -179,9 +180,9 @@ sampler() {  # GPU memory samples of this system's phase, the first before its s
     sleep 1
 }
 mkdir -p "$R/ours" "$R/peer"
-share=2
-[ "$with_peer" = 1 ] || share=5
-ours_end=$(( $(date +%s) + $(left) * share / 5 ))  # the rest (at least 3/5 of it) for the peer, slower to load
+peer_s=0
+[ "$with_peer" = 1 ] && peer_s=${PEER_S:-120}
+ours_end=$(( $(date +%s) + $(left) - peer_s ))  # the rest for the peer (H100, 12 GiB: ready in ~15 s, ~25 s a trace)
 gpu=(--gpu-memory "$OURS_CAP")
 [ "$DEVICE" = cuda ] || gpu=()  # a CPU dry run: no cap
 # shellcheck disable=SC2206

@@ -114,3 +114,32 @@ def test_workspace_counts_the_grouped_prefill_buffers(demo: Path, monkeypatch) -
         loop = workspace_bytes(cfg, opts, torch.bfloat16)
     assert extra > 512 * cfg.top_k * cfg.hidden_size * 2  # at least every entry's output
     assert workspace_bytes(cfg, opts, torch.bfloat16) == loop + extra
+
+
+def test_device_checkpoint_slots_follow_the_cap() -> None:
+    """checkpoint_slots -1 (the default): 32 without a cap; under one, as many state slots as fit in
+    1/16 of it, 2 to 32 (Qwen3.6-35B-A3B: 61.4 MiB a slot, so 12 at 12 GiB: the cap's split gives the
+    expert slots the difference); an explicit count is kept."""
+    import torch
+
+    from engine.cache.pools import StatePool
+    from engine.gpu.budget import resolve_checkpoint_slots
+    from engine.weights.dummy import dummy_config
+
+    cfg = dummy_config("qwen3.6-35b-a3b")
+    per_slot = StatePool.bytes_per_slot(cfg, torch.bfloat16)
+    assert 60e6 < per_slot < 66e6  # 61.4 MiB
+
+    def slots(**kw: object) -> int:
+        return resolve_checkpoint_slots(EngineOptions.of(**kw), cfg, torch.bfloat16).checkpoint_slots
+
+    gib = 2**30
+    assert slots() == 32 and slots(checkpoint_slots=5) == 5 and slots(checkpoint_slots=5, gpu_memory=12 * gib) == 5
+    assert slots(gpu_memory=12 * gib) == 12 * gib // 16 // per_slot == 12
+    assert slots(gpu_memory=4 * gib) == 4 and slots(gpu_memory=1 * gib) == 2 and slots(gpu_memory=80 * gib) == 32
+    auto = split_gpu_memory(12 * gib, cfg, EngineOptions.of(kv_tokens=32768), torch.bfloat16, 3 * gib, 2 * 2**20)
+    fixed = split_gpu_memory(12 * gib, cfg, EngineOptions.of(kv_tokens=32768, checkpoint_slots=32), torch.bfloat16,
+                             3 * gib, 2 * 2**20)
+    assert fixed.states - auto.states == 20 * per_slot == auto.experts - fixed.experts
+    with pytest.raises(ConfigError, match="checkpoint_slots"):
+        EngineOptions.of(checkpoint_slots=-2)
