@@ -15,7 +15,7 @@ one, engine/gpu/prefill.py) and a short tail; prompts that extend a cached prefi
 dozen (per-layer planning of cache misses) and a few hundred tokens (streamed again), each with
 lengths on both sides of the multiple-of-16 specialisation; a fresh prompt of a few hundred; a prompt resumed from a mid-prompt
 checkpoint; and several greedy decode steps each (eager, captured, replayed). Lengths shrink to
-fit a small KV pool. Prompts are random: the warm-up computes real passes of the real model,
+fit a small KV pool; a pool too small for the first request gets no warm-up. Prompts are random: the warm-up computes real passes of the real model,
 only their tokens are meaningless.
 """
 
@@ -43,13 +43,15 @@ def plan(chunk: int, kv_tokens: int, step_tokens: int) -> tuple[list[tuple[int, 
     tail = max(step_tokens + 3, 11)
     base = base_chunk + tail
     room = kv_tokens - base - DECODE_STEPS - 2
+    mid = base_chunk // 2 - 3
+    if room < 0:
+        return [], mid  # a pool too small for even the first request: no warm-up
     out = [(0, base)]
     for extra in (step_tokens, 45, 96, 304, 333):
         if 0 < extra <= room:
             out.append((base, extra))
     if room >= 333:
         out.append((0, 333))  # a fresh prompt streamed, with no prefix
-    mid = base_chunk // 2 - 3
     if kv_tokens - mid - DECODE_STEPS - 2 >= 200:
         out.append((mid, 200))  # resumed from the checkpoint at `mid`
     return out, mid
@@ -61,6 +63,8 @@ def warm_up(engine: Engine, seed: int = 0) -> dict[str, float]:
     limit = min(engine.max_model_len, opts.kv_tokens)
     step_tokens = int(getattr(engine.decoder.executor, "step_tokens", 0) or 0)
     requests, mid = plan(opts.prefill_chunk, limit, step_tokens)
+    if not requests:
+        return {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "seconds": time.monotonic() - t0}
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.cfg.vocab_size
     base_len = requests[0][1]

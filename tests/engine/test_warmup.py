@@ -18,10 +18,13 @@ from engine.warmup import DECODE_STEPS, plan, warm_up
 HYBRID = TinySpec("warmup_q35", "qwen3_5_moe", qwen3_5_moe_text(layer_types=[LIN, LIN, FULL, LIN]), seed=31)
 
 
-@pytest.mark.parametrize("kv", [64, 256, 4096, 32768])
+@pytest.mark.parametrize("kv", [24, 64, 256, 4096, 32768])
 @pytest.mark.parametrize("step", [0, 8])
 def test_plan_fits_the_pool(kv: int, step: int) -> None:
     requests, mid = plan(1024, kv, step)
+    if kv == 24:  # not even the first request fits (16 + 11 tokens + decode): no warm-up
+        assert requests == []
+        return
     base = requests[0][1]
     assert requests[0][0] == 0 and 0 < mid < base
     for shared, new in requests:
