@@ -143,8 +143,8 @@ def test_fla_varlen_batch_equals_single(tiny_checkpoint, make_engine, monkeypatc
 
 def test_fla_cuts_inside_a_chunk_equal_cold_prefills(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
     """Checkpoints inside one pass on fla's path (rounds of varlen calls, engine/model/linear_attention.py
-    `_fla_pieces`): two prompts prefilled together, one with cuts at 40 and 97, the other with one at
-    60 (rounds of two and three pieces); a request resumed from each checkpoint gives the greedy
+    `_fla_pieces`): two prompts prefilled together, one with cuts at 40, 97 and 149 (its last piece a
+    single token), the other with one at 60 (rounds of four and two pieces); a request resumed from each checkpoint gives the greedy
     tokens and, within fla's TF32 error, the logits of a cold prefill of the same prompt."""
     from engine.anchors import Anchor
 
@@ -155,11 +155,12 @@ def test_fla_cuts_inside_a_chunk_equal_cold_prefills(tiny_checkpoint, make_engin
     gen = torch.Generator().manual_seed(6)
     a, b = ([int(t) for t in torch.randint(0, 128, (n,), generator=gen)] for n in (150, 90))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    first = [engine.submit(a, params, anchors=[Anchor(40, "system_end", 5), Anchor(97, "user_start", 1)]),
+    first = [engine.submit(a, params, anchors=[Anchor(40, "system_end", 5), Anchor(97, "user_start", 1),
+                                               Anchor(149, "prompt_end", 2)]),
              engine.submit(b, params, anchors=[Anchor(60, "user_start", 1)])]
     for h in first:
         h.result(timeout=120)
-    cases = [(a, 40), (a, 97), (b, 60)]
+    cases = [(a, 40), (a, 97), (a, 149), (b, 60)]
     resumed = []
     for prompt, p in cases:
         h = engine.submit([*prompt[:p], 7, 8, 9], params, capture_logits=True)
