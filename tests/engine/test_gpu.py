@@ -142,10 +142,11 @@ def test_fla_varlen_batch_equals_single(tiny_checkpoint, make_engine, monkeypatc
 
 
 def test_fla_cuts_inside_a_chunk_equal_cold_prefills(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
-    """Checkpoints inside one pass on fla's path (rounds of varlen calls, engine/model/linear_attention.py
-    `_fla_pieces`): two prompts prefilled together, one with cuts at 40, 97 and 149 (its last piece a
-    single token), the other with one at 60 (rounds of four and two pieces); a request resumed from each checkpoint gives the greedy
-    tokens and, within fla's TF32 error, the logits of a cold prefill of the same prompt."""
+    """Checkpoints inside one pass on fla's path (rounds of varlen calls,
+    engine/model/linear_attention.py `_fla_pieces`): two prompts prefilled together, one with cuts
+    at 40, 97 and 149 (its last piece a single token), the other with one at 60 (four and two
+    pieces); a request resumed from each checkpoint gives the greedy tokens and, within fla's TF32
+    error, the logits of a cold prefill of the same prompt."""
     from engine.anchors import Anchor
 
     if _import_fla() is None:
