@@ -67,14 +67,12 @@ def warm_up(engine: Engine, seed: int = 0) -> dict[str, float]:
         return {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "seconds": time.monotonic() - t0}
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.cfg.vocab_size
-    base_len = requests[0][1]
-    base = torch.randint(0, vocab, (base_len,), generator=gen).tolist()
+    base: list[int] = []  # the first request's prompt, which the others extend
     params = SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True)
     tokens = reused = 0
     for i, (shared, new) in enumerate(requests):
-        tail = torch.randint(0, vocab, (new,), generator=gen).tolist()
-        prompt = tail if i == 0 else base[:shared] + tail
-        checkpoints = [mid, base_len] if i == 0 else None
+        prompt = base[:shared] + torch.randint(0, vocab, (new,), generator=gen).tolist()
+        checkpoints = [mid, len(prompt)] if i == 0 else None
         handle = engine.submit(prompt, params, checkpoints=checkpoints, session="freetoken-warmup")
         for _ in handle:
             pass
