@@ -9,9 +9,9 @@ prefill chunk are checkpointed within its pass (the recurrent layers write the s
 a free state slot, `SeqEntry.cuts`; a chunk ends early only at an anchor no slot is free for, and
 at every anchor on models with sliding-window rings, whose rings a cut cannot keep), so anchors add
 no forward passes. A generated `DecodeAnchor` token is checkpointed after the next step has
-computed it (one extra step, not reported, when the request ends on it). A finished request's computed tokens (prompt + output) are inserted into the cache
-with its final recurrent state as a checkpoint of kind "request_end", so the next request that
-extends it resumes there. Checkpoint slots and eviction: engine/cache/checkpoints.py and
+computed it (one extra step, not reported, when the request ends on it). A finished request's
+computed tokens (prompt + output) are inserted into the cache with its final recurrent state as a
+checkpoint of kind "request_end", so the next request that extends it resumes there. Checkpoint slots and eviction: engine/cache/checkpoints.py and
 engine/anchors.py. `forced_output` replaces sampled ids (after the real logits were captured) and
 finishes with "stop" when exhausted. In steady decode through captured graphs the passes run
 overlapped (engine/decode_pipeline.py: each queued before the previous pass's tokens are read); a
