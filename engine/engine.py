@@ -320,8 +320,12 @@ class Engine:
         rules) cannot take; nothing changes then. Returns the new `memory_report()`."""
         changes = {k: v for k, v in (("kv_tokens", kv_tokens), ("checkpoint_slots", checkpoint_slots),
                                      ("host_checkpoint_slots", host_checkpoint_slots)) if v is not None}
-        opts = self.opts.replace(**changes)  # the options' own checks first
+        from engine.gpu.budget import resolve_checkpoint_slots
         from engine.gpu.elastic import rebuild_expert_cache, release_device_memory
+
+        # the options' own checks first; checkpoint_slots -1 is sized for the cap in force
+        opts = resolve_checkpoint_slots(self.opts.replace(**changes), self.cfg, self.dtype,
+                                        self.gpu_budget.total if self.gpu_budget is not None else 0)
 
         with self._cv, self._step_lock:
             if self._inbox or self.scheduler.has_work:

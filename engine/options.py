@@ -14,17 +14,17 @@ variable's (a bad value is a `ConfigError` naming the variable), else its defaul
 of the engine reads the environment (`triton_interpreted()` answers for Triton's own switch).
 `markdown()` is the table of docs/options.md (`python -m engine.options` prints it).
 
-Sizes are budgets the engine never exceeds: `kv_tokens` KV slots (tokens across all requests and
-the prefix cache), `max_running` concurrently decoding requests, `prefill_chunk` prompt tokens per
-step. Recurrent state (hybrid models only): `checkpoint_slots` device checkpoint slots (snapshots
-attached to the radix tree; -1, the default, is sized when the engine starts: 32, or under a GPU
-cap as many as fit in 1/16 of it, between 2 and 32, since a checkpoint restores from the host tier
-in milliseconds and the cap's room is worth more as expert slots); `host_checkpoint_slots` the host-memory spill tier for checkpoints
-(pinned when on CUDA); `state_slots` the device state pool, shared by live requests' working states
-and device checkpoints (0 sizes it `max_running + checkpoint_slots`, so working states never
-compete with checkpoints; an explicit value caps both together: a live request always gets a slot
-first, a checkpoint is spilled to the host tier to make room). `max_model_len` 0 means the model's
-`max_position_embeddings`.
+Sizes are budgets the engine never exceeds: `kv_tokens` KV slots (tokens across all requests and the
+prefix cache), `max_running` concurrently decoding requests, `prefill_chunk` prompt tokens per step.
+Recurrent state (hybrid models only): `checkpoint_slots` device checkpoint slots (snapshots attached
+to the radix tree; -1, the default, is sized when the engine starts: 32, or under a GPU cap as many
+as fit in 1/16 of it, between 2 and 32, since a checkpoint restores from the host tier in
+milliseconds and the cap's room is worth more as expert slots); `host_checkpoint_slots` the
+host-memory spill tier for checkpoints (pinned when on CUDA); `state_slots` the device state pool,
+shared by live requests' working states and device checkpoints (0 sizes it `max_running +
+checkpoint_slots`, so working states never compete with checkpoints; an explicit value caps both
+together: a live request always gets a slot first, a checkpoint is spilled to the host tier to make
+room). `max_model_len` 0 means the model's `max_position_embeddings`.
 """
 
 from __future__ import annotations

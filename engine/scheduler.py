@@ -1,22 +1,23 @@
 """Continuous batching: admission with prefix reuse, chunked prefill, batched decode, finishing.
 
 Contract: `Scheduler.step()` advances every running request by one forward pass: each decoding
-request contributes one token, prefilling requests contribute chunks up to `prefill_chunk` tokens
-in total. Admission restores the longest reusable prefix from the radix cache (KV slots, and for
+request contributes one token, prefilling requests contribute chunks up to `prefill_chunk` tokens in
+total. Admission restores the longest reusable prefix from the radix cache (KV slots, and for
 recurrent layers the deepest checkpoint at or before the first divergence, from the device or the
 host tier) and prefills only the rest; `RequestHandle.reuse` says what was reused. Anchors inside a
-prefill chunk are checkpointed within its pass (the recurrent layers write the state at each into
-a free state slot, `SeqEntry.cuts`; a chunk ends early only at an anchor no slot is free for, and
-at every anchor on models with sliding-window rings, whose rings a cut cannot keep), so anchors add
-no forward passes. A generated `DecodeAnchor` token is checkpointed after the next step has
-computed it (one extra step, not reported, when the request ends on it). A finished request's
-computed tokens (prompt + output) are inserted into the cache with its final recurrent state as a
-checkpoint of kind "request_end", so the next request that extends it resumes there. Checkpoint slots and eviction: engine/cache/checkpoints.py and
-engine/anchors.py. `forced_output` replaces sampled ids (after the real logits were captured) and
-finishes with "stop" when exhausted. In steady decode through captured graphs the passes run
-overlapped (engine/decode_pipeline.py: each queued before the previous pass's tokens are read); a
-step then completes the oldest pass in flight, and a finish the tokens call for waits for the pass
-already queued behind them (`accept(defer=True)`, `decoded`). Only the engine thread calls this.
+prefill chunk are checkpointed within its pass (the recurrent layers write the state at each into a
+free state slot, `SeqEntry.cuts`; a chunk ends early only at an anchor no slot is free for, and at
+every anchor on models with sliding-window rings, whose rings a cut cannot keep), so anchors add no
+forward passes. A generated `DecodeAnchor` token is checkpointed after the next step has computed it
+(one extra step, not reported, when the request ends on it). A finished request's computed tokens
+(prompt + output) are inserted into the cache with its final recurrent state as a checkpoint of kind
+"request_end", so the next request that extends it resumes there. Checkpoint slots and eviction:
+engine/cache/checkpoints.py and engine/anchors.py. `forced_output` replaces sampled ids (after the
+real logits were captured) and finishes with "stop" when exhausted. In steady decode through
+captured graphs the passes run overlapped (engine/decode_pipeline.py: each queued before the
+previous pass's tokens are read); a step then completes the oldest pass in flight, and a finish the
+tokens call for waits for the pass already queued behind them (`accept(defer=True)`, `decoded`).
+Only the engine thread calls this.
 """
 
 from __future__ import annotations

@@ -5,18 +5,19 @@ Contract: `warm_up(engine, seed=0)` runs a fixed set of requests of random token
 no cached prefix behind; it returns what it ran: {"requests", "prompt_tokens", "reused_tokens"
 (prompt tokens served from the prefix cache and checkpoints), "seconds"}.
 
-On CUDA most of a request's first-time cost is compilation: Triton JIT-compiles each kernel (and
-a variant per integer argument that is 1, a multiple of 16 or neither) and autotunes the Gated
-DeltaNet kernels the first time a shape is seen, and decode passes are captured into CUDA graphs
-on their second step. A coding agent's first requests would pay all of that in their time to first
-token (tens of seconds on a Qwen3.6-35B-A3B-shaped model). The set reaches each prefill regime
-the engine has: a full `prefill_chunk`-token chunk (the streamed prefill when the expert cache has
-one, engine/gpu/prefill.py) and a short tail; prompts that extend a cached prefix by a few, a few
-dozen (per-layer planning of cache misses) and a few hundred tokens (streamed again), each with
-lengths on both sides of the multiple-of-16 specialisation; a fresh prompt of a few hundred; a prompt resumed from a mid-prompt
-checkpoint; and several greedy decode steps each (eager, captured, replayed). Lengths shrink to
-fit a small KV pool; a pool too small for the first request gets no warm-up. Prompts are random: the warm-up computes real passes of the real model,
-only their tokens are meaningless.
+On CUDA most of a request's first-time cost is compilation: Triton JIT-compiles each kernel (and a
+variant per integer argument that is 1, a multiple of 16 or neither) and autotunes the Gated
+DeltaNet kernels the first time a shape is seen, and decode passes are captured into CUDA graphs on
+their second step. A coding agent's first requests would pay all of that in their time to first
+token (tens of seconds on a Qwen3.6-35B-A3B-shaped model). The set reaches each prefill regime the
+engine has: a full `prefill_chunk`-token chunk (the streamed prefill when the expert cache has one,
+engine/gpu/prefill.py) and a short tail; prompts that extend a cached prefix by a few, a few dozen
+(per-layer planning of cache misses) and a few hundred tokens (streamed again), each with lengths on
+both sides of the multiple-of-16 specialisation; a fresh prompt of a few hundred; a prompt resumed
+from a mid-prompt checkpoint; and several greedy decode steps each (eager, captured, replayed).
+Lengths shrink to fit a small KV pool; a pool too small for the first request gets no warm-up.
+Prompts are random: the warm-up computes real passes of the real model, only their tokens are
+meaningless.
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def resolve_checkpoint_slots(opts: EngineOptions, cfg: ModelConfig, dtype: torch
                              cap: int | None = None) -> EngineOptions:
     """`opts` with `checkpoint_slots` -1 (the default) made a number: 32 without a GPU cap (`cap`,
     default `opts.gpu_memory`) or for a model without per-sequence state; under a cap, as many state
-    slots as fit in 1/16 of it, between 2 and 32 (a Qwen3.6-35B-A3B state slot is 61.4 MiB: 12 slots at a 12 GiB cap, 1.2 GiB less than 32
-    would take). Any other value is returned as it is."""
+    slots as fit in 1/16 of it, between 2 and 32 (a Qwen3.6-35B-A3B state slot is 61.4 MiB: 12 slots
+    at a 12 GiB cap, 1.2 GiB less than 32 would take). Any other value is returned as it is."""
     if opts.checkpoint_slots >= 0:
         return opts
     per_slot = StatePool.bytes_per_slot(cfg, dtype)

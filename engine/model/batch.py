@@ -1,14 +1,14 @@
 """The forward context of one engine step: ragged sequences flattened into one token batch.
 
 Contract: `ForwardBatch` lists, per sequence, where its new tokens sit in the flat batch, how many
-of its tokens are already cached, the KV slot of every token (cached and new), its recurrent
-state slot and the cuts: positions inside the new tokens whose recurrent state is also kept, each
-in a slot of its own (checkpoints taken inside one pass instead of a pass ending at each). Filled by the scheduler; read by the decoder. `PassMeta` is what the layers of one
-forward pass read besides the hidden states (positions, rotary limit, and per kind of layer the
-form its mix across tokens takes): made from a `ForwardBatch` for a pass that runs eagerly, or
-over the fixed buffers of a captured pass (engine/model/decode_graph.py). Layers that mix across
-tokens walk `batch.seqs` when the meta names no device-side form; everything else runs on the flat
-batch.
+of its tokens are already cached, the KV slot of every token (cached and new), its recurrent state
+slot and the cuts: positions inside the new tokens whose recurrent state is also kept, each in a
+slot of its own (checkpoints taken inside one pass instead of a pass ending at each). Filled by the
+scheduler; read by the decoder. `PassMeta` is what the layers of one forward pass read besides the
+hidden states (positions, rotary limit, and per kind of layer the form its mix across tokens takes):
+made from a `ForwardBatch` for a pass that runs eagerly, or over the fixed buffers of a captured
+pass (engine/model/decode_graph.py). Layers that mix across tokens walk `batch.seqs` when the meta
+names no device-side form; everything else runs on the flat batch.
 """
 
 from __future__ import annotations

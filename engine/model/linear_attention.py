@@ -10,8 +10,9 @@ conv's dot are float32. On CUDA the same step runs as three Triton kernels
 (engine/model/fused_gdn.py; the option kernels.fused_gdn off keeps the torch ops). Longer chunks: for
 bf16/fp16 models on CUDA, when fla-core imports, the whole batch goes through fla's chunked Triton
 kernel as one varlen call (one per round of pieces when a sequence has cuts: `SeqEntry.cuts`,
-whose slots receive the conv window and the SSM state at each cut); float32 models (whose promise is the reference's logits to 1e-4) and
-other devices use the torch ops in `gdn_ops` per sequence. The option kernels.gdn (torch | fla)
+whose slots receive the conv window and the SSM state at each cut); float32 models (whose promise
+is the reference's logits to 1e-4) and other devices use the torch ops in `gdn_ops` per sequence
+(per piece). The option kernels.gdn (torch | fla)
 forces either path for those chunks.
 """
 

@@ -94,12 +94,11 @@ def server(args: argparse.Namespace) -> Iterator[str]:
         yield url
 
 
-def _baseline(args: argparse.Namespace, url: str, model: object, force: bool, text: object = None) -> float | None:
+def _baseline(args: argparse.Namespace, url: str, model: object, force: bool, text: str | None = None) -> float | None:
     from freetoken_agent.eval.wire import baseline_decode
 
     auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return baseline_decode(url, str(model) if model else None, force, auth,
-                           text=text if isinstance(text, str) else None)
+    return baseline_decode(url, str(model) if model else None, force, auth, text=text)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, object], ok: bool) -> int:

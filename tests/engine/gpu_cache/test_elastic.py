@@ -144,6 +144,17 @@ def test_pools_resize_while_idle_and_the_outputs_stay(tiny_checkpoint, make_engi
     assert engine.opts.kv_tokens == 512
 
 
+def test_pools_resize_to_sized_checkpoint_slots(tiny_checkpoint, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """set_pools(checkpoint_slots=-1) sizes the slots as a start does (32 without a cap) instead of
+    leaving the engine without a scheduler; the outputs stay."""
+    path, _ = tiny_checkpoint(SPEC)
+    engine = make_engine(Path(path), executor="torch", kv_tokens=256, checkpoint_slots=4)
+    ref_tokens, _ = _run(engine)
+    report = engine.set_pools(checkpoint_slots=-1)
+    assert report["pools"]["checkpoint_slots"] == 32 and engine.opts.checkpoint_slots == 32
+    assert _run(engine)[0] == ref_tokens
+
+
 def test_follow_target_moves_only_by_a_gibibyte_or_more_within_one_slot_and_every_expert() -> None:
     gib, eb = 2**30, 2**28  # 256 MiB experts, 64 of them: 16 GiB for every expert
     budget = GpuBudget(total=10 * gib, dense=2 * gib, kv=gib, states=0, workspace=gib, experts=6 * gib)
