@@ -6,7 +6,9 @@
 #                12 and 24 GiB cards (CAPS), scaled to the file's layers so both systems keep the share
 #                of experts the full model keeps on that card (evals/gpu/cap_plan.py)
 #   PART=qwen36  Qwen3.6-35B-A3B (--arch qwen35moe, all 40 layers, Q4_K_M), 12 GiB
-#   PART=glm     GLM-4.7-Flash (--arch deepseek2, all 47 layers, Q4_K_M), 12 GiB
+#   PART=qwen3next  Qwen3-Next-80B-A3B (--arch qwen3next, Q4_K_M: 48 GiB for all 48 layers, so as many
+#                as the disk holds, in fours, scaled as gptoss), 12 and 24 GiB cards
+#   PART=glm     GLM-4.7-Flash (--arch deepseek2, all 47 layers, Q4_K_M), 12 and 24 GiB cards
 # Each: write the GGUF, llama-bench decode (-ncmoe from cap_plan.py, -lm none, 8 threads, tg128), then
 # ours (`bench decode --model FILE --gpu-memory CAP --cpu-threads 8`) on the same file; results in
 # $R/PART/ (gguf.log, plan.json, pairs.txt, peer-bench.json, dec_ours_CAP.json), the ratio table
@@ -20,7 +22,8 @@
 # .peer/vocab/o200k-harmony.gguf && xz -6 .peer/vocab/o200k-harmony.gguf, on a machine with bpe-openai).
 # Env: GGUF_ARGS (more write_gguf.py options, last wins: a dry run shrinks the model with them), GGUF_FILE (a file
 # of the PART's shape already written, with its .args.json, e.g. run_replay.sh's Qwen3.6 file for qwen36: no write),
-# CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
+# BESIDE (a command run in the background while the GGUF is written, output in beside.log, waited for before
+# the timings), CAPS (comma-separated), OVERHEAD_GIB (llama.cpp's GPU use beyond weights, for -ncmoe), DEVICE (cuda;
 # cpu for a dry run), NATIVE (1: build the native extension; 0 skips), BUDGET_S (560), GGUF_DIR (/tmp/peer),
 # DISK_MARGIN_GIB (3; BUILD_GIB (4) more while llama-bench builds), THREADS (8, both systems), REPS / PEER_S
 # (llama-bench), OUR_REPS / TOKENS / DEC_S (ours).
@@ -69,10 +72,15 @@ qwen36)
     ;;
 glm)
     GGUF=$GGUF_DIR/glm-4.7-flash-q4km.gguf
-    SHAPE=glm-4.7-flash; FULL=47; CAPS=${CAPS:-12GiB}
+    SHAPE=glm-4.7-flash; FULL=47; CAPS=${CAPS:-12GiB,24GiB}
     WRITE=(--arch deepseek2 --layers 47 --quant q4_k_m)
     ;;
-*) echo "PART=$PART: one of gptoss qwen36 glm"; exit 2 ;;
+qwen3next)
+    GGUF=$GGUF_DIR/qwen3-next-80b-a3b-q4km.gguf
+    SHAPE=qwen3-next-80b-a3b; FULL=48; CAPS=${CAPS:-12GiB,24GiB}
+    WRITE=(--arch qwen3next --layers 48 --quant q4_k_m)
+    ;;
+*) echo "PART=$PART: one of gptoss qwen36 qwen3next glm"; exit 2 ;;
 esac
 if [ -n "${GGUF_FILE:-}" ]; then  # an existing file of this PART's shape instead of writing one
     [ -f "$GGUF_FILE" ] && [ -f "$GGUF_FILE.args.json" ] || { echo "GGUF_FILE=$GGUF_FILE: no such file (or no .args.json)"; exit 2; }
@@ -91,7 +99,7 @@ if [ ! -x "$BENCH" ] && ! bash evals/peer/restore.sh .peer/export > "$D/restore.
     build=$!
     at "building llama-bench in the background (pieces in \$OUT: keep them as .peer/export)"
 fi
-if [ "$PART" = gptoss ]; then  # as many layers as the disk holds: its free space (this file's old copy counted
+if [ "$PART" = gptoss ] || [ "$PART" = qwen3next ]; then  # as many layers as the disk holds: its free space (this file's old copy counted
     # as free: a different layer count rewrites it), less a margin, in GiB
     free=$(( $(df --output=avail -B1 "$GGUF_DIR" | tail -1) + $(stat -c %s "$GGUF" 2>/dev/null || echo 0) ))
     margin=${DISK_MARGIN_GIB:-3}
@@ -101,6 +109,11 @@ fi
 (if [ "${NATIVE:-1}" = 1 ]; then python3 native/build.py -j 16 > "$D/native_build.log" 2>&1; echo $? > "$D/native_build.rc"
   else echo skipped > "$D/native_build.rc"; fi) &
 native=$!
+beside=""
+if [ -n "${BESIDE:-}" ]; then  # a command run while the GGUF is written (e.g. a GPU test), waited for before any timing
+    (bash -c "$BESIDE" > "$D/beside.log" 2>&1; echo $? > "$D/beside.rc") &
+    beside=$!
+fi
 wt=$(( $(left) - 120 )); [ "$wt" -ge 60 ] || wt=60  # the rest of the call after the write needs ~2 minutes
 # shellcheck disable=SC2086
 [ -n "${GGUF_FILE:-}" ] || timeout "$wt" python3 evals/peer/write_gguf.py "${WRITE[@]}" --seed 0 ${GGUF_ARGS:-} \
@@ -119,6 +132,7 @@ if [ -n "$build" ]; then
 fi
 wait $native  # a quiet machine for both systems' timings
 at "native build: exit $(cat "$D/native_build.rc")"
+if [ -n "$beside" ]; then wait "$beside"; at "beside: exit $(cat "$D/beside.rc"): $(tail -1 "$D/beside.log")"; fi
 NCMOES=$(for p in $PAIRS; do echo "${p%%:*}"; done | awk '!seen[$0]++' | paste -sd, -)  # each -ncmoe once
 python3 evals/peer/run_bench.py --bench "$BENCH" --model "$GGUF" --ncmoe "$NCMOES" --threads "${THREADS:-8}" --prompts 0 \
     --gen 128 --ubatch 512 --reps "${REPS:-2}" --load-mode none --timeout "${PEER_S:-150}" --out-dir "$D" \
