@@ -16,7 +16,9 @@
 # Needs llama-bench: .peer/bin/llama-bench (a warm machine's earlier build), else .peer/export carried
 # (evals/peer/restore.sh), or BENCH; with none of them it builds it while the GGUF is written
 # (evals/peer/build.sh --export).
-# Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/export", ".peer/llama.cpp.tar.xz" (qwen36 / glm copy its qwen2 vocabulary),
+# Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/export", ".peer/vocab/qwen2.gguf.xz" (qwen36 / qwen3next / glm copy
+# llama.cpp's qwen2 vocabulary: xz -6 of models/ggml-vocab-qwen2.gguf out of .peer/llama.cpp.tar.xz, 1.3 MB; else
+# write_gguf.py takes it out of .peer/llama.cpp.tar.xz when that is carried),
 # ".peer/vocab"]: gptoss builds its o200k_harmony tokenizer from bpe-openai when the machine has it, else
 # reads .peer/vocab/o200k-harmony.gguf[.xz] (1.9 MB as xz: python3 evals/peer/gguf_gptoss.py --vocab-out
 # .peer/vocab/o200k-harmony.gguf && xz -6 .peer/vocab/o200k-harmony.gguf, on a machine with bpe-openai).
@@ -82,6 +84,9 @@ qwen3next)
     ;;
 *) echo "PART=$PART: one of gptoss qwen36 qwen3next glm"; exit 2 ;;
 esac
+if [ "$PART" != gptoss ] && [ -f .peer/vocab/qwen2.gguf.xz ]; then  # llama.cpp's qwen2 vocabulary, carried alone
+    xz -dc .peer/vocab/qwen2.gguf.xz > /tmp/qwen2-vocab.gguf && WRITE+=(--vocab-from /tmp/qwen2-vocab.gguf)
+fi
 if [ -n "${GGUF_FILE:-}" ]; then  # an existing file of this PART's shape instead of writing one
     [ -f "$GGUF_FILE" ] && [ -f "$GGUF_FILE.args.json" ] || { echo "GGUF_FILE=$GGUF_FILE: no such file (or no .args.json)"; exit 2; }
     GGUF=$GGUF_FILE GGUF_DIR=$(dirname "$GGUF_FILE")
