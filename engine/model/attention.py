@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch, PassMeta, SeqEntry
@@ -58,18 +59,22 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
         cached, total = s.cached_len, s.cached_len + s.length
         lo = 0 if window is None else max(0, cached - window + 1)
         old = cache_rows(s, lo, cached, ring)
-        keys = torch.cat([k_cache[old], k[s.start:s.end].to(k_cache.dtype)]).repeat_interleave(groups, dim=1)
-        vals = torch.cat([v_cache[old], v[s.start:s.end].to(v_cache.dtype)]).repeat_interleave(groups, dim=1)
+        keys = torch.cat([k_cache[old], k[s.start:s.end].to(k_cache.dtype)])
+        vals = torch.cat([v_cache[old], v[s.start:s.end].to(v_cache.dtype)])
         skip = max(s.length - ring, 0) if ring else 0  # a chunk longer than the ring keeps its tail
         new = cache_rows(s, cached + skip, total, ring)
         k_cache[new] = k[s.start + skip:s.end].to(k_cache.dtype)
         v_cache[new] = v[s.start + skip:s.end].to(v_cache.dtype)
+        qs = q[s.start:s.end]
+        if window is None and sinks is None:
+            out[s.start:s.end] = _causal(qs, keys, vals, groups, hd**-0.5)
+            continue
+        keys, vals = keys.repeat_interleave(groups, dim=1), vals.repeat_interleave(groups, dim=1)
         qpos = torch.arange(cached, total, device=q.device)[:, None]
         kpos = torch.arange(lo, total, device=q.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-        qs = q[s.start:s.end]
         if sinks is not None:
             qs, keys, vals, mask = _sink_as_key(qs, keys, vals, mask, sinks, hd**-0.5)
         if q.is_cuda:
@@ -88,6 +93,19 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
             )
         out[s.start:s.end] = o.transpose(0, 1)[..., :hd]
     return out.reshape(n, cfg.num_heads * hd)
+
+
+def _causal(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, groups: int, scale: float) -> torch.Tensor:
+    """Causal attention of the chunk's L queries [L, heads, hd] over S >= L keys and values
+    [S, kv_heads, hd], the queries being the last L positions (a lower-right causal mask, never
+    materialised on CUDA: SDPA's flash or memory-efficient kernel applies it), [L, heads, hd] out.
+    The keys and values are expanded to every query head once, [1, heads, S, hd] contiguous."""
+    length, total = q.shape[0], keys.shape[0]
+    kx = keys.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    vx = vals.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).contiguous()[None], kx, vx,
+                                       attn_mask=causal_lower_right(length, total), scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def cache_rows(s: SeqEntry, lo: int, hi: int, ring: int = 0) -> torch.Tensor:
