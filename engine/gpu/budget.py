@@ -121,15 +121,13 @@ def workspace_bytes(cfg: ModelConfig, opts: EngineOptions, dtype: torch.dtype) -
                         + 3 * cfg.top_k * cfg.moe_intermediate_size)
     logits = 4 * cfg.vocab_size * opts.max_running
     # attention over the longest context the KV pool can hold (engine/model/attention.py): the
-    # gathered keys and values (twice: the rows, then with the chunk's), and their copies expanded to every query head; with sinks (the masked
-    # path) the expanded copies twice and the additive mask of a chunk's queries over all keys with
-    # its boolean source
+    # gathered keys and values (twice: the rows, then with the chunk's) and their copies expanded to
+    # every query head (three of them with sinks: expanded, padded with the sink key, transposed); a
+    # causal lower-right bias, no mask (windowed layers attend over their ring only)
     context = opts.kv_tokens
-    gathered = 4 * context * cfg.num_kv_heads * cfg.head_dim * item  # the cache rows' gather, then the cat
-    expanded = 2 * context * cfg.num_heads * cfg.head_dim * item
-    attention = gathered + expanded
-    if cfg.attention_sinks:
-        attention += expanded + opts.prefill_chunk * context * (item + 1)
+    gathered = 4 * context * cfg.num_kv_heads * cfg.head_dim * item
+    expanded = 2 * context * cfg.num_heads * (cfg.head_dim + (8 if cfg.attention_sinks else 0)) * item
+    attention = gathered + expanded * (3 if cfg.attention_sinks else 1)
     return (tokens * per_token + logits + attention + linear_attention_bytes(cfg, opts, item)
             + grouped_prefill_bytes(cfg, opts, item) + MARGIN)
 

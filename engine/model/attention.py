@@ -66,17 +66,21 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Model
         k_cache[new] = k[s.start + skip:s.end].to(k_cache.dtype)
         v_cache[new] = v[s.start + skip:s.end].to(v_cache.dtype)
         qs = q[s.start:s.end]
-        if window is None and sinks is None:
-            out[s.start:s.end] = _causal(qs, keys, vals, groups, hd**-0.5)
+        if window is None:
+            if sinks is None:
+                out[s.start:s.end] = _causal(qs, keys, vals, groups, hd**-0.5)
+            else:
+                qs, keys, vals = _sink_as_key(qs, keys.repeat_interleave(groups, dim=1),
+                                              vals.repeat_interleave(groups, dim=1), sinks, hd**-0.5)
+                out[s.start:s.end] = _causal(qs, keys, vals, 1, hd**-0.5)[..., :hd]
             continue
         keys, vals = keys.repeat_interleave(groups, dim=1), vals.repeat_interleave(groups, dim=1)
         qpos = torch.arange(cached, total, device=q.device)[:, None]
         kpos = torch.arange(lo, total, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos > qpos - window
+        mask = (kpos <= qpos) & (kpos > qpos - window)
         if sinks is not None:
-            qs, keys, vals, mask = _sink_as_key(qs, keys, vals, mask, sinks, hd**-0.5)
+            qs, keys, vals = _sink_as_key(qs, keys, vals, sinks, hd**-0.5)
+            mask = torch.cat([torch.ones(mask.shape[0], 1, dtype=torch.bool, device=mask.device), mask], dim=1)
         if q.is_cuda:
             # an additive mask and contiguous [1, heads, L, hd] operands let SDPA pick its
             # memory-efficient kernel on long prompts; a bool mask sent it to the math path, which
@@ -117,20 +121,20 @@ def cache_rows(s: SeqEntry, lo: int, hi: int, ring: int = 0) -> torch.Tensor:
     return s.state_slot * ring + torch.arange(lo, hi, device=s.kv_slots.device) % ring
 
 
-def _sink_as_key(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sinks as one more key that every query sees, with score sink[h] and a zero value, so the
-    same SDPA kernels run: the head dim grows by 8 (zeros but one: 1 in the queries, sink / scale
-    in that key); the caller drops the extra output dims. q [L, heads, hd], keys / vals [S, heads, hd]."""
-    length, heads, hd = q.shape
+def _sink_as_key(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, sinks: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sinks as one more key that every query sees, placed first (so a lower-right causal mask over
+    the S + 1 keys still lets each query see it), with score sink[h] and a zero value, so the same
+    SDPA kernels run: the head dim grows by 8 (zeros but one: 1 in the queries, sink / scale in that
+    key); the caller drops the extra output dims. q [L, heads, hd], keys / vals [S, heads, hd]."""
+    heads, hd = q.shape[1], q.shape[2]
     qx = F.pad(q, (0, 8))
     qx[..., hd] = 1
     sink_key = torch.zeros(1, heads, hd + 8, dtype=keys.dtype, device=keys.device)
     sink_key[0, :, hd] = sinks.to(keys.dtype) / scale
-    kx = torch.cat([F.pad(keys, (0, 8)), sink_key])
-    vx = torch.cat([F.pad(vals, (0, 8)), torch.zeros_like(sink_key)])
-    mx = torch.cat([mask, torch.ones(length, 1, dtype=torch.bool, device=mask.device)], dim=1)
-    return qx, kx, vx, mx
+    kx = torch.cat([sink_key, F.pad(keys, (0, 8))])
+    vx = torch.cat([torch.zeros_like(sink_key), F.pad(vals, (0, 8))])
+    return qx, kx, vx
 
 
 def attention_output(o: torch.Tensor, gate: torch.Tensor | None, w: AttentionWeights) -> torch.Tensor:

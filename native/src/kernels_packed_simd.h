@@ -4,15 +4,25 @@
 // linker cannot merge an AVX-512 instantiation into the AVX2 path). No include guard, no includes:
 // it needs <immintrin.h>, packed.h and, from the includer, a struct V with
 //   W (lanes), TMAX (tokens per tile), F (float vector), zero(), set1(f), load(const float*),
-//   fmadd(a, b, c) = a * b + c, mul(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
-//   [off, off + W) of q as floats; off a multiple of W below 16), fp8(p) (W e4m3 bytes at p, as
-//   floats / 256), and prefetch(p) (p itself, when software prefetch is on).
+//   fmadd(a, b, c) = a * b + c, mul(a, b), add(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
+//   [off, off + W) of q as floats; off a multiple of W below 16), i8p(p) (W int8 at p as floats),
+//   kI8FromMemory (widen decoded codes by i8p from a stack copy rather than by i8: AVX2, where
+//   the upper 8 lanes of a register would cost a shift), fp8(p) (W e4m3 bytes at p, as
+//   floats / 256), and prefetch(p) (p itself, when software prefetch is on). The helpers below use
+//   AVX2 (both includers enable it).
 //
-// Per block and row, the scales of every group of values are decoded once (value = code * d + m);
-// then the block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers:
-// the byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths gives
-// int8 codes, widened to S / W float vectors, scaled, and multiplied into the accumulators of R
-// rows x TT tokens. fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
+// Per block and row, the scales of every group of values are decoded once (value = code * d + m)
+// into a small array that the inner loop reads back as broadcasts; then the block is decoded in
+// sub-blocks of S values (32; nvfp4: its 16) straight into registers: the byte work (nibbles, high
+// bits, code tables) in 128-bit registers shared by both widths gives int8 codes (q8_0: the bytes
+// themselves, widened from memory), widened to S / W float vectors of the unscaled codes, which
+// meet the activations of the R rows x TT tokens of the tile. The group scale is factored out where
+// a group spans GV = kGroup / W >= 2 vectors: per group and token gs = sum(code * x), then
+// acc += d * gs once, and for the formats with an offset acc += m * sum(x over the group), the x
+// sums taken once per tile (shared by its rows); where a group is one vector (or two, with an
+// offset) the vector is scaled in place (w = code * d + m, acc += w * x), which costs no more
+// (factored() below). Activations are never quantized: every product is float32.
+// fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
 // Prefetch: a tile reads its R consecutive rows side by side, and the next tiles read the rows that
 // follow, so each block is prefetched kPfTiles tiles ahead (the same block of the rows kPfTiles * R
 // further on): a fixed distance along the row would land in the tile's own next row once rows are

@@ -290,3 +290,27 @@ def test_host_task_runs_the_epilogue(pk):
     task.run()
     task.check()
     assert torch.equal(out, want) and not torch.allclose(want, plain)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_token_count_around_the_tile(pk, isa, fmt):
+    """One expert taking every token: 1..9 tokens per expert are whole tiles of TMAX tokens (AVX2 2,
+    AVX-512 4) and the single-token remainders; rows of 3 blocks (an odd block count: the group sums,
+    the per-group scale and the prefetch stride over a row that is no power of two of blocks)."""
+    gen = torch.Generator().manual_seed(40 + FORMATS.index(fmt))
+    block = pk.FORMATS[fmt].block
+    hidden = inter = 3 * block if block >= 32 else 6 * block
+    gu, dn = make_bank(pk, fmt, 1, 2 * inter, hidden, gen), make_bank(pk, fmt, 1, hidden, inter, gen)
+    w_rms = float(np.sqrt(np.mean(ref_dequant(fmt, gu[0].numpy(), hidden) ** 2)))
+    gs = torch.rand(1, 3, generator=gen) + 0.5
+    for T in range(1, 10):
+        x = torch.randn(T, hidden, generator=gen) / (w_rms * hidden**0.5) + 0.3 / (w_rms * hidden**0.5)  # sum(x) != 0
+        ids, weights = torch.zeros(T, 1, dtype=torch.int32), torch.rand(T, 1, generator=gen)
+        out0 = torch.randn(T, hidden, generator=gen)
+        out = out0.clone()
+        pk.moe_packed(x, ids, weights, gu, fmt, dn, fmt, gs, out)
+        ref = reference(x, ids, weights, gu, fmt, dn, fmt, gs, out0)
+        err = np.abs(out.double().numpy() - ref).max()
+        scale = np.abs(ref - out0.double().numpy()).max() + 1e-30
+        assert err <= TOL * scale, f"{fmt} T={T}: max abs err {err:.3g} > {TOL:g} * {scale:.3g}"
