@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch, PassMeta
@@ -84,35 +85,39 @@ def mla_inputs(x: torch.Tensor, w: MlaWeights, cfg: ModelConfig, rotary: Rotary,
     return q_nope, q_pe, torch.cat((latent[:, None, :], k_pe), dim=-1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [heads, L, d], k [kh, S, d], v [kh, S, dv] (kh 1 or heads) -> [L, heads, dv]."""
-    gqa = k.shape[0] != q.shape[0]
-    if q.is_cuda:  # an additive mask keeps SDPA off the math path on long prompts (attention.py)
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [heads, L, d], the last L of S positions, over k [kh, S, d], v [kh, S, dv]
+    (kh 1 or heads) -> [L, heads, dv]. With every head's own keys (the expanded form: long prompts)
+    SDPA applies the lower-right causal bias in its flash or memory-efficient kernel, with no mask;
+    the shared key head of the absorbed form (short chunks) takes a boolean [L, S] mask."""
+    length, total = q.shape[1], k.shape[1]
+    if k.shape[0] == q.shape[0]:
         o = F.scaled_dot_product_attention(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
-                                           attn_mask=bias[None, None], scale=scale, enable_gqa=gqa)[0]
+                                           attn_mask=causal_lower_right(length, total), scale=scale)[0]
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        qpos = torch.arange(total - length, total, device=q.device)[:, None]
+        mask = torch.arange(total, device=q.device)[None, :] <= qpos
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
 
 
 def mla_core(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, kv_b_proj: torch.Tensor,
-             cfg: ModelConfig, mask: torch.Tensor, absorbed: bool) -> torch.Tensor:
-    """One sequence: queries q_nope [L, heads, nope], q_pe [L, heads, rope] over its latent rows
-    [S, kv_lora + rope] under `mask` [L, S] (True: attend) -> [L, heads * v] in either form."""
+             cfg: ModelConfig, absorbed: bool) -> torch.Tensor:
+    """One sequence: queries q_nope [L, heads, nope], q_pe [L, heads, rope] at the last L of its S
+    latent rows [S, kv_lora + rope], causal -> [L, heads * v] in either form."""
     heads, nope, v_dim, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = softmax_scale(cfg)
     w_kv = kv_b_proj.view(heads, nope + v_dim, c)
     if absorbed:
         q = _absorbed_query(q_nope, q_pe, w_kv, nope).transpose(0, 1)  # [heads, L, c + rope]
-        o_latent = _sdpa(q, rows[None], rows[None, :, :c], mask, scale)  # [L, heads, c]
+        o_latent = _sdpa(q, rows[None], rows[None, :, :c], scale)  # [L, heads, c]
         o = torch.einsum("lhc,hvc->lhv", o_latent, w_kv[:, nope:])  # W_UV after the mix
     else:
         kv = F.linear(rows[:, :c], kv_b_proj).view(-1, heads, nope + v_dim)  # [S, heads, nope + v]
         k_pe = rows[:, None, c:].expand(-1, heads, -1)
         k = torch.cat((kv[..., :nope], k_pe), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        o = _sdpa(q.transpose(0, 1), k.transpose(0, 1), kv[..., nope:].transpose(0, 1), mask, scale)
+        o = _sdpa(q.transpose(0, 1), k.transpose(0, 1), kv[..., nope:].transpose(0, 1), scale)
     return o.reshape(o.shape[0], heads * v_dim)
 
 
@@ -125,10 +130,7 @@ def mla_mix(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b
     for s in batch.seqs:
         cache[s.kv_slots[s.cached_len:]] = latent[s.start:s.end]
         rows = cache[s.kv_slots][:, 0]  # [S, kv_lora + rope]
-        total = s.cached_len + s.length
-        qpos = torch.arange(s.cached_len, total, device=q_nope.device)[:, None]
-        mask = torch.arange(total, device=q_nope.device)[None, :] <= qpos
-        out[s.start:s.end] = mla_core(q_nope[s.start:s.end], q_pe[s.start:s.end], rows, kv_b_proj, cfg, mask,
+        out[s.start:s.end] = mla_core(q_nope[s.start:s.end], q_pe[s.start:s.end], rows, kv_b_proj, cfg,
                                       absorbs(cfg, s.length))
     return out
 
