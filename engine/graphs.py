@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 import traceback
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine import late_work
 
 log = logging.getLogger("freetoken.engine")
 
@@ -61,6 +64,7 @@ class GraphCache:
             # finalizer's work. torch.cuda.graph collects once before it starts.
             collecting = gc.isenabled()
             gc.disable()
+            began = time.monotonic()
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     fn()
@@ -72,6 +76,7 @@ class GraphCache:
                             str(exc).splitlines()[0], _where(exc))
             else:
                 self._graphs[key] = graph
+                late_work.note("capture", f"{self.name} {key}", time.monotonic() - began)
                 graph.replay()
                 return
             finally:

@@ -130,6 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
             done = warm_up(engine)
         print(f"freetoken-agent: warm-up: {done['requests']} requests, {done['prompt_tokens']} prompt tokens "
               f"in {done['seconds']:.1f} s", file=sys.stderr, flush=True)
+        from engine import late_work
+
+        late_work.watch(lambda kind, what, s: print(f"freetoken-agent: {kind} after the warm-up: {what} ({s:.2f} s)",
+                                                    file=sys.stderr, flush=True))
     sessions = SessionManager(tokenizer, AnchorPolicy(args.anchor_policy), engine=engine)
     service = ChatService(engine, tokenizer, name, args.context_window, args.max_output_tokens, sessions=sessions)
     limits = Limits(max_request_bytes=args.max_request_bytes, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

@@ -11,6 +11,7 @@ import pytest
 import torch
 from checkpoints import FULL, LIN, TinySpec, qwen3_5_moe_text
 
+from engine import late_work
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.warmup import DECODE_STEPS, plan, warm_up
@@ -56,3 +57,62 @@ def test_warm_up_leaves_nothing_and_changes_no_result(
     assert a.output_ids == b.output_ids
     for x, y in zip(a.logits, b.logits, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_late_work_counts_only_while_watched() -> None:
+    seen: list[tuple[str, str, float]] = []
+    late_work.note("compile", "before", 1.0)  # not watching: dropped
+    hooked = late_work.watch(lambda kind, name, s: seen.append((kind, name, s)))
+    try:
+        late_work.note("capture", "decode 1", 0.5)
+        late_work.note("capture", "decode 2", 0.25)
+        if hooked:  # the installed Triton's JIT hooks are ours: a compile passes through them
+            import triton
+
+            runtime = triton.knobs.runtime
+            assert runtime.jit_cache_hook(key=None, repr="", fn=None, compile={}, is_manual_warmup=False,
+                                          already_compiled=False) is False  # compiling goes on
+
+            class Fn:
+                name = "kern"
+
+            runtime.jit_post_compile_hook(key=None, repr="", fn=Fn(), compile={}, is_manual_warmup=False,
+                                          already_compiled=False)
+        assert late_work.totals()["capture"] == (2, 0.75)
+        assert [k for k, _, _ in seen] == ["capture", "capture"] + (["compile"] if hooked else [])
+        assert late_work.totals().get("compile", (0, 0.0))[0] == (1 if hooked else 0)
+    finally:
+        late_work.unwatch()
+    late_work.note("capture", "after", 1.0)
+    assert len(seen) == 2 + hooked
+    if hooked:
+        import triton
+
+        assert triton.knobs.runtime.jit_post_compile_hook is None
+
+
+@pytest.mark.gpu
+def test_nothing_compiles_after_the_warm_up(tiny_checkpoint: Callable[[TinySpec], tuple],
+                                            make_engine: Callable[..., Engine]) -> None:
+    """An agent-like session after the warm-up (a long first prompt, appends of a few to a few hundred
+    tokens on both sides of 16's multiples, a resume from a mid-prompt checkpoint, decode) compiles no
+    Triton kernel and captures no graph that the warm-up did not."""
+    ckpt, _ = tiny_checkpoint(HYBRID)
+    engine = make_engine(ckpt, device="cuda", kv_tokens=8192, prefill_chunk=1024)
+    warm_up(engine)
+    seen: list[tuple[str, str, float]] = []
+    late_work.watch(lambda kind, name, s: seen.append((kind, name, s)))
+    try:
+        gen = torch.Generator().manual_seed(9)
+        prompt = torch.randint(0, 128, (2500,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for i, extra in enumerate([0, 86, 95, 21, 18, 442, 21, 17, 160]):
+            prompt = prompt + torch.randint(0, 128, (extra,), generator=gen).tolist()
+            at = [len(prompt) - 300, len(prompt)] if i % 3 == 0 else [len(prompt)]
+            handle = engine.submit(prompt if i != 5 else prompt[:1800] + prompt[2000:], params, checkpoints=at,
+                                   session="late-work")
+            list(handle)
+            assert handle.error is None
+    finally:
+        late_work.unwatch()
+    assert seen == []
