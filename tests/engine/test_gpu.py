@@ -174,4 +174,4 @@ def test_fla_cuts_inside_a_chunk_equal_cold_prefills(tiny_checkpoint, make_engin
         assert cold.result(timeout=120) == h.output_ids
         err = rel_err(torch.stack(h.logits).cpu(), torch.stack(cold.logits).cpu())
         print(f"resumed at {p}: logits vs cold {err:.2e}")
-        assert err <= 5e-3
+        assert err <= 1.5e-2  # fla's TF32 bound, as test_cuda_logits_match_reference's
