@@ -12,7 +12,8 @@ the same trace, and the GPU memory peak of the system (SYSTEM/gpu_mem.txt: nvidi
 samples in MiB, the first taken before its server started: the peak less that one). A trace one
 system has and another lacks (its replay cut by a timeout: no result.json) is a row saying so. Then
 one line per trace against the issue's goal: ours worst under 20 s, decode drop at most 8 %.
-SYSTEM/cmd.txt, when present, is printed as the system's command. `rows(root)` returns the rows as
+SYSTEM/cmd.txt, when present, is printed as the system's command, and SYSTEM/serve.log's compiles and
+captures after the warm-up (`late_work`) as their count, seconds and the slowest. `rows(root)` returns the rows as
 dicts; --json writes them.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -108,7 +110,27 @@ def markdown(table: list[dict[str, Any]], root: Path | None = None) -> str:
     if root is not None:
         for p in sorted((q for q in root.glob("*/cmd.txt")), key=lambda q: _order(q.parent.name)):
             lines.append(f"- {p.parent.name}: `{p.read_text().strip()}`")
+        for p in sorted((q for q in root.glob("*/serve.log")), key=lambda q: _order(q.parent.name)):
+            lines.extend(late_work(p))
     return "\n".join(lines) + "\n"
+
+
+_LATE = re.compile(r"freetoken-agent: (compile|capture) after the warm-up: (.*) \(([0-9.]+) s\)$")
+
+
+def late_work(log: Path, top: int = 5) -> list[str]:
+    """What a server log says was compiled or captured after its warm-up (engine/late_work.py): one
+    line with the count and seconds of each kind, then the `top` slowest."""
+    found = [(m.group(1), m.group(2), float(m.group(3)))
+             for m in map(_LATE.match, log.read_text(errors="replace").splitlines()) if m]
+    if not found:
+        return [f"- {log.parent.name}: nothing compiled or captured after the warm-up"]
+    kinds = sorted({k for k, _, _ in found})
+    out = [f"- {log.parent.name} after the warm-up: " + ", ".join(
+        f"{sum(k == kind for k, _, _ in found)} {kind}s, {sum(s for k, _, s in found if k == kind):.1f} s"
+        for kind in kinds)]
+    out += [f"  - {k} {what}: {s:.2f} s" for k, what, s in sorted(found, key=lambda f: -f[2])[:top]]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,3 +94,18 @@ def test_a_broken_result_json_is_named(tmp_path: Path) -> None:
     bad.write_text('{"runs": [')  # a replay killed while writing
     with pytest.raises(SystemExit, match=r"alpha/result.json: not a readable result.json"):
         replay_summary.main([str(tmp_path)])
+
+
+def test_late_work_lines_of_a_server_log(tmp_path: Path) -> None:
+    log = tmp_path / "ours" / "serve.log"
+    log.parent.mkdir()
+    log.write_text("freetoken-agent: warm-up: 8 requests, 8038 prompt tokens in 91.8 s\n"
+                   "freetoken-agent: compile after the warm-up: chunk_fwd_kernel_o (2.50 s)\n"
+                   "INFO: 127.0.0.1 - POST /v1/messages 200\n"
+                   "freetoken-agent: capture after the warm-up: decode 4 (0.31 s)\n"
+                   "freetoken-agent: compile after the warm-up: recompute_w_u_fwd_kernel (6.55 s)\n")
+    lines = replay_summary.late_work(log, top=2)
+    assert lines[0] == "- ours after the warm-up: 1 captures, 0.3 s, 2 compiles, 9.1 s"
+    assert lines[1:] == ["  - compile recompute_w_u_fwd_kernel: 6.55 s", "  - compile chunk_fwd_kernel_o: 2.50 s"]
+    log.write_text("freetoken-agent: warm-up: 8 requests\n")
+    assert replay_summary.late_work(log) == ["- ours: nothing compiled or captured after the warm-up"]
