@@ -6,9 +6,9 @@ total. Admission restores the longest reusable prefix from the radix cache (KV s
 recurrent layers the deepest checkpoint at or before the first divergence, from the device or the
 host tier) and prefills only the rest; `RequestHandle.reuse` says what was reused. Anchors inside a
 prefill chunk are checkpointed within its pass (the recurrent layers write the state at each into a
-free state slot, `SeqEntry.cuts`; a chunk ends early only at an anchor no slot is free for, and at
-every anchor on models with sliding-window rings, whose rings a cut cannot keep), so anchors add no
-forward passes. A generated `DecodeAnchor` token is checkpointed after the next step has computed it
+free state slot, `SeqEntry.cuts`, one freed by spilling a device checkpoint the new one outranks to
+the host tier when none is free; a chunk ends early only at an anchor no slot can be had for, and at every anchor on models with
+sliding-window rings, whose rings a cut cannot keep), so anchors add no forward passes. A generated `DecodeAnchor` token is checkpointed after the next step has computed it
 (one extra step, not reported, when the request ends on it). A finished request's computed tokens
 (prompt + output) are inserted into the cache with its final recurrent state as a checkpoint of kind
 "request_end", so the next request that extends it resumes there. Checkpoint slots and eviction:
@@ -334,8 +334,9 @@ class Scheduler:
     def _cuts(self, req: Request, end: int) -> tuple[int, list[tuple[Anchor, int]]]:
         """The anchors strictly inside the chunk [computed, end), each with the state slot its
         checkpoint is written to inside the pass (-1 for models without per-sequence state, which
-        only publish the prefix), and the chunk's end: it stops at the first anchor for which no
-        state slot is free, or at the first anchor on a model with sliding-window rings (its state
+        only publish the prefix; with no free slot the store spills a device checkpoint the new one
+        strictly outranks, `CheckpointStore.cut_slot`), and the chunk's end: it stops at the first anchor for which no state
+        slot can be had, or at the first anchor on a model with sliding-window rings (its state
         is then the working state after the pass, as at `end`)."""
         out: list[tuple[Anchor, int]] = []
         for a in req.anchors:
@@ -347,7 +348,7 @@ class Scheduler:
                 return a.position, out
             slot = -1
             if self.hybrid:
-                got = self.states.alloc()
+                got = self.store.cut_slot(SnapshotMeta(a.kind, a.priority, req.session), a.position, req.session)
                 if got is None:
                     return a.position, out
                 slot = got

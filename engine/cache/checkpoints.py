@@ -13,6 +13,9 @@ Contract:
   the caller hands `src` over (a finished request's working state): it is attached or freed.
 - `working_slot(requester)` returns a free device slot for a live request, spilling the first
   device checkpoint in eviction order to the host when the pool is full (None if impossible).
+- `cut_slot(meta, depth, requester)` returns a device slot for a checkpoint a pass writes inside a
+  chunk: a free one, else one freed by spilling the first device checkpoint in eviction order when
+  that one ranks strictly below the new one on (protected, priority) (None otherwise).
 - `restore(match, dst)` copies the matched checkpoint (either tier) into working slot `dst`.
 - Spilling into a full host tier drops the first host snapshot in eviction order, or the spilled
   one itself when it ranks strictly below all of them on (protected, priority).
@@ -25,9 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from engine.anchors import PROTECT_PER_SESSION, SessionActivity, SnapshotMeta, eviction_key
 from engine.cache.pools import HostStatePool, StatePool
 from engine.cache.radix import Match, Node, RadixCache
+
+_NEWEST = 1 << 62  # a checkpoint not yet in the cache ranks as the most recently used
 
 
 class CheckpointStore:
@@ -127,6 +134,24 @@ class CheckpointStore:
             if not held:
                 return None
             self._spill(held[0], requester)
+        return self.states.alloc()
+
+    def cut_slot(self, meta: SnapshotMeta, depth: int, requester: str | None) -> int | None:
+        """A device slot for a checkpoint a pass is about to write at `depth` (labelled `meta`): a free
+        one, else one freed by spilling the first device checkpoint in eviction order to the host
+        tier when it ranks strictly below the new one on (protected, priority), so `save` would spill
+        it for the new one too; None otherwise (the chunk then ends at the anchor, and `save` decides
+        there, after the cuts before it are stored)."""
+        if self.states.num_free:
+            return self.states.alloc()
+        held = self._ordered(self._device_nodes(), requester)
+        new = Node(key=[], value=torch.empty(0, dtype=torch.long), parent=None, depth=depth, last_access=_NEWEST,
+                   meta=meta)
+        prot = self._protected([new])
+        if not held or (self._key(held[0], held[0] in prot, requester)[:2]
+                        >= self._key(new, new in prot, requester)[:2]):
+            return None
+        self._spill(held[0], requester)
         return self.states.alloc()
 
     def restore(self, match: Match, dst: int) -> bool:

@@ -452,3 +452,30 @@ def test_anchors_inside_a_chunk_add_no_passes(hybrid, make_engine, monkeypatch) 
     for slot in taken:
         s.states.free(slot)
     assert passes == [16, 13, 1]  # the cut at 7 in the first pass; then no slot is free for 29 either
+
+
+def test_a_cut_spills_a_lower_ranked_checkpoint_instead_of_ending_the_pass(hybrid, make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With every state slot taken (device checkpoints of priority 0 and the working state), an anchor
+    of a higher priority inside a chunk still gets its cut: the lowest-ranked device checkpoint moves
+    to the host tier (`CheckpointStore.cut_slot`), the prompt is one pass, and both resume exactly;
+    an anchor that outranks none of them ends the chunk as before."""
+    path, _, cold = hybrid
+    engine = make_engine(path, state_slots=3, max_running=1, checkpoint_slots=2, host_checkpoint_slots=4)
+    first = toks(30, 50)
+    engine.submit(first, greedy(1), session="main", anchors=[Anchor(10, "a", 0)]).result(timeout=120)
+    assert {p: t for p, (_, _, t) in held(engine, "main").items()} == {10: "device", 30: "device"}
+    passes: list[int] = []
+    forward = engine.decoder.forward
+
+    def counted(batch, kv, states):  # type: ignore[no-untyped-def]
+        passes.append(batch.num_tokens)
+        return forward(batch, kv, states)
+
+    monkeypatch.setattr(engine.decoder, "forward", counted)
+    engine.submit(PROMPT, greedy(1), session="main", anchors=[Anchor(12, "system_end", 5)]).result(timeout=120)
+    assert passes == [30]
+    tiers = held(engine, "main")
+    assert tiers[12] == ("system_end", 5, "device") and "host" in {t for _, _, t in tiers.values()}
+    assert reuse(served(engine, cold, [*PROMPT[:12], 3, 1]))[:3] == (12, 12, "system_end")
+    assert reuse(served(engine, cold, [*first[:10], 9]))[:3] == (10, 10, "a")
+    assert_baseline(engine)
