@@ -218,11 +218,14 @@ class Scheduler:
             for req, _ in entries:
                 self._finish(req, "error", err, keep_cache=False)
             return
+        # every cut's slot goes to the store before any request samples (its listener may look at
+        # the slots: each is then free, a checkpoint or a request's working state)
+        for req, _ in entries:
+            for a, slot in cuts.pop(id(req), []):
+                self._checkpoint(req, SnapshotMeta(a.kind, a.priority, req.session), a.position, slot)
         for row, (req, toks) in enumerate(entries):
             req.computed += len(toks)
             if req.phase is Phase.PREFILL:
-                for a, slot in cuts.pop(id(req), []):
-                    self._checkpoint(req, SnapshotMeta(a.kind, a.priority, req.session), a.position, slot)
                 anchor = next((a for a in req.anchors if a.position == req.computed), None)
                 if anchor is not None:
                     self._checkpoint(req, SnapshotMeta(anchor.kind, anchor.priority, req.session))
