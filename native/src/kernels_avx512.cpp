@@ -3,13 +3,12 @@
 // used for all tokens of the tile. Weights are widened to float32 in registers (bf16: shift;
 // fp8: bytes -> fp16 bit pattern -> cvtph, the 2^8 exponent-bias difference folded into the block
 // scale; mxfp4: nibbles -> permutexvar lookup), never to a temporary copy.
-#include <immintrin.h>
+#include "avx512_target.h"
 
 #include "common.h"
 
 #if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+FT_AVX512_BEGIN("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
 namespace ft {
 namespace {
@@ -185,7 +184,7 @@ void register_avx512(GemvFn table[kNumFmts]) {
 
 }  // namespace ft
 
-#pragma GCC pop_options
+FT_AVX512_END
 #else
 namespace ft {
 void register_avx512(GemvFn*) {}

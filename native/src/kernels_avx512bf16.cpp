@@ -1,13 +1,12 @@
 // AVX-512-BF16 kernel for bf16 weights: vdpbf16ps on bf16 weights x bf16 activations, 32 elements
 // per instruction (the layer rounds x and the hidden activations to bf16 for this path). Other
 // formats on this ISA use the AVX-512F kernels (moe_layer.cpp decides).
-#include <immintrin.h>
+#include "avx512_target.h"
 
 #include "common.h"
 
 #if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+FT_AVX512_BEGIN("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
 namespace ft {
 namespace {
@@ -69,7 +68,7 @@ void register_avx512bf16(GemvFn table[kNumFmts]) { table[int(Fmt::bf16)] = gemv;
 
 }  // namespace ft
 
-#pragma GCC pop_options
+FT_AVX512_END
 #else
 namespace ft {
 void register_avx512bf16(GemvFn*) {}

@@ -1,12 +1,11 @@
 // AVX-512F/BW/VL kernels for the packed formats: kernels_packed_simd.h at 16 float lanes, tiles
 // of up to 4 rows x 4 tokens.
-#include <immintrin.h>
+#include "avx512_target.h"
 
 #include "packed.h"
 
 #if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+FT_AVX512_BEGIN("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
 namespace ft {
 namespace {
@@ -41,7 +40,7 @@ void register_packed_avx512(GemvFn table[kNumQ]) { fill_table(table); }
 
 }  // namespace ft
 
-#pragma GCC pop_options
+FT_AVX512_END
 #else
 namespace ft {
 void register_packed_avx512(GemvFn*) {}

@@ -272,6 +272,11 @@ PYBIND11_MODULE(_ftnative, m) {
             if (isa_supported(i)) out.push_back(isa_name(i));
         return out;
     });
+#if defined(FT_EMULATE_AVX512)
+    m.attr("emulated_avx512") = true;  // a test build: the AVX-512 paths run on SIMDe (avx512_target.h)
+#else
+    m.attr("emulated_avx512") = false;
+#endif
     m.def("set_num_threads", &set_num_threads, py::call_guard<py::gil_scoped_release>(), py::arg("n"),
           py::arg("pin") = true, "Replace the pool; the next call starts n threads (0 = one per physical core).");
     m.def("num_threads", [] { return pool()->size(); }, py::call_guard<py::gil_scoped_release>());

@@ -11,6 +11,8 @@
 // holding a chunk loops over all experts for it, so no two threads write the same output element.
 #include "moe_layer.h"
 
+#include "act_split.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -83,10 +85,15 @@ bool isa_supported(Isa i) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     switch (i) {
+#if defined(FT_EMULATE_AVX512)  // the AVX-512 kernels are SIMDe's emulation on AVX2 (avx512_target.h)
+        case Isa::avx512bf16:
+        case Isa::avx512: return isa_supported(Isa::avx2);
+#else
         case Isa::avx512bf16: return isa_supported(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
         case Isa::avx512:
             return isa_supported(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl");
+#endif
         case Isa::avx2:
             return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         default: return true;
@@ -228,15 +235,19 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
         s.entry_token[i] = static_cast<int>(e / k);
         s.entry_w[i] = a.weights[e];
     }
-    s.xbuf.resize(static_cast<size_t>(T * H) * act);
-    s.hbuf.resize(static_cast<size_t>(M * I) * act);
+    const bool split_x = plan.split_x, split_h = plan.split_h;
+    // bytes per token of x and per entry of h: their values, or their bf16 pieces (act_split.h)
+    const size_t xs = split_x ? static_cast<size_t>(split_row_bytes(H)) : static_cast<size_t>(H) * act;
+    const size_t hs = split_h ? static_cast<size_t>(split_row_bytes(I)) : static_cast<size_t>(I) * act;
+    s.xbuf.resize(static_cast<size_t>(T) * xs);
+    s.hbuf.resize(static_cast<size_t>(M) * hs);
     s.acc.resize(static_cast<size_t>(T * H));
     s.xptr.resize(M);
     s.hptr.resize(M);
     for (const Group& gr : s.groups)  // the split expert's down projection reads rows [first, I) of h
         for (int i = gr.begin; i < gr.end; ++i) {
-            s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i] * H) * act;
-            s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i * I + gr.first) * act;
+            s.xptr[i] = s.xbuf.data() + static_cast<size_t>(s.entry_token[i]) * xs;
+            s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i) * hs + static_cast<size_t>(gr.first) * act;
         }
 
     constexpr int64_t kChunk = 4 * kRows;  // rows per work chunk
@@ -252,7 +263,17 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
 
     auto job = [&](int tid) {
         for (int64_t t = tid; t < T; t += nt) {  // phase 0
-            if (a.x_bf16) {
+            if (split_x) {
+                char* dst = s.xbuf.data() + static_cast<size_t>(t) * xs;
+                if (a.x_bf16) {
+                    const uint16_t* src = reinterpret_cast<const uint16_t*>(a.x) + t * a.x_ld;
+                    for (int64_t i = 0; i < H; ++i) split_put(dst, H, i, bf16_to_f32(src[i]));
+                } else {
+                    const float* src = reinterpret_cast<const float*>(a.x) + t * a.x_ld;
+                    for (int64_t i = 0; i < H; ++i) split_put(dst, H, i, src[i]);
+                }
+                split_finish(dst, H);
+            } else if (a.x_bf16) {
                 const uint16_t* src = reinterpret_cast<const uint16_t*>(a.x) + t * a.x_ld;
                 if (act_bf16) std::memcpy(s.xbuf.data() + t * H * 2, src, H * 2);
                 else {
@@ -293,7 +314,8 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                                 float g = gbuf[t * kRows + r], u = ubuf[t * kRows + r];
                                 if (bias != nullptr) g += bias[r0 + r], u += bias[I + r0 + r];
                                 const float hv = activate(plan, g, u);
-                                if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
+                                if (split_h) split_put(s.hbuf.data() + static_cast<size_t>(e) * hs, I, r0 + r, hv);
+                                else if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
                                 else reinterpret_cast<float*>(s.hbuf.data())[e * I + r0 + r] = hv;
                             }
                         }
@@ -302,6 +324,10 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             }
         }
         p.barrier();
+        if (split_h) {  // every entry's h is whole: its sums and piece count
+            for (int64_t e = tid; e < M; e += nt) split_finish(s.hbuf.data() + static_cast<size_t>(e) * hs, I);
+            p.barrier();
+        }
 
         {  // phase 2: down projection, output rows owned by the chunk's thread
             float dbuf[kRows * 64];

@@ -16,6 +16,7 @@ struct Table {
         if (isa_supported(Isa::avx2)) register_packed_avx2(fn[int(Isa::avx2)]);
         if (isa_supported(Isa::avx512)) register_packed_avx512(fn[int(Isa::avx512)]);
         for (int f = 0; f < kNumQ; ++f) fn[int(Isa::avx512bf16)][f] = fn[int(Isa::avx512)][f];
+        if (isa_supported(Isa::avx512bf16)) register_packed_avx512bf16(fn[int(Isa::avx512bf16)]);
     }
 };
 
@@ -31,6 +32,8 @@ struct PackedPlan final : LayerPlan {
         gemv_gu = table().fn[int(isa)][b.fmt_gu];
         gemv_d = table().fn[int(isa)][b.fmt_d];
         b_gu = b.b_gu, b_d = b.b_d, act = b.act, alpha = b.alpha, limit = b.limit;
+        split_x = isa == Isa::avx512bf16 && packed_split_format(b.fmt_gu);
+        split_h = isa == Isa::avx512bf16 && packed_split_format(b.fmt_d);
     }
     float gs(int64_t row, int which) const { return b.gscale ? b.gscale[row * 3 + which] : 1.0f; }
     Mat gate(int64_t row) const override {

@@ -24,9 +24,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# set by tests/native/test_emulated_avx512.py: `native` is the test module of `native/build.py
+# --emulate-avx512`, whose AVX-512 paths run on SIMDe's emulation wherever AVX2 runs
+EMULATED_AVX512 = os.environ.get("FREETOKEN_NATIVE_EMULATED_AVX512") == "1"
+
+
 def expected_isas() -> list[str]:
     f = _cpu_flags()
     isas = []
+    if EMULATED_AVX512 and {"avx2", "fma", "f16c"} <= f:
+        return ["avx512bf16", "avx512", "avx2", "scalar"]
     if {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"} <= f:
         if "avx512_bf16" in f:
             isas.append("avx512bf16")
@@ -47,6 +54,7 @@ def ft():
         if os.environ.get("FREETOKEN_REQUIRE_NATIVE") == "1":
             pytest.fail(f"native extension required but not loadable: {exc}")
         pytest.skip(f"native extension not built: {exc}")
+    assert ftnative._ext.emulated_avx512 == EMULATED_AVX512, f"{ftnative._ext.__file__} is not the module asked for"
     yield ftnative
     ftnative.set_isa("auto")
 
