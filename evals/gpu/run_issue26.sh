@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU-machine runs for issue 26 (quantized experts), one PART per device call (each under 10 min).
-#   PART=build  the packed CPU kernels alone on a quiet machine (bench cpu-experts, q4_k / q8_0 /
-#               q6_k at 6, 8 and 16 threads against the read bound), then, while llama.cpp builds in
+#   PART=build  the native kernel tests, then the packed CPU kernels alone on a quiet machine (bench
+#               cpu-experts, q4_k / q6_k / q8_0 / mxfp4 at 6, 8 and 16 threads against the read bound, the
+#               avx512bf16 and avx512 paths side by side: CPU_ISA), then, while llama.cpp builds in
 #               the background (evals/peer/build.sh --export), the packed GPU tests and the packed
 #               GEMV probe (evals/gpu/packed_gemv_probe.py).
 #   PART=one    the build, the GGUF and the GPU tests at once, then both decodes, then prefill (one call;
@@ -51,11 +52,15 @@ python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build
 at "native built"
 case "${PART:-build}" in
 build)
-    for f in ${CPU_FORMATS:-q4_k q8_0}; do
+    # the packed kernels on this host's real AVX-512 (CI runs them on SIMDe's emulation only)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
+        > "$R/native_tests.log" 2>&1
+    at "native tests: exit $? ($(tail -1 "$R/native_tests.log"))"
+    for f in ${CPU_FORMATS:-q4_k q6_k q8_0 mxfp4}; do
         for pf in ${CPU_PF:-1024}; do  # the native software prefetch distance (FREETOKEN_NATIVE_PREFETCH)
             sfx=$([ "$pf" = 1024 ] && echo "" || echo "_pf$pf")
             FREETOKEN_NATIVE_PREFETCH=$pf timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 \
-                --rounds 2 --bank-gb 2 --no-torch --json > "$R/cpu_$f$sfx.json" 2> "$R/cpu_$f$sfx.err"
+                --rounds 2 --bank-gb 2 --no-torch --isa "${CPU_ISA:-avx512bf16,avx512}" --json > "$R/cpu_$f$sfx.json" 2> "$R/cpu_$f$sfx.err"
             at "cpu-experts $f prefetch $pf: exit $?"
         done
     done
