@@ -12,14 +12,19 @@ namespace {
 
 struct V {
     static constexpr int W = 16, TMAX = 4;
+    static constexpr bool kI8FromMemory = false;  // decoded codes widened by i8p from a stack copy, else by i8
     using F = __m512;
     static F zero() { return _mm512_setzero_ps(); }
     static F set1(float f) { return _mm512_set1_ps(f); }
     static F load(const float* p) { return _mm512_loadu_ps(p); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
     static float hsum(F v) { return _mm512_reduce_add_ps(v); }
     static F i8(__m128i q, int) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+    static F i8p(const uint8_t* p) {  // W int8 at p as floats
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
     static F fp8(const uint8_t* p) {  // 16 e4m3 bytes -> fp16 bit patterns (value / 256) -> float
         const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);

@@ -1,12 +1,13 @@
-// AVX-512-BF16 kernels for the packed formats whose codes fit a bf16 table: vdpbf16ps multiplies 32
-// codes by 32 activations an instruction. Each sub-block of 32 codes becomes 32 exact bf16 values
-// in one permute (vpermt2w: a code c in [-32, 32) indexes the bf16 of c at c & 63; iq4's nibbles
-// index its value table), the group scale is applied once per 32 products (acc += d * dot), and the
-// offsets once per block per row (acc += m . the activations' group sums). The activations arrive
-// split into bf16 pieces whose sum is exact (act_split.h): one piece for a bf16 row, three for a
-// float32 one, so every product is exact and the result is a float32 dot product of the same
-// values in another order of additions. q8_0 (codes of 8 bits), fp8 and nvfp4 (16-value blocks)
-// keep the AVX-512F float kernels (moe_packed.cpp: packed_split_format).
+// AVX-512-BF16 kernels for the packed formats: vdpbf16ps multiplies 32 codes by 32 activations an
+// instruction. Each sub-block's 32 codes become 32 exact bf16 values: in one permute (vpermt2w: a
+// code c in [-32, 32) indexes the bf16 of c at c & 63; iq4's nibbles index its value table), or for
+// fp8 widened as the float kernels do (value / 256, the factor in its scale) and packed to bf16.
+// The group scale is applied once per 32 products (acc += d * dot), the offsets once per block per
+// row (acc += m . the activations' group sums). The activations arrive split into bf16 pieces whose
+// sum is exact (act_split.h): one piece for a bf16 row, three for a float32 one, so every product
+// is exact and the result is a float32 dot product of the same values in another order of
+// additions. q8_0 (8-bit codes: no cheaper this way) and nvfp4 (16-value blocks) keep the AVX-512F
+// float kernels (packed.h: packed_split_format).
 #include "act_split.h"
 #include "avx512_target.h"
 #include "packed.h"
@@ -59,9 +60,18 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 template <class Q>
 inline __m512i bf16_codes(const uint8_t* b, int j, __m512i lo, __m512i hi) {
-    __m128i q[2];
-    indices<Q>(b, j, q);
-    return _mm512_permutex2var_epi16(lo, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])), hi);
+    if constexpr (Q::kFmt == QFmt::fp8) {  // e4m3 bits as an fp16 pattern (value / 256, exact), then bf16 (exact)
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4 + 32 * j)));
+        const __m512i f16 = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x80)), 8),
+                                            _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x7f)), 7));
+        const __m512bh c = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)),
+                                               _mm512_cvtph_ps(_mm512_castsi512_si256(f16)));
+        return reinterpret_cast<const __m512i&>(c);
+    } else {
+        __m128i q[2];
+        indices<Q>(b, j, q);
+        return _mm512_permutex2var_epi16(lo, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])), hi);
+    }
 }
 
 constexpr int kPfTiles = 2;  // prefetch distance in tiles, as the float kernels (kernels_packed_simd.h)
@@ -156,6 +166,7 @@ void register_packed_avx512bf16(GemvFn table[kNumQ]) {
     table[int(QFmt::iq4_nl)] = gemv<DIQ4_NL>;
     table[int(QFmt::iq4_xs)] = gemv<DIQ4_XS>;
     table[int(QFmt::mxfp4)] = gemv<DMXFP4>;
+    table[int(QFmt::fp8)] = gemv<DFP8>;
 }
 
 }  // namespace ft

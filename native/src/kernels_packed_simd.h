@@ -4,15 +4,25 @@
 // linker cannot merge an AVX-512 instantiation into the AVX2 path). No include guard, no includes:
 // it needs <immintrin.h>, packed.h and, from the includer, a struct V with
 //   W (lanes), TMAX (tokens per tile), F (float vector), zero(), set1(f), load(const float*),
-//   fmadd(a, b, c) = a * b + c, mul(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
-//   [off, off + W) of q as floats; off a multiple of W below 16), fp8(p) (W e4m3 bytes at p, as
-//   floats / 256), and prefetch(p) (p itself, when software prefetch is on).
+//   fmadd(a, b, c) = a * b + c, mul(a, b), add(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
+//   [off, off + W) of q as floats; off a multiple of W below 16), i8p(p) (W int8 at p as floats),
+//   kI8FromMemory (widen decoded codes by i8p from a stack copy rather than by i8: AVX2, where
+//   the upper 8 lanes of a register would cost a shift), fp8(p) (W e4m3 bytes at p, as
+//   floats / 256), and prefetch(p) (p itself, when software prefetch is on). The format helpers
+//   (packed_formats_simd.h) use AVX2 (both includers enable it).
 //
-// Per block and row, the scales of every group of values are decoded once (value = code * d + m);
-// then the block is decoded in sub-blocks of S values (32; nvfp4: its 16) straight into registers:
-// the byte work (nibbles, high bits, code tables) in 128-bit registers shared by both widths gives
-// int8 codes, widened to S / W float vectors, scaled, and multiplied into the accumulators of R
-// rows x TT tokens. fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
+// Per block and row, the scales of every group of values are decoded once (value = code * d + m)
+// into a small array that the inner loop reads back as broadcasts; then the block is decoded in
+// sub-blocks of S values (32; nvfp4: its 16) straight into registers: the byte work (nibbles, high
+// bits, code tables) in 128-bit registers shared by both widths gives int8 codes (q8_0: the bytes
+// themselves, widened from memory), widened to S / W float vectors of the unscaled codes, which
+// meet the activations of the R rows x TT tokens of the tile. The group scale is factored out where
+// a group spans GV = kGroup / W >= 2 vectors: per group and token gs = sum(code * x), then
+// acc += d * gs once, and for the formats with an offset acc += m * sum(x over the group), the x
+// sums taken once per tile (shared by its rows); where a group is one vector (or two, with an
+// offset) the vector is scaled in place (w = code * d + m, acc += w * x), which costs no more
+// (factored() below). Activations are never quantized: every product is float32.
+// fp8 has no int8 form: its sub-blocks are widened from the e4m3 bits directly.
 // Prefetch: a tile reads its R consecutive rows side by side, and the next tiles read the rows that
 // follow, so each block is prefetched kPfTiles tiles ahead (the same block of the rows kPfTiles * R
 // further on): a fixed distance along the row would land in the tile's own next row once rows are
@@ -23,22 +33,38 @@
 template <class Q>
 constexpr int sub_size() { return kQInfo[int(Q::kFmt)].block < 32 ? kQInfo[int(Q::kFmt)].block : 32; }
 
-// Sub-block j of the block at b as S / W float vectors, with the block's group scales d, m.
+// Sub-block j of the block at b as S / W float vectors of its codes, unscaled (fp8: value / 256).
 template <class Q>
-inline void decode_floats(const uint8_t* b, int j, const float* d, const float* m, typename V::F* w) {
+inline void decode_codes(const uint8_t* b, int j, typename V::F* f) {
     constexpr int S = sub_size<Q>();
     if constexpr (Q::kFmt == QFmt::fp8) {
-        const typename V::F s = V::set1(d[0]);
-        for (int v = 0; v < S / V::W; ++v) w[v] = V::mul(V::fp8(b + 4 + 32 * j + v * V::W), s);
+        for (int v = 0; v < S / V::W; ++v) f[v] = V::fp8(b + 4 + 32 * j + v * V::W);
+    } else if constexpr (Q::kFmt == QFmt::q8_0) {  // the codes are the bytes: widened straight from memory
+        for (int v = 0; v < S / V::W; ++v) f[v] = V::i8p(b + 2 + v * V::W);
     } else {
         __m128i q[2];
         Q::codes(b, j, q);
-        for (int v = 0; v < S / V::W; ++v) {
-            const int e = v * V::W, g = (j * S + e) / Q::kGroup;
-            const typename V::F f = V::i8(q[e / 16], e % 16);
-            w[v] = Q::kOffset ? V::fmadd(f, V::set1(d[g]), V::set1(m[g])) : V::mul(f, V::set1(d[g]));
+        if constexpr (V::kI8FromMemory) {  // stored and widened from memory: no shift for the upper lanes
+            alignas(16) uint8_t buf[32];
+            _mm_store_si128(reinterpret_cast<__m128i*>(buf), q[0]);
+            _mm_store_si128(reinterpret_cast<__m128i*>(buf + 16), q[1]);
+            asm volatile("" : "+m"(buf));
+            for (int v = 0; v < S / V::W; ++v) f[v] = V::i8p(buf + v * V::W);
+        } else {
+            for (int v = 0; v < S / V::W; ++v) f[v] = V::i8(q[v * V::W / 16], v * V::W % 16);
         }
     }
+}
+
+// How a tile applies the group scales (value = code * d + m), by the vectors per group GV = kGroup / W:
+// factored (GV >= 2): per group and token, gs = sum(code * x) over the group's GV vectors, then
+// acc += d * gs once; the offset's share m * sum(x) with sum(x) over the group taken once per tile and
+// token (shared by its R rows), acc += m * sx. Inline (GV == 1, or GV == 2 with an offset, where
+// factoring saves nothing): w = code * d + m per vector, acc += w * x.
+template <class Q>
+constexpr bool factored() {
+    constexpr int GV = Q::kGroup / V::W;
+    return GV >= 2 && !(Q::kOffset && GV < 4);
 }
 
 constexpr int kPfTiles = 2;  // prefetch distance, in tiles (see the top of this file)
@@ -46,30 +72,61 @@ constexpr int kPfTiles = 2;  // prefetch distance, in tiles (see the top of this
 // R rows x TT tokens: each decoded vector is used for every token of the tile.
 template <class Q, int R, int TT>
 void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, size_t ldo) {
+    using F = typename V::F;
     constexpr int B = kQInfo[int(Q::kFmt)].block, kBytes = kQInfo[int(Q::kFmt)].bytes, S = sub_size<Q>();
     constexpr int NV = S / V::W, kPfEvery = kBytes >= 64 ? 1 : 64 / kBytes;  // one prefetch per <= 64 bytes
+    constexpr int G = Q::kGroup, NG = B / G, kVG = G < S ? S / G : 1;  // groups per block, per sub-block
+    constexpr bool kFact = factored<Q>(), kSx = kFact && Q::kOffset;
     const uint8_t* W[R];
     for (int r = 0; r < R; ++r) W[r] = m.w + (r0 + r) * m.ld;
     const size_t ahead = kPfTiles * R * m.ld;
-    typename V::F acc[R][TT];
+    F acc[R][TT], gs[R][TT];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) acc[r][t] = V::zero();
-    constexpr int NG = B / Q::kGroup;
-    float ds[R][NG], ms[R][NG];  // group scales and offsets of the current block, per row
+    alignas(64) float ds[R][NG], ms[R][NG];  // group scales and offsets of the current block, per row
     const int nb = K / B;
     for (int b = 0; b < nb; ++b) {
         if (b % kPfEvery == 0)
             for (int r = 0; r < R; ++r)
                 for (int o = 0; o < kBytes; o += 64) V::prefetch(W[r] + ahead + b * kBytes + o);
         for (int r = 0; r < R; ++r) Q::scales(W[r] + b * kBytes, ds[r], ms[r]);
+        // the scales are read back from memory as broadcasts (a load each), not extracted from registers
+        asm volatile("" : "+m"(ds), "+m"(ms));
 #pragma GCC unroll 8
         for (int j = 0; j < B / S; ++j) {  // unrolled: j's shifts, masks and scale indices become constants
             const int k0 = b * B + j * S;
-            for (int r = 0; r < R; ++r) {
-                typename V::F w[NV];
-                decode_floats<Q>(W[r] + b * kBytes, j, ds[r], ms[r], w);
+            F sx[TT][kVG];  // sum of x over each group of the sub-block (the offsets' share)
+            if constexpr (kSx)
                 for (int t = 0; t < TT; ++t)
-                    for (int v = 0; v < NV; ++v) acc[r][t] = V::fmadd(w[v], V::load(X[t] + k0 + v * V::W), acc[r][t]);
+                    for (int v = 0; v < NV; ++v) {
+                        const F x = V::load(X[t] + k0 + v * V::W);
+                        const int gi = v * V::W / G;
+                        sx[t][gi] = v * V::W % G == 0 ? x : V::add(sx[t][gi], x);
+                    }
+            for (int r = 0; r < R; ++r) {
+                F f[NV];
+                decode_codes<Q>(W[r] + b * kBytes, j, f);
+                for (int v = 0; v < NV; ++v) {
+                    const int e = j * S + v * V::W, g = e / G;  // value index in the block, its group
+                    if constexpr (kFact) {
+                        for (int t = 0; t < TT; ++t) {
+                            const F x = V::load(X[t] + k0 + v * V::W);
+                            gs[r][t] = e % G == 0 ? V::mul(f[v], x) : V::fmadd(f[v], x, gs[r][t]);
+                        }
+                        if ((e + V::W) % G == 0) {  // the group's last vector
+                            const F d = V::set1(ds[r][g]);
+                            for (int t = 0; t < TT; ++t) acc[r][t] = V::fmadd(gs[r][t], d, acc[r][t]);
+                            if constexpr (kSx) {
+                                const F mm = V::set1(ms[r][g]);
+                                for (int t = 0; t < TT; ++t) acc[r][t] = V::fmadd(sx[t][(e % S) / G], mm, acc[r][t]);
+                            }
+                        }
+                    } else {
+                        const F w = Q::kOffset ? V::fmadd(f[v], V::set1(ds[r][g]), V::set1(ms[r][g]))
+                                               : V::mul(f[v], V::set1(ds[r][g]));
+                        for (int t = 0; t < TT; ++t) acc[r][t] = V::fmadd(w, V::load(X[t] + k0 + v * V::W), acc[r][t]);
+                    }
+                }
             }
         }
     }

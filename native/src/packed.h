@@ -123,7 +123,7 @@ void register_packed_avx512bf16(GemvFn table[kNumQ]);  // only the formats of pa
 // The formats whose avx512bf16 kernels read activations split into bf16 pieces (act_split.h).
 inline bool packed_split_format(int fmt) {
     const QFmt f = static_cast<QFmt>(fmt);
-    return f != QFmt::q8_0 && f != QFmt::fp8 && f != QFmt::nvfp4;
+    return f != QFmt::q8_0 && f != QFmt::nvfp4;
 }
 
 // One block of `fmt` dequantized into out[0 .. B) (the scalar path's decoder; gs not applied).

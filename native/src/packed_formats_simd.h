@@ -24,16 +24,16 @@ inline __m128i bits16(uint32_t bits) {  // 0xff in byte i where bit i of the low
 }
 inline __m128i lut(__m128i idx, const int8_t* table) { return _mm_shuffle_epi8(ld16(reinterpret_cast<const uint8_t*>(table)), idx); }
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-// out[i] = mul * float(code i) for n (a multiple of 4) unsigned / signed byte codes, 4 lanes at a time
+// out[i] = mul * float(code i) for n (a multiple of 8) unsigned / signed byte codes, 8 lanes at a time
 inline void scale_u8(const uint8_t* codes, int n, float mul, float* out) {
-    for (int i = 0; i < n; i += 4)
-        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
-                                          _mm_set1_ps(mul)));
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))),
+                                                _mm256_set1_ps(mul)));
 }
 inline void scale_i8(const uint8_t* codes, int n, float mul, float* out) {
-    for (int i = 0; i < n; i += 4)
-        _mm_storeu_ps(out + i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(codes + i))))),
-                                          _mm_set1_ps(mul)));
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))),
+                                                _mm256_set1_ps(mul)));
 }
 // ---- formats: B values in `bytes` bytes, one scale d (and offset m) per kGroup values ----
 // scales(b, d, m): every group's d and m (value = code * d + m), once per block and row;
@@ -181,13 +181,11 @@ struct DIQ4_XS {
     static constexpr QFmt kFmt = QFmt::iq4_xs;
     static constexpr int kGroup = 32;
     static constexpr bool kOffset = false;
-    static void scales(const uint8_t* b, float* d, float*) {
-        const float dd = h2f(b);
-        const uint32_t sh = load_u16(b + 2);
-        for (int j = 0; j < 8; ++j) {
-            const int ls = ((b[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-            d[j] = dd * float(ls - 32);
-        }
+    static void scales(const uint8_t* b, float* d, float*) {  // 6-bit scale j: nibble j of b[4..7], bits 2j.. of b[2..3]
+        const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(load_u32(b + 4))), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(load_u16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        const __m256i ls = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+        _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(h2f(b))));
     }
     static void codes(const uint8_t* b, int j, __m128i* q) {
         const __m128i v = ld16(b + 8 + 16 * j);

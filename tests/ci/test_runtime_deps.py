@@ -6,7 +6,8 @@ The imports are read from the source with `ast`; a module counts as declared whe
 distributions in `[project].dependencies` provides it (its installed files). The GPU-only kernels'
 imports are listed apart (triton comes with the CUDA build of torch, fla-core is optional: the
 engine falls back to its torch ops without it), and so is pybind11, which `pip install` brings as
-a build requirement for the native extension.
+a build requirement for the native extension, and simde-py, whose headers only the AVX-512
+emulation test build reads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("freetoken_agent", "engine", "adapters", "native")
 FIRST_PARTY = {*PRODUCT, "evals", "tests", "setup"}
 APART = {"triton": "comes with torch's CUDA build", "fla": "fla-core, optional: the torch ops are the fallback",
-         "pybind11": "a build requirement of the native extension (pyproject [build-system])"}
+         "pybind11": "a build requirement of the native extension (pyproject [build-system])",
+         "simde_py": "SIMDe's headers, read only by `native/build.py --emulate-avx512` (a test build)"}
 
 
 def _name(requirement: str) -> str:
