@@ -55,7 +55,8 @@ def _emulation_flags() -> list[str]:
         import simde_py  # type: ignore[import-untyped]
     except ImportError as exc:
         raise RuntimeError("the AVX-512 emulation needs SIMDe's headers: pip install simde-py") from exc
-    return ["-DFT_EMULATE_AVX512", "-mavx2", "-mfma", "-mf16c", f"-I{simde_py.get_include()}",
+    # -O1 (after the build's -O3): the same results, in under half the compile time of SIMDe's code
+    return ["-O1", "-DFT_EMULATE_AVX512", "-mavx2", "-mfma", "-mf16c", f"-I{simde_py.get_include()}",
             "-Wno-unused-function", "-Wno-unused-variable", "-Wno-psabi"]
 
 
