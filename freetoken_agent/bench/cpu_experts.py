@@ -79,6 +79,17 @@ def _python_overhead_us(ft: Any) -> float:
     return times[len(times) // 2] * 1e6
 
 
+def resolve_isas(arg: str, ft: Any) -> list[str]:
+    """The SIMD paths `--isa` names (auto: the one in force; all: every supported one but scalar)."""
+    supported = ft.supported_isas()
+    isas = ([i for i in supported if i != "scalar"] if arg == "all" else
+            [ft.get_isa()] if arg == "auto" else arg.split(","))
+    for i in isas:
+        if i not in supported:
+            raise ValueError(f"ISA {i!r} is not supported here (supported: {', '.join(supported)})")
+    return isas
+
+
 def run(args: argparse.Namespace) -> int:
     if args.format in PACKED_FORMATS:
         from freetoken_agent.bench.packed_experts import run_packed
@@ -101,12 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "mxfp4" and (H % 32 or inter % 32):
         raise ValueError(f"{shape.name} cannot be stored as mxfp4 (sizes must be multiples of 32)")
     threads = [int(t) or ft.physical_cores() for t in args.threads.split(",")]
-    supported = ft.supported_isas()
-    isas = ([i for i in supported if i != "scalar"] if args.isa == "all" else
-            [ft.get_isa()] if args.isa == "auto" else args.isa.split(","))
-    for i in isas:
-        if i not in supported:
-            raise ValueError(f"ISA {i!r} is not supported here (supported: {', '.join(supported)})")
+    isas = resolve_isas(args.isa, ft)
 
     probe = random_experts(args.format, 1, H, inter)
     per_expert = probe.expert_nbytes()

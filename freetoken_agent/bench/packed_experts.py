@@ -9,6 +9,8 @@ sets drawn without repeats from a bank far larger than the CPU caches (as a deco
 - read bound: the native pool's plain read of exactly those experts' bytes (when the extension is built);
 - torch: the torch dequantizing reference, only when the native kernel runs the packed case.
 GB/s counts packed weight bytes per call (the bytes the file holds); each case keeps its best round.
+`--isa` names the native SIMD paths to time (a comma list, `all`, or `auto`): each is a case of the
+same interleaved rounds, one result row per thread count and path.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
     out = torch.zeros(T, hidden)
     step = [0]
 
-    def call(fn: Any) -> Callable[[], None]:
+    def call(fn: Any, isa: str | None = None) -> Callable[[], None]:
         def one() -> None:
+            if isa is not None:
+                ft.set_isa(isa)
             fn(x, id_sets[step[0] % n_sets], weights, gate_up, fmt.name, down, fmt.name, gscale, out)
             step[0] += 1
         return one
@@ -70,7 +74,11 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
         ft.read_ranges(read_sets[step[0] % n_sets])
         step[0] += 1
 
-    cases: dict[str, Callable[[], None]] = {"packed": call(kernel or torch_moe_packed)}
+    from freetoken_agent.bench.cpu_experts import resolve_isas
+
+    isas: list[str | None] = [*resolve_isas(args.isa, ft)] if kernel is not None and ft is not None else [None]
+    isa_before = ft.get_isa() if ft is not None else None
+    cases: dict[str, Callable[[], None]] = {f"packed:{isa}": call(kernel or torch_moe_packed, isa) for isa in isas}
     if ft is not None:
         cases["read"] = read
     if kernel is not None and not args.no_torch:
@@ -86,18 +94,22 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
                 ft.set_num_threads(n)
             best = best_of(cases, args.rounds, args.seconds)
             gbps = {name: bytes_per_call / s / 1e9 for name, s in best.items()}
-            r = {"format": fmt.name, "kernel": "native" if kernel else "torch", "hidden": hidden, "inter": inter,
-                 "batch": T, "top_k": k, "threads": n, "bank_gb": round(rows * per_expert / 1e9, 2),
-                 "bytes_per_call": bytes_per_call, "weight_gbps": round(gbps["packed"], 3),
-                 "read_bound_gbps": round(gbps["read"], 2) if "read" in gbps else None,
-                 "fraction_of_bound": round(gbps["packed"] / gbps["read"], 3) if "read" in gbps else None,
-                 "torch_gbps": round(gbps["torch"], 3) if "torch" in gbps else None,
-                 "packed_ms": round(best["packed"] * 1e3, 3)}
-            results.append(r)
-            if not args.json:
-                print("  ".join(f"{key}={'-' if v is None else v}" for key, v in r.items()), flush=True)
+            for isa in isas:
+                packed = gbps[f"packed:{isa}"]
+                r = {"format": fmt.name, "kernel": "native" if kernel else "torch", "isa": isa, "hidden": hidden,
+                     "inter": inter, "batch": T, "top_k": k, "threads": n, "bank_gb": round(rows * per_expert / 1e9, 2),
+                     "bytes_per_call": bytes_per_call, "weight_gbps": round(packed, 3),
+                     "read_bound_gbps": round(gbps["read"], 2) if "read" in gbps else None,
+                     "fraction_of_bound": round(packed / gbps["read"], 3) if "read" in gbps else None,
+                     "torch_gbps": round(gbps["torch"], 3) if "torch" in gbps else None,
+                     "packed_ms": round(best[f"packed:{isa}"] * 1e3, 3)}
+                results.append(r)
+                if not args.json:
+                    print("  ".join(f"{key}={'-' if v is None else v}" for key, v in r.items()), flush=True)
     finally:
         torch.set_num_threads(torch_threads)
+        if isa_before is not None:
+            ft.set_isa(isa_before)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
     return 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.native.conftest import ALL_ISAS
+from tests.native.conftest import ALL_ISAS, CPU_ISAS
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
            "mxfp4", "fp8", "nvfp4"]
@@ -240,6 +240,29 @@ def test_bench_counts_packed_bytes(pk, capsys):
     # the reported figures are rounded (ms to 3 decimals): a few percent
     assert r["weight_gbps"] == pytest.approx(r["bytes_per_call"] / r["packed_ms"] / 1e6, rel=0.03)
     assert r["fraction_of_bound"] == pytest.approx(r["weight_gbps"] / r["read_bound_gbps"], rel=0.03)
+
+
+@pytest.mark.skipif("avx2" not in CPU_ISAS, reason="compares the avx2 path with the scalar one")
+def test_bench_times_each_isa_it_is_given(pk, capsys):
+    """`--isa avx2,scalar`: one row per path, each timed on its own path (scalar is several times
+    slower: a bench that ignored --isa would time one path twice), and the path in force restored."""
+    import argparse
+    import json
+
+    from freetoken_agent.bench.cpu_experts import add_parser
+    from freetoken_agent.bench.packed_experts import run_packed
+    from native import ftnative
+
+    before = ftnative.get_isa()
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["cpu-experts", "--format", "q4_k", "--threads", "1", "--seconds", "0.05",
+                              "--rounds", "2", "--json", "--no-torch", "--isa", "avx2,scalar"])
+    assert run_packed(args, hidden=512, inter=256, top_k=2, bank_gb=0.002) == 0
+    rows = {r["isa"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"avx2", "scalar"}
+    assert rows["avx2"]["weight_gbps"] > 2 * rows["scalar"]["weight_gbps"]
+    assert ftnative.get_isa() == before
 
 
 def test_all_skipped_leaves_out_unchanged(pk):
