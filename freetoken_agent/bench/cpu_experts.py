@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.weights.shapes import SHAPES
 from freetoken_agent.argtypes import positive_int
+from freetoken_agent.bench.isa import resolve_isas
 from freetoken_agent.bench.timing import best_of
 
 NATIVE_FORMATS = ("bf16", "f32")  # the float banks' native executor; every other format runs packed
@@ -77,17 +78,6 @@ def _python_overhead_us(ft: Any) -> float:
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2] * 1e6
-
-
-def resolve_isas(arg: str, ft: Any) -> list[str]:
-    """The SIMD paths `--isa` names (auto: the one in force; all: every supported one but scalar)."""
-    supported = ft.supported_isas()
-    isas = ([i for i in supported if i != "scalar"] if arg == "all" else
-            [ft.get_isa()] if arg == "auto" else arg.split(","))
-    for i in isas:
-        if i not in supported:
-            raise ValueError(f"ISA {i!r} is not supported here (supported: {', '.join(supported)})")
-    return isas
 
 
 def run(args: argparse.Namespace) -> int:

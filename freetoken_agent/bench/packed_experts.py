@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from freetoken_agent.bench.isa import resolve_isas
 from freetoken_agent.bench.timing import best_of
 
 
@@ -73,8 +74,6 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
     def read() -> None:
         ft.read_ranges(read_sets[step[0] % n_sets])
         step[0] += 1
-
-    from freetoken_agent.bench.cpu_experts import resolve_isas
 
     isas: list[str | None] = [*resolve_isas(args.isa, ft)] if kernel is not None and ft is not None else [None]
     isa_before = ft.get_isa() if ft is not None else None
