@@ -35,10 +35,6 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
     per_expert = 2 * inter * rb_gu + hidden * rb_d
     T, k = args.batch, top_k
     rows = max(int(bank_gb * 1e9 // per_expert), 4 * k * T)
-    gen = torch.Generator().manual_seed(0)
-    gate_up = fmt.random_rows((rows, 2 * inter), hidden, gen)
-    down = fmt.random_rows((rows, hidden), inter, gen)
-    gscale = torch.ones(rows, 3)
     kernel = native_moe_packed()
     try:
         from engine.moe.native import load_native
@@ -46,6 +42,13 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
         ft: Any = load_native()
     except Exception:  # no extension: no read bound
         ft = None
+    # checked before the bank is made: a path this CPU lacks is an error at once
+    isas: list[str | None] = [*resolve_isas(args.isa, ft)] if kernel is not None and ft is not None else [None]
+    isa_before = ft.get_isa() if ft is not None else None
+    gen = torch.Generator().manual_seed(0)
+    gate_up = fmt.random_rows((rows, 2 * inter), hidden, gen)
+    down = fmt.random_rows((rows, hidden), inter, gen)
+    gscale = torch.ones(rows, 3)
     if not args.json:
         print(f"bank: {rows} experts ({hidden}x{inter}, {fmt.name}, {per_expert} bytes each), "
               f"{rows * per_expert / 1e9:.2f} GB, random blocks; kernel: {'native' if kernel else 'torch'}", flush=True)
@@ -75,8 +78,6 @@ def run_packed(args: argparse.Namespace, hidden: int, inter: int, top_k: int, ba
         ft.read_ranges(read_sets[step[0] % n_sets])
         step[0] += 1
 
-    isas: list[str | None] = [*resolve_isas(args.isa, ft)] if kernel is not None and ft is not None else [None]
-    isa_before = ft.get_isa() if ft is not None else None
     cases: dict[str, Callable[[], None]] = {f"packed:{isa}": call(kernel or torch_moe_packed, isa) for isa in isas}
     if ft is not None:
         cases["read"] = read
