@@ -51,6 +51,33 @@ cat "$R/cpu.txt"
 python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build failed"; tail -5 "$R/native_build.log"; }
 at "native built"
 case "${PART:-build}" in
+prep)
+    # a warm machine ready for PART=sbs (QUANTIZER=llama) and run_replay.sh: llama.cpp's llama-bench,
+    # llama-quantize and llama-server built in the background while the Q8_0 source is written (requantize.sh
+    # reuses it: write_gguf.py's stamp) and the native and packed GPU tests run (correctness only: the
+    # machine is busy, so nothing is timed here); then llama-quantize makes the side by side's Q4_K_M file
+    rm -f "$R/peer_build.rc"
+    (bash evals/peer/build.sh --quantize --server > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
+    build=$!
+    GGUF=/tmp/peer/q4km.gguf
+    mkdir -p /tmp/peer
+    (timeout 300 python3 evals/peer/write_gguf.py --quant q8_0 --out "$GGUF.q8_0.gguf" --layers 48 --seed 0 \
+        --threads "$(nproc)" > "$R/gguf_src.log" 2>&1; echo $? > "$R/gguf_src.rc") &
+    src=$!
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
+        tests/native/test_executor.py > "$R/native_tests.log" 2>&1
+    at "native tests: exit $? ($(tail -1 "$R/native_tests.log"))"
+    timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
+        > "$R/gpu_tests.log" 2>&1
+    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    wait $src
+    at "q8_0 source: exit $(cat "$R/gguf_src.rc") $(du -h "$GGUF.q8_0.gguf" 2>/dev/null | cut -f1)"
+    wait $build
+    at "llama.cpp build: exit $(cat "$R/peer_build.rc") ($(grep -h 'build.sh\] build' "$R/peer_build.log" | tail -1))"
+    [ "$(left)" -gt 30 ] && timeout $(( $(left) - 10 )) bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF $(nproc) --layers 48" \
+        > "$R/gguf.log" 2>&1
+    at "gguf (llama-quantize): exit $? $(du -h "$GGUF" 2>/dev/null | cut -f1)"
+    ;;
 build)
     # the packed kernels on this host's real AVX-512 (CI runs them on SIMDe's emulation only)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
