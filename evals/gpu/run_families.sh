@@ -39,10 +39,12 @@ mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
-export FREETOKEN_CACHE_DIR=$R/cache
+# the cache (calibration, and the demo models the tests write) stays out of $R: packing it after every step
+# took tens of seconds and made results.tar.gz too big to come back; the calibration is copied into $R
+export FREETOKEN_CACHE_DIR=/tmp/families-cache
 F="python3 -m freetoken_agent"
 t0=$(date +%s)
-pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
+pack() { find "$FREETOKEN_CACHE_DIR" -maxdepth 2 -name "calibration*.json" -exec cp {} "$R/" \; 2>/dev/null; tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
 at() { echo "[$(( $(date +%s) - t0 )) s] $*"; pack; }  # results packed after every step: a killed call keeps them
 left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - t0) )); }  # seconds this call has left
 trap pack EXIT

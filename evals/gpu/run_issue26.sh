@@ -16,8 +16,10 @@
 #               same shape, requantized with --allow-requantize, then deleted); build.sh gets --quantize
 #               (PART=sbs builds when .peer/bin has no llama-quantize: restore.sh does not bring it).
 #               Both files are on the disk at once for a while (48 layers, --plan: Q8_0 30.25 GiB + Q4_K_M
-#               17.28 GiB); its time on the GPU machine is not measured yet: GGUF_S (seconds, default 400
-#               in PART=one, 240 in PART=sbs) bounds the GGUF step.
+#               17.28 GiB). On the H100 machine (2026-12-07) the Q8_0 source took 59.6 s and llama-quantize
+#               had not finished after 200 s on 16 threads (killed): give it a call of its own (PART=prep
+#               leaves the source for it when the build eats the call). GGUF_S (seconds, default 400 in
+#               PART=one, 240 in PART=sbs) bounds the GGUF step.
 # Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
 # Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
 # llama-bench pieces; a summary is printed last.
@@ -28,7 +30,9 @@ mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
-export FREETOKEN_CACHE_DIR=$R/cache
+# the cache (calibration, and the demo models the tests write) stays out of $R: packing it after every step
+# took tens of seconds and made results.tar.gz too big to come back; the calibration is copied into $R
+export FREETOKEN_CACHE_DIR=/tmp/issue26-cache
 F="python3 -m freetoken_agent"
 t0=$(date +%s)
 export QUANTIZER=${QUANTIZER:-}  # read by gguf_q4km, also in the bash -c below
@@ -41,7 +45,7 @@ gguf_q4km() {  # gguf_q4km OUT THREADS [WRITE_GGUF_ARGS...]: the side by side's 
         python3 evals/peer/write_gguf.py "$@" --quant q4_k_m --seed 0 --threads "$th" --out "$out"
     fi
 }
-pack() { tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
+pack() { find "$FREETOKEN_CACHE_DIR" -maxdepth 2 -name "calibration*.json" -exec cp {} "$R/" \; 2>/dev/null; tar -czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null; }
 at() { echo "[$(( $(date +%s) - t0 )) s] $*"; pack; }  # results packed after every step: a killed call keeps them
 left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - t0) )); }  # seconds this call has left
 trap pack EXIT

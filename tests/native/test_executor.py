@@ -261,7 +261,9 @@ def test_cli_generate_reports_and_uses_the_native_executor(ft, demo_model, capsy
     from freetoken_agent.cli import main
 
     model = demo_model("qwen3_5_moe")
-    argv = ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "12", "--output-ids", "--executor"]
+    # --device cpu: on a GPU host `auto` picks cuda, where the experts run on the GPU tier's executor
+    argv = ["generate", "--model", str(model), "--device", "cpu", "--prompt", "hi", "--max-tokens", "12",
+            "--output-ids", "--executor"]
     res = subprocess.run([sys.executable, "-m", "freetoken_agent", *argv, "native"],
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
