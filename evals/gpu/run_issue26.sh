@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
 # GPU-machine runs for issue 26 (quantized experts), one PART per device call (each under 10 min).
-#   PART=build  the native kernel tests, then the packed CPU kernels alone on a quiet machine (bench
-#               cpu-experts, q4_k / q6_k / q8_0 / mxfp4 at 6, 8 and 16 threads against the read bound, the
-#               avx512bf16 and avx512 paths side by side: CPU_ISA), then, while llama.cpp builds in
-#               the background (evals/peer/build.sh --export), the packed GPU tests and the packed
-#               GEMV probe (evals/gpu/packed_gemv_probe.py).
-#   PART=one    the build, the GGUF and the GPU tests at once, then both decodes, then prefill (one call;
-#               EXPORT=1 also exports the llama-bench pieces, as PART=build does)
+#   PART=next   the packed CPU kernels' SIMD paths A/B on a quiet machine and their native tests, then the
+#               packed GPU tests and the packed grouped GEMM probe while llama-bench builds, then the GGUF
+#               (a warm machine ready for PART=sbs CAPS=16GiB NCMOE=48,11)
+#   PART=prep   llama-bench, llama-quantize and llama-server built while the Q8_0 source is written and the
+#               native / packed GPU tests run; then llama-quantize (QUANTIZER=llama's file)
 #   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
 #               llama-bench at each -ncmoe of NCMOE (decode, PROMPTS prefill), then ours at each cap
 #               of CAPS (bench decode / bench prefill on the same file, 8 threads), and llama.cpp's
 #               CPU MoE path (-ncmoe all) next to ours with every expert on the CPU.
-# QUANTIZER=llama (PART=one / sbs; default: write_gguf.py writes the Q4_K_M blocks directly): the GGUF is
+# QUANTIZER=llama (PART=prep / sbs; default: write_gguf.py writes the Q4_K_M blocks directly): the GGUF is
 #               made by llama.cpp's llama-quantize instead (evals/peer/requantize.sh: a Q8_0 source of the
 #               same shape, requantized with --allow-requantize, then deleted); build.sh gets --quantize
 #               (PART=sbs builds when .peer/bin has no llama-quantize: restore.sh does not bring it).
 #               Both files are on the disk at once for a while (48 layers, --plan: Q8_0 30.25 GiB + Q4_K_M
 #               17.28 GiB). On the H100 machine (2026-12-07) the Q8_0 source took 59.6 s and llama-quantize
 #               had not finished after 200 s on 16 threads (killed): give it a call of its own (PART=prep
-#               leaves the source for it when the build eats the call). GGUF_S (seconds, default 400 in
-#               PART=one, 240 in PART=sbs) bounds the GGUF step.
+#               leaves the source for it when the build eats the call). GGUF_S (seconds, default 240) bounds
+#               PART=sbs's GGUF step.
 # Carry [".whl" (evals/gpu/device_wheels.sh makes it), ".peer/llama.cpp.tar.xz"] (+ ".peer/export" once a build's pieces came back).
-# Everything lands in $OUT: results.tar.gz (logs and JSON) and, for PART=build, the exported
-# llama-bench pieces; a summary is printed last.
+# Everything lands in $OUT: results.tar.gz (logs and JSON, packed after every step); a summary is printed last.
 set -u
 export OUT=${OUT:-/tmp/issue26}
 R=/tmp/issue26-results
@@ -54,7 +51,35 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 cat "$R/cpu.txt"
 python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build failed"; tail -5 "$R/native_build.log"; }
 at "native built"
-case "${PART:-build}" in
+case "${PART:-next}" in
+next)
+    # what the 2026-12-07 side by side left open, quiet machine first: the packed CPU kernels' SIMD paths
+    # A/B (the decode's CPU branch ran at 15 GB/s with avx512bf16 the default), their native tests, then
+    # while llama.cpp's llama-bench builds: the packed GPU tests and the packed grouped GEMM's probe; the
+    # GGUF last. PART=sbs CAPS=16GiB PROMPTS=16384 NCMOE=48,11 on the warm machine next.
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
+        tests/native/test_executor.py > "$R/native_tests.log" 2>&1
+    at "native tests (quiet): exit $? ($(tail -1 "$R/native_tests.log"))"
+    for f in ${CPU_FORMATS:-q4_k q6_k q8_0}; do
+        timeout 90 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch \
+            --isa "${CPU_ISA:-avx512bf16,avx512}" --json > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
+        at "cpu-experts $f: exit $?"
+    done
+    rm -f "$R/peer_build.rc"
+    (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
+    build=$!
+    timeout 120 python3 -m evals.gpu.packed_grouped_probe > "$R/grouped_probe.jsonl" 2> "$R/grouped_probe.err"
+    at "packed grouped probe: exit $? ($(tail -1 "$R/grouped_probe.err"))"
+    timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
+        > "$R/gpu_tests.log" 2>&1
+    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
+    mkdir -p /tmp/peer
+    timeout 120 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 8 --out /tmp/peer/q4km.gguf \
+        > "$R/gguf.log" 2>&1
+    at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
+    wait $build
+    at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
+    ;;
 prep)
     # a warm machine ready for PART=sbs (QUANTIZER=llama) and run_replay.sh: llama.cpp's llama-bench,
     # llama-quantize and llama-server built in the background while the Q8_0 source is written (requantize.sh
@@ -81,109 +106,6 @@ prep)
     [ "$(left)" -gt 30 ] && timeout $(( $(left) - 10 )) bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF $(nproc) --layers 48" \
         > "$R/gguf.log" 2>&1
     at "gguf (llama-quantize): exit $? $(du -h "$GGUF" 2>/dev/null | cut -f1)"
-    ;;
-build)
-    # the packed kernels on this host's real AVX-512 (CI runs them on SIMDe's emulation only)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
-        > "$R/native_tests.log" 2>&1
-    at "native tests: exit $? ($(tail -1 "$R/native_tests.log"))"
-    for f in ${CPU_FORMATS:-q4_k q6_k q8_0 mxfp4}; do
-        for pf in ${CPU_PF:-1024}; do  # the native software prefetch distance (FREETOKEN_NATIVE_PREFETCH)
-            sfx=$([ "$pf" = 1024 ] && echo "" || echo "_pf$pf")
-            FREETOKEN_NATIVE_PREFETCH=$pf timeout 120 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 \
-                --rounds 2 --bank-gb 2 --no-torch --isa "${CPU_ISA:-avx512bf16,avx512}" --json > "$R/cpu_$f$sfx.json" 2> "$R/cpu_$f$sfx.err"
-            at "cpu-experts $f prefetch $pf: exit $?"
-        done
-    done
-    (bash evals/peer/build.sh --export > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
-    build=$!
-    timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
-        tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
-        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py tests/engine/test_gpt_oss.py \
-        tests/engine/test_decode_attention.py tests/native/test_dma_fetch.py > "$R/gpu_tests.log" 2>&1
-    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
-    timeout 120 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k,q8_0 > "$R/gemv.jsonl" 2> "$R/gemv.err"
-    at "gemv probe: exit $?"
-    wait $build
-    at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
-    # the side by side's model, for a next call on this machine while it is warm
-    [ "$(left)" -gt 90 ] && timeout $(( $(left) - 20 )) python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m \
-        --seed 0 --out /tmp/peer/q4km.gguf > "$R/gguf.log" 2>&1
-    at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
-    ;;
-one)
-    # everything in one call: llama.cpp builds and the GGUF is written while the GPU tests run; then
-    # both systems' decode on a quiet machine, then what time is left: prefill, the CPU kernels
-    # shellcheck disable=SC2046
-    rm -f "$R/peer_build.rc"
-    (bash evals/peer/build.sh $([ "${EXPORT:-0}" = 1 ] && echo --export) $QZ_FLAG > "$R/peer_build.log" 2>&1
-     echo $? > "$R/peer_build.rc") &
-    build=$!
-    GGUF=/tmp/peer/q4km.gguf
-    # QUANTIZER=llama: llama-quantize comes from the build, so the GGUF waits for it
-    (if [ -n "$QZ_FLAG" ]; then wait_build() { while [ ! -f "$R/peer_build.rc" ]; do sleep 2; done; }; wait_build
-         [ "$(cat "$R/peer_build.rc")" = 0 ] || { echo 1 > "$R/gguf.rc"; exit 0; }; fi
-     timeout "${GGUF_S:-400}" bash -c "$(declare -f gguf_q4km); gguf_q4km $GGUF 6 --layers 48" \
-        > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
-    gguf=$!
-    timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
-        tests/engine/gpu_cache/test_device_step_cuda.py tests/engine/gpu_cache/test_gpu_cache_cuda.py \
-        tests/engine/gpu_cache/test_prefill_stream_cuda.py tests/engine/test_sliding_ring.py \
-        tests/native/test_dma_fetch.py tests/engine/test_gpt_oss.py > "$R/gpu_tests.log" 2>&1
-    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
-    timeout 60 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k --iters 100 --rounds 3 > "$R/gemv.jsonl" 2> "$R/gemv.err"
-    at "gemv probe: exit $?"
-    wait $gguf
-    at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
-    wait $build
-    at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
-    if [ "${CALIBRATE:-1}" = 1 ]; then  # else the first decode measures it
-        timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
-        at "calibrated"
-    fi
-    python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${NCMOE:-34,23,11}" --threads 8 --prompts 0 --gen 128 \
-        --ubatch 2048 --reps 2 --load-mode none --timeout 90 --out-dir "$R" | tail -6
-    at "peer decode done"
-    for cap in ${CAPS:-8GiB 12GiB 16GiB}; do
-        [ "$(left)" -gt 50 ] || break
-        timeout 120 $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" --cpu-threads 8 \
-            --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
-        at "decode $cap: exit $?"
-    done
-    if [ "$(left)" -gt 100 ]; then
-        mkdir -p "$R/pp"
-        python3 evals/peer/run_bench.py --model "$GGUF" --ncmoe "${PP_NCMOE:-18}" --threads 8 --prompts 16384 --gen 0 --ubatch 2048 \
-            --reps 1 --load-mode none --timeout 80 --out-dir "$R/pp" | tail -3
-        at "peer prefill done"
-    fi
-    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) $F bench prefill --model "$GGUF" --gpu-memory 12GiB \
-        --cpu-threads 8 --prompt-tokens 16384 --chunk 8192 --json > "$R/pre_ours_12GiB.json" 2> "$R/pre_ours_12GiB.err"
-    at "prefill 12GiB: exit $?"
-    ;;
-lite)
-    # no peer (too little device time for its build): the GPU tests while the GGUF is written, the
-    # packed GEMV probe, then ours alone at each cap (a bound, no ratio)
-    GGUF=/tmp/peer/q4km.gguf
-    (timeout 300 python3 evals/peer/write_gguf.py --layers 48 --quant q4_k_m --seed 0 --threads 8 --out "$GGUF" \
-        > "$R/gguf.log" 2>&1; echo $? > "$R/gguf.rc") &
-    gguf=$!
-    timeout "${TEST_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/gpu_quant \
-        tests/engine/gpu_cache/test_device_step_cuda.py tests/native/test_dma_fetch.py tests/engine/test_sliding_ring.py \
-        > "$R/gpu_tests.log" 2>&1
-    at "gpu tests: exit $? ($(tail -1 "$R/gpu_tests.log"))"
-    timeout 40 python3 -m evals.gpu.packed_gemv_probe --formats q4_k,q6_k --iters 100 --rounds 3 > "$R/gemv.jsonl" 2> "$R/gemv.err"
-    at "gemv probe: exit $?"
-    wait $gguf
-    at "gguf: exit $(cat "$R/gguf.rc") $(du -h "$GGUF" 2>/dev/null | cut -f1)"
-    if [ "${CALIBRATE:-1}" = 1 ]; then
-        timeout 60 $F calibrate --shape qwen3-30b-a3b --threads 8 --json > "$R/calibration.json" 2> "$R/calibration.err"
-    fi
-    for cap in ${CAPS:-8GiB 16GiB}; do
-        [ "$(left)" -gt 50 ] || break
-        timeout $(( $(left) - 10 )) $F bench decode --model "$GGUF" --temperature 1000 --gpu-memory "$cap" \
-            --cpu-threads 8 --tokens 128 --reps 3 --json > "$R/dec_ours_$cap.json" 2> "$R/dec_ours_$cap.err"
-        at "decode $cap: exit $?"
-    done
     ;;
 sbs)
     [ -x .peer/bin/llama-bench ] || bash evals/peer/restore.sh .peer/export || exit 1
