@@ -2,8 +2,11 @@
 expert-sorted layout: each token's sum over its k routed experts of weight * down(silu(gate x) *
 up x), the experts' packed rows read from their slots, equals a float64 MoE over the reference-
 dequantised experts (quant_reference.py) to float32 rounding, for format mixes of every block size;
-a layout the caller made first gives the same result. On a CPU through Triton's interpreter; on
-CUDA directly, and there also at Qwen3-30B-A3B's expert shape (H 2048, I 768) for a 256-token chunk."""
+a layout the caller made first gives the same result. x in bf16 (one bf16 piece in the kernel's
+dots), and in float32 and float16 (three and two pieces: the same tolerance, which one piece misses)
+on layers that mix 16- and 32-value scale groups with and without offsets, one of them with K not a
+multiple of the kernel's 32-value step. On a CPU through Triton's interpreter; on CUDA directly, and
+there also at Qwen3-30B-A3B's expert shape (H 2048, I 768) for a 256-token chunk."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from triton_interpreter import run_in_interpreter
 
 
 def run_case(fmt_gu: str, fmt_d: str, hidden: int, inter: int, tokens: int, experts: int, k: int, device: str,
-             seed: int) -> None:
+             seed: int, dtype: torch.dtype = torch.bfloat16) -> None:
     from engine.gpu.grouped import group_entries
     from engine.gpu.quant.grouped import packed_grouped_experts
 
@@ -26,7 +29,7 @@ def run_case(fmt_gu: str, fmt_d: str, hidden: int, inter: int, tokens: int, expe
     # expert e sits in slot perm[e]; one slot holds no routed expert
     slot_of = torch.randperm(experts + 1, generator=g)[:experts]
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w = torch.rand(tokens, k, generator=g)
     want = reference_moe(x.float(), slot_of[ids], w, dgu, dd).view(tokens, k, hidden).sum(dim=1)
     dev = [t.to(device) for t in (x, ids, w, slot_of)]
@@ -43,10 +46,23 @@ def check(device: str, pairs: list[tuple[str, str]]) -> int:
     return len(pairs)
 
 
+# (gate_up, down, H, I, x dtype): groups of 16 (q2_k: with an offset; q6_k, nvfp4) next to groups of
+# 32 (q4_k, q4_1: with offsets); nvfp4 at H 80, I 48: the last 32-value step holds one group
+DTYPE_CASES = [("q4_k", "q6_k", 256, 256, torch.float32), ("q2_k", "q4_1", 256, 64, torch.float16),
+               ("nvfp4", "nvfp4", 80, 48, torch.float32), ("q6_k", "q4_k", 256, 256, torch.float16)]
+
+
+def check_dtypes(device: str) -> int:
+    for i, (fmt_gu, fmt_d, hidden, inter, dtype) in enumerate(DTYPE_CASES):
+        run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=60 + i, dtype=dtype)
+    return len(DTYPE_CASES)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_grouped_cuda() -> None:
     assert check("cuda", [(f, f) for f in ALL] + FEW) == 19
+    assert check_dtypes("cuda") == len(DTYPE_CASES)
 
 
 @pytest.mark.gpu
@@ -63,4 +79,5 @@ def test_packed_grouped_in_triton_interpreter() -> None:
 
 if __name__ == "__main__":  # the interpreter test's child
     assert check("cpu", FEW[:3]) == 3
+    assert check_dtypes("cpu") == len(DTYPE_CASES)
     print("ok")
