@@ -11,7 +11,9 @@ installed) through the 13 prompts of evals/openclaw/scenario.py (`--turns N`: th
 `--scripted`, the scenario's steps forced through the client's own shell tool, as `eval swe`
 does). After each user turn the calendar (read back over CalDAV) and the mail the SMTP sink
 received must equal the turn's expected state; `checks` lists each turn's verdict, and `success`
-is every turn's; a line per turn on stderr shows the progress. Per model request the report has swe's fields (`/v1/sessions` on our server).
+is every turn's; a line per turn on stderr shows the progress, and `progress` (progress.py's
+callback, optional) hears `(turns done, turns, the next turn's prompt)` before the first turn and
+after each. Per model request the report has swe's fields (`/v1/sessions` on our server).
 OpenClaw runs with the paper's setup (`openclaw_settings`): its model idle watchdog off (a day) and
 a ~24k-token system context (its own prompt and tools plus the injected standing context).
 """
@@ -33,7 +35,7 @@ from freetoken_agent.eval.wire import ServerSessions, served_model
 IDLE_WATCHDOG_S = 86400
 
 
-def run_openclaw(args: argparse.Namespace, base: str) -> dict[str, Any]:
+def run_openclaw(args: argparse.Namespace, base: str, progress: Any = None) -> dict[str, Any]:
     try:
         from evals.openclaw.services import Services
     except ImportError as e:
@@ -73,6 +75,14 @@ def run_openclaw(args: argparse.Namespace, base: str) -> dict[str, Any]:
                       file=sys.stderr, flush=True)
                 checks.append({"turn": i + 1, "prompt": want.prompt, "ok": ok, "events": events,
                                "sent": sent, "expected_events": want.events, "expected_sent": list(want.sent)})
+                tell(i + 1)
+
+            def tell(done: int) -> None:
+                if progress is not None:
+                    nxt = f"turn {done + 1}: {turns_run[done].prompt}" if done < len(turns_run) else None
+                    progress(done, len(turns_run), nxt)
+
+            tell(0)
 
             try:
                 client_turns = drive(args.client, work, proxy.url, model, [t.prompt for t in turns_run], clients_dir,

@@ -9,7 +9,9 @@ reply text. Non-streaming bodies are timed as a whole (TTFT = total). `decode_tp
 first id of `GET /v1/models`, or None. `baseline_decode(base, model, force)` is the decode rate of
 one single-turn request (a short prompt, 64 output tokens: forced with the benchmark-only field
 when `force`, else sampled), the reference for each run's decode drop. `ServerSessions(base)` reads `/v1/sessions` (our server
-only): `latest_turn()` is the newest turn of the most recently active session.
+only): `latest_turn()` is the newest turn of the most recently active session; `placement()`
+what the server says of where it put prefill state: its anchor `policy`, the checkpoints its
+sessions hold now, and the anchor kinds of every session's last plan, counted.
 """
 
 from __future__ import annotations
@@ -111,6 +113,21 @@ class ServerSessions:
         s = max(items, key=lambda s: s.get("last_activity") or 0)
         turns = self.detail(str(s["id"])).get("turns") or []
         return (str(s["id"]), turns[-1]) if turns else None
+
+    def placement(self) -> dict[str, Any]:
+        """{policy, checkpoints, anchor_kinds} over every session (None / {} where not reported)."""
+        if not self.available:
+            return {"policy": None, "checkpoints": None, "anchor_kinds": {}}
+        data = httpx.get(self.base + "/v1/sessions", headers=self.headers, timeout=30).json()
+        policy = data.get("policy") if isinstance(data, dict) else None
+        held: int | None = None
+        kinds: dict[str, int] = {}
+        for s in self.list():
+            if isinstance(s.get("checkpoints"), int):
+                held = (held or 0) + int(s["checkpoints"])
+            for a in self.detail(str(s["id"])).get("anchors") or []:
+                kinds[str(a.get("kind"))] = kinds.get(str(a.get("kind")), 0) + 1
+        return {"policy": str(policy) if policy else None, "checkpoints": held, "anchor_kinds": dict(sorted(kinds.items()))}
 
 
 # The forced baseline reply is the whole reply (the server sizes max_tokens to it), so its length is

@@ -5,9 +5,12 @@ the services. CI runs the first turns through mini-swe-agent's shell (scripted);
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +18,15 @@ from evals.openclaw.scenario import TURNS
 from freetoken_agent.cli import main
 
 
-def test_scripted_first_turns_change_the_services(demo_server: str, tmp_path: Path) -> None:
+def test_scripted_first_turns_change_the_services(demo_server: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    progress: list[tuple[Any, ...]] = []
+
+    @contextlib.contextmanager
+    def record(label: str) -> Iterator[Callable[..., None]]:
+        yield lambda done, total, step=None: progress.append((label, done, total, step))
+
+    monkeypatch.setattr("freetoken_agent.progress.load_progress", record)
     out = tmp_path / "out"
     rc = main(["eval", "openclaw", "--scripted", "--client", "mini-swe-agent", "--turns", "4",
                "--base-url", demo_server, "--out", str(out)])
@@ -29,6 +40,9 @@ def test_scripted_first_turns_change_the_services(demo_server: str, tmp_path: Pa
     run = result["runs"][0]
     assert run["success"] and run["turns_checked"] == 4 and run["requests"] == 8
     assert all(t["status"] == 200 for t in result["turns"])
+    # the progress bar: user turns done / total, the next turn as the step
+    assert progress == [("openclaw turns", i, 4, f"turn {i + 1}: {TURNS[i].prompt}") for i in range(4)] + \
+        [("openclaw turns", 4, 4, None)]
 
 
 def test_scenario_has_13_turns_with_distinct_prompts() -> None:

@@ -1,16 +1,19 @@
 """`freetoken-agent eval swe`: the built-in tasks are real (each fail-to-pass test fails on the
 buggy repository and passes with the reference fix), patches round-trip through the edit form,
 and `--scripted --client mini-swe-agent` solves built-in tasks through mini-swe-agent's own bash
-tool against a real demo server, with the report's tokens equal to the server's `/v1/sessions`; a
-task whose reference patch is wrong is reported failed. The npm clients run under `clients`."""
+tool against a real demo server, with the report's tokens equal to the server's `/v1/sessions` and
+the progress callback told of each task; a task whose reference patch is wrong is reported failed. The npm clients run under `clients`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -62,7 +65,21 @@ def test_patch_edit_round_trip(tmp_path: Path) -> None:
         edits_of("not a patch")
 
 
-def test_scripted_mini_swe_agent_solves_tasks(demo_server: str, tmp_path: Path) -> None:
+def _recording_progress(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """progress.load_progress replaced by a recorder: the (label, done, total, step) of every call."""
+    calls: list[tuple[Any, ...]] = []
+
+    @contextlib.contextmanager
+    def record(label: str) -> Iterator[Callable[..., None]]:
+        yield lambda done, total, step=None: calls.append((label, done, total, step))
+
+    monkeypatch.setattr("freetoken_agent.progress.load_progress", record)
+    return calls
+
+
+def test_scripted_mini_swe_agent_solves_tasks(demo_server: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    progress = _recording_progress(monkeypatch)
     out = tmp_path / "out"
     rc = main(["eval", "swe", "--scripted", "--client", "mini-swe-agent", "--only", "calc-divide,stack-peek",
                "--turns", "1", "--concurrency", "2", "--base-url", demo_server, "--out", str(out)])
@@ -82,6 +99,11 @@ def test_scripted_mini_swe_agent_solves_tasks(demo_server: str, tmp_path: Path) 
             assert run[key] == sum(s[key] for s in server_turns), key
         assert run["reused_tokens"] > run["recomputed_tokens"]  # the agent's loop is append-only
     assert (out / "report.md").read_text().count("| True |") == 2
+    # the progress bar: tasks done / total, the running tasks' ids as the step, both tasks finished
+    assert progress[0] == ("swe tasks", 0, 2, None) and progress[-1][:3] == ("swe tasks", 2, 2)
+    assert [c[1] for c in progress] == sorted(c[1] for c in progress) and len(progress) == 5
+    steps = {str(c[3]) for c in progress[1:]}
+    assert {"calc-divide", "stack-peek"} <= {i for s in steps for i in s.split(", ")}
 
 
 def test_a_wrong_patch_is_reported_failed(demo_server: str, tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ from the proxy's timing ((completion - 1) / (request time - TTFT)), and, with a 
 the prompt after the longest prefix shared with an earlier request of its session plus that
 request's forced reply (`truly_new`; scripted runs only). Returns the report dict
 (report.py): per task `success`, the tests, the client's turn exits and the token / TTFT sums.
+`progress` (progress.py's callback, optional) hears `(tasks done, tasks, running task ids)` when
+the run begins and whenever a task starts or ends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
@@ -183,14 +186,50 @@ def run_task(inst: Instance, args: argparse.Namespace, base: str, model: str, se
     return run, turns
 
 
-def run_swe(args: argparse.Namespace, base: str) -> dict[str, Any]:
+class TaskProgress:
+    """Tells a progress callback how many tasks are done and which are running."""
+
+    def __init__(self, progress: Any, total: int) -> None:
+        self.progress, self.total = progress, total
+        self.done = 0
+        self.running: list[str] = []
+        self.lock = threading.Lock()
+
+    def _tell(self, last: str | None = None) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total, ", ".join(self.running) or last)
+
+    def start(self, task: str | None = None) -> None:
+        with self.lock:
+            if task is not None:
+                self.running.append(task)
+            self._tell()
+
+    def end(self, task: str) -> None:
+        with self.lock:
+            self.running.remove(task)
+            self.done += 1
+            self._tell(task)
+
+
+def run_swe(args: argparse.Namespace, base: str, progress: Any = None) -> dict[str, Any]:
     tasks = load_tasks(args.tasks, args.only.split(",") if args.only else None)
     model = served_model(base) or "default"
     server = ServerSessions(base)
     family = getattr(args, "family", "qwen3_5")
     renderer = renderer_for(args)
+    shown = TaskProgress(progress, len(tasks))
+    shown.start()
+
+    def one(t: Instance) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        shown.start(t.instance_id)
+        try:
+            return run_task(t, args, base, model, server, family, renderer)
+        finally:
+            shown.end(t.instance_id)
+
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        results = list(pool.map(lambda t: run_task(t, args, base, model, server, family, renderer), tasks))
+        results = list(pool.map(one, tasks))
     runs = [r for r, _ in results]
     turns = [t for _, ts in results for t in ts]
     return {"eval": "swe", "base_url": base, "model": model, "client": args.client, "forced": bool(args.scripted),
