@@ -14,7 +14,7 @@ One eval run once per anchor policy (`--anchor-policy A,B`): `compare(results)` 
 policy's own result (the schema above plus `anchor_policy`) under `policies` and one
 `comparison_row` per policy (success count `succeeded` / `of`, summarise() over all its turns, its
 own baseline and decode drop, and what its server said of its placement: checkpoints held at the
-end, the anchor kinds of each session's last plan); `markdown` of it is the comparison table followed by each policy's
+end, the anchor kinds of each session's last main plan); `markdown` of it is the comparison table followed by each policy's
 usual tables, and `write` adds `ttft-POLICY.png` / `tokens-POLICY.png` per policy and
 `policies.png` (TTFT per request, a line per policy; recomputed tokens per request, a bar per policy).
 """
@@ -132,7 +132,7 @@ COMPARISON_COLUMNS = (("requests", "requests"), ("failed", "failed"), ("prompt_t
                       ("mean_ttft_ms", "mean TTFT (ms)"), ("worst_ttft_ms", "worst TTFT (ms)"),
                       ("mean_decode_tps", "mean decode tok/s"), ("baseline_decode_tps", "baseline tok/s"),
                       ("decode_drop", "decode drop"), ("server_checkpoints", "checkpoints held"),
-                      ("server_anchor_kinds", "anchors of the last plans"))
+                      ("server_anchor_kinds", "anchors of the last main plans"))
 
 
 def _comparison_markdown(result: dict[str, Any]) -> str:
@@ -145,7 +145,7 @@ def _comparison_markdown(result: dict[str, Any]) -> str:
               "", "## Comparison", ""]
     lines.append("| anchor policy | server's policy | " + SUCCESS_NAMES.get(str(name), "success") + " | "
                  + " | ".join(title for _, title in COMPARISON_COLUMNS) + " |")
-    lines.append("|---|---|---:|" + "---:|" * len(COMPARISON_COLUMNS))
+    lines.append("|---|---|---:|" + "---:|" * (len(COMPARISON_COLUMNS) - 1) + "---|")
     for row in result.get("comparison") or []:
         lines.append(f"| {row['anchor_policy']} | {_cell(row.get('server_anchor_policy'))} | "
                      f"{row['succeeded']}/{row['of']} | " + " | ".join(_cell(row.get(k)) for k, _ in COMPARISON_COLUMNS)

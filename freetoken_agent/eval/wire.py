@@ -11,7 +11,7 @@ one single-turn request (a short prompt, 64 output tokens: forced with the bench
 when `force`, else sampled), the reference for each run's decode drop. `ServerSessions(base)` reads `/v1/sessions` (our server
 only): `latest_turn()` is the newest turn of the most recently active session; `placement()`
 what the server says of where it put prefill state: its anchor `policy`, the checkpoints its
-sessions hold now, and the anchor kinds of every session's last plan, counted.
+sessions hold now, and the anchor kinds of every session's last main plan, counted.
 """
 
 from __future__ import annotations
