@@ -55,12 +55,13 @@ _H_PIECES = 3  # h is float32
 
 @triton.jit
 def _operand(v):
-    """Exact bf16 values (a float32 or bf16 tensor) as the dots' operand: bf16 on a GPU, float32
-    under the interpreter (module docstring)."""
+    """Exact bf16 values (a float32 or bf16 tensor) as the dots' operand: bf16 on a GPU; under the
+    interpreter (module docstring) rounded through bf16 all the same, then float32, so a value that
+    is not exact in bf16 loses its low bits there too."""
     if _GPU:
         return v.to(tl.bfloat16)
     else:
-        return v.to(tl.float32)
+        return v.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
