@@ -24,8 +24,10 @@ an offset acc += (sum of the group's x per row) * o. The activations enter the d
 pieces whose float32 sum is the value: x as is when bf16; an f16 x in 2 pieces, an f32 x and the
 float32 h in 3 (p1 = bf16(v), p2 = bf16(v - p1), p3 = bf16(v - p1 - p2)), one dot per piece into
 the same partial. Under Triton's interpreter (whose dot takes bf16 operands as raw integers) the
-same exact values enter the dots as float32 operands with IEEE products, so the interpreter checks
-the same arithmetic. The k contributions of a token are summed in float32 by a torch reduction.
+operands are rounded through bf16 all the same and enter the dots as float32 with IEEE products, so
+the interpreter checks the same arithmetic (its bf16 rounding truncates: other pieces than a GPU's
+round-to-nearest ones, as exact). The k contributions of a token are summed in float32 by a torch
+reduction.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ _GPU = tl.constexpr(not triton_interpreted())
 # I-tile (each of gate and up) and H step; H-tile and I step; warps and pipeline stages. The steps
 # are 32 values: one group, or two 16-value groups (each its own K=16 dot). Untuned: chosen so the
 # registers stay modest (gate/up: 4 float32 [BLOCK_M, 64] tiles, down: 2 [BLOCK_M, 128]; BLOCK_M is
-# 64 at most) and ptxas should not spill, neither measured on a GPU yet.
+# 64 at most) and ptxas should not spill; neither spills nor speed measured on a GPU yet.
 _GATE_UP_N, _GATE_UP_K = 64, 32
 _DOWN_N, _DOWN_K = 128, 32
 _WARPS, _STAGES = 8, 3
