@@ -1,5 +1,5 @@
 """Run a test module's kernel checks under Triton's interpreter, on the CPU: the module is run as a
-script (`__name__ == "__main__"`) with TRITON_INTERPRET=1 (read when kernels are defined, hence a
+script (`__name__ == "__main__"`, `sys.argv[1:]` the arguments given) with TRITON_INTERPRET=1 (read when kernels are defined, hence a
 child process) and must print "ok" last. Skips when triton is not installed; on the GPU machine it
 runs too.
 
@@ -26,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600.0
 
-# The child: requests are script paths on stdin, one a line; each answer is one JSON line on the
+# The child: requests are script paths with their arguments on stdin, one JSON object a line; each answer is one JSON line on the
 # protocol fd (the original stdout). fd 1 and 2 go to a log file, so C-level output cannot break the
 # protocol; the script's Python-level output is captured per request.
 _WORKER = r"""
@@ -38,7 +38,9 @@ os.dup2(log, 2)
 import torch
 base_path = list(sys.path)
 for line in sys.stdin:
-    script = line.strip()
+    request = json.loads(line)
+    script = request["script"]
+    sys.argv = [script, *request["argv"]]
     out = io.StringIO()
     ok = True
     sys.path[:] = [os.path.dirname(script), *base_path]
@@ -66,11 +68,11 @@ class _Worker:
     def log_tail(self) -> str:
         return Path(self.log_path).read_text(errors="replace")[-4000:]
 
-    def run(self, script: str, timeout: float) -> dict[str, Any] | None:
+    def run(self, script: str, argv: list[str], timeout: float) -> dict[str, Any] | None:
         """The script's answer, or None when the child died or did not answer in time."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            self.proc.stdin.write(script + "\n")
+            self.proc.stdin.write(json.dumps({"script": script, "argv": argv}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             return None
@@ -97,13 +99,13 @@ def _stop_worker() -> None:
 atexit.register(_stop_worker)
 
 
-def run_in_interpreter(script: str) -> None:
+def run_in_interpreter(script: str, *argv: str) -> None:
     global _worker
     pytest.importorskip("triton")
     if _worker is None or _worker.proc.poll() is not None:
         _worker = _Worker()
     worker = _worker
-    answer = worker.run(str(Path(script).resolve()), TIMEOUT_S)
+    answer = worker.run(str(Path(script).resolve()), list(argv), TIMEOUT_S)
     if answer is None:
         log = worker.log_tail()
         worker.stop()

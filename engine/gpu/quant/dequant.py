@@ -14,15 +14,6 @@ Contract:
   block's scale fields are read once per block).
 - `dequantize(packed [N, row_bytes] uint8, fmt, k, gscale=1.0) -> [N, k] float32`: the same
   through a small kernel (tests, and a caller that needs a dense copy).
-- The factored form (for kernels that multiply codes on bf16 tensor cores): within a group of
-  `GROUP[FMT]` consecutive values of a row (32, or 16 for q2_k / q3_k / q6_k / nvfp4; fp8's scale
-  is constant over its 128-value block, so any group of 32 in it), value = d * code + o.
-  `code_at(p, j, m, FMT)` gives the codes of in-block indices j as float32 values that are exact
-  in bf16 (integers of at most 8 significant bits, or e4m3 values); `group_scale_at(p, s, m, g, FMT)`
-  gives (d, o) float32 of in-block group s (= j // GROUP[FMT]); o is zero except for the formats
-  in `OFFSET` (q4_1 / q5_1: +m; q2_k, q4_k, q5_k: -dmin * min). d * code + o equals dequant_at's
-  value up to float32 rounding (d and o are the reference's own products, e2m1's 1/2 folded into
-  nvfp4's d); a kernel that sums d * (sum of x * code) is a float32 re-association of the same dot.
 
 How: every element computes its block's byte address (row * ROW_BYTES + col // QB * QBB) and
 gathers its quant bits and its block's scale bytes (cached loads: the scale bytes are shared by a
@@ -206,99 +197,6 @@ def dequant_at(p, j, m, g, FMT: tl.constexpr):
         e2m1 = tl.where(n >= 8, e2m1 * -1.0, e2m1)  # nibble 8 is -0.0
         v = (e2m1 * _e4m3(_u8(p, m))) * g
     return v
-
-
-# the factored form's group size per format code, and the codes whose values carry an offset
-GROUP: dict[int, int] = {0: 32, 1: 32, 2: 32, 3: 32, 4: 32, 5: 16, 6: 16, 7: 32, 8: 32, 9: 16, 10: 32, 11: 32,
-                         12: 32, 13: 32, 14: 16}
-OFFSET: frozenset[int] = frozenset({2, 4, 5, 7, 8})
-
-
-@triton.jit
-def code_at(p, j, m, FMT: tl.constexpr):
-    """The codes (module docstring) of values j (index in the block) of the blocks at byte pointers
-    p, m masking p: float32, each exact in bf16. p and j broadcast as in dequant_at."""
-    if FMT == 0:  # q8_0
-        c = tl.load(p + 2 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    elif FMT == 1:  # q4_0
-        c = (_nib(p + 2, j, m) - 8).to(tl.float32)
-    elif FMT == 2:  # q4_1
-        c = _nib(p + 4, j, m).to(tl.float32)
-    elif FMT == 3:  # q5_0
-        c = ((_nib(p + 6, j, m) | (((_u8(p + 2 + j // 8, m) >> (j % 8)) & 1) << 4)) - 16).to(tl.float32)
-    elif FMT == 4:  # q5_1
-        c = (_nib(p + 8, j, m) | (((_u8(p + 4 + j // 8, m) >> (j % 8)) & 1) << 4)).to(tl.float32)
-    elif FMT == 5:  # q2_k
-        c = ((_u8(p + 16 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3).to(tl.float32)
-    elif FMT == 6:  # q3_k
-        ql = (_u8(p + 32 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
-        qh = (_u8(p + j % 32, m) >> (j // 32)) & 1
-        c = (ql - ((qh ^ 1) << 2)).to(tl.float32)
-    elif FMT == 7:  # q4_k
-        c = ((_u8(p + 16 + (j // 64) * 32 + j % 32, m) >> (((j % 64) // 32) * 4)) & 15).to(tl.float32)
-    elif FMT == 8:  # q5_k
-        ql = (_u8(p + 48 + (j // 64) * 32 + j % 32, m) >> (((j % 64) // 32) * 4)) & 15
-        qh = (_u8(p + 16 + j % 32, m) >> (j // 32)) & 1
-        c = (ql | (qh << 4)).to(tl.float32)
-    elif FMT == 9:  # q6_k
-        ql = (_u8(p + (j // 128) * 64 + j % 64, m) >> (((j % 128) // 64) * 4)) & 15
-        qh = (_u8(p + 128 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
-        c = ((ql | (qh << 4)) - 32).to(tl.float32)
-    elif FMT == 10:  # iq4_nl
-        c = _iq4(_nib(p + 2, j, m))
-    elif FMT == 11:  # iq4_xs
-        c = _iq4((_u8(p + 8 + (j // 32) * 16 + j % 16, m) >> (((j % 32) // 16) * 4)) & 15)
-    elif FMT == 12:  # mxfp4: e2m1 times 2 (the 1/2 is in dequant_at's e8m0 "half" scale already)
-        c = _e2m1x2(_nib(p + 1, j, m)).to(tl.float32)
-    elif FMT == 13:  # fp8: e4m3 (3 mantissa bits, exponents within bf16's)
-        c = _e4m3(_u8(p + 4 + j, m))
-    else:  # nvfp4: e2m1 times 2 (the 1/2 is in d; nibble 8, -0.0, is a zero)
-        c = _e2m1x2((_u8(p + 1 + j // 2, m) >> ((j % 2) * 4)) & 15).to(tl.float32)
-    return c
-
-
-@triton.jit
-def group_scale_at(p, s, m, g, FMT: tl.constexpr):
-    """(d, o) float32 of group s (index in the block, in GROUP[FMT] values) of the blocks at byte
-    pointers p, m masking p: value = d * code + o (module docstring); o is zeros outside OFFSET."""
-    if FMT == 0 or FMT == 1 or FMT == 3 or FMT == 10:  # q8_0, q4_0, q5_0, iq4_nl
-        d = _f16(p, m)
-        o = tl.zeros_like(d)
-    elif FMT == 2 or FMT == 4:  # q4_1, q5_1
-        d = _f16(p, m)
-        o = _f16(p + 2, m)
-    elif FMT == 5:  # q2_k
-        sc = _u8(p + s, m)
-        d = _f16(p + 80, m) * (sc & 15).to(tl.float32)
-        o = -(_f16(p + 82, m) * (sc >> 4).to(tl.float32))
-    elif FMT == 6:  # q3_k
-        lo = (_u8(p + 96 + s % 8, m) >> ((s // 8) * 4)) & 15
-        hi = (_u8(p + 104 + s % 4, m) >> ((s // 4) * 2)) & 3
-        d = _f16(p + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        o = tl.zeros_like(d)
-    elif FMT == 7 or FMT == 8:  # q4_k, q5_k
-        sc, mn = _k4_scale_min(p + 4, s, m)
-        d = _f16(p, m) * sc
-        o = -(_f16(p + 2, m) * mn)
-    elif FMT == 9:  # q6_k
-        d = _f16(p + 208, m) * tl.load(p + 192 + s, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        o = tl.zeros_like(d)
-    elif FMT == 11:  # iq4_xs
-        hi = ((_u8(p + 2, m) | (_u8(p + 3, m) << 8)) >> (2 * s)) & 3
-        lo = (_u8(p + 4 + s // 2, m) >> ((s % 2) * 4)) & 15
-        d = _f16(p, m) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        o = tl.zeros_like(d)
-    elif FMT == 12:  # mxfp4
-        e = _u8(p, m)
-        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-        o = tl.zeros_like(d)
-    elif FMT == 13:  # fp8
-        d = _f32(p, m)
-        o = tl.zeros_like(d)
-    else:  # nvfp4: e4m3 scale / 2 (exact) times the global scale
-        d = (_e4m3(_u8(p, m)) * 0.5) * g
-        o = tl.zeros_like(d)
-    return d, o
 
 
 @triton.jit

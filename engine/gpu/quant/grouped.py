@@ -1,33 +1,22 @@
 """Grouped routed experts over packed slots for a streamed prefill chunk: the packed counterpart of
 engine/gpu/grouped.py's `grouped_experts`, on the same expert-sorted layout (`group_entries`,
-shared), with the CPU kernel's arithmetic (float32 accumulation of exact products, h kept float32).
+shared), with the CPU kernel's arithmetic (f32 accumulation, h kept f32).
 
 Contract: `packed_grouped_experts(x [N, H] bf16/f16/f32, ids [N, k], weights [N, k], slot_of [E],
 slots: PackedSlots, fmt: ExpertFormat (the layer's), layout=None, *, activation="silu", alpha=1.702,
 limit=7.0) -> [N, H] float32`: for each token the sum over its k entries of weight * (down h +
-b_down), h = act(gate x + b_gate, up x + b_up) in float32, expert e's packed rows read from slot
-`slot_of[e]` (values times the slot's gscale where the format has one), its biases from the slot's
-`slots.bias` row (none without a bias block), act engine/gpu/quant/gemv.py's `activate` ("silu" or
-gpt-oss's "swiglu_clamped"; ValueError for another). Every routed expert must have a slot; a
-token's k ids are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it
-already. The result is the float32 dot products of x (h) with the dequantised rows to float32
-rounding, in another order of additions than a plain dot (below).
+b_down), h = act(gate x + b_gate, up x + b_up), expert e's packed rows read from slot `slot_of[e]`
+and dequantised in registers (times the slot's gscale), its biases from the slot's `slots.bias` row
+(none without a bias block), act engine/gpu/quant/gemv.py's `activate` ("silu" or gpt-oss's
+"swiglu_clamped"; ValueError for another). Every routed expert must have a slot; a token's k ids
+are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it already.
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
-BLOCK_M from `block_m`), with each weight value in its factored form (engine/gpu/quant/dequant.py:
-value = d * code + o within a group of GROUP values along K, the code exact in bf16, d and o float32
-per row and group), the same arithmetic as the CPU kernels of
-native/src/kernels_packed_avx512bf16.cpp. Per group: the codes tile [G, BLOCK_N] is made from the
-slot's bytes in registers and multiplied on tensor cores in bf16 with float32 accumulation,
-partial = x_group @ codes (every product exact), then acc += partial * d, and for the formats with
-an offset acc += (sum of the group's x per row) * o. The activations enter the dots as exact bf16
-pieces whose float32 sum is the value: x as is when bf16; an f16 x in 2 pieces, an f32 x and the
-float32 h in 3 (p1 = bf16(v), p2 = bf16(v - p1), p3 = bf16(v - p1 - p2)), one dot per piece into
-the same partial. Under Triton's interpreter (whose dot takes bf16 operands as raw integers) the
-operands are rounded through bf16 all the same and enter the dots as float32 with IEEE products, so
-the interpreter checks the same arithmetic (its bf16 rounding truncates: other pieces than a GPU's
-round-to-nearest ones, as exact). The k contributions of a token are summed in float32 by a torch
-reduction.
+BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
+before each dot (whole blocks: a block's scale fields read once per row and step). x is widened to
+float32 and the dots take float32 operands: "tf32x3" on a GPU (three TF32 tensor-core products:
+about float32's accuracy at tensor-core speed), IEEE under the interpreter. The k contributions of
+a token are summed in float32 by a torch reduction.
 """
 
 from __future__ import annotations
@@ -37,61 +26,44 @@ import triton
 import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout, group_entries
-from engine.gpu.quant.dequant import GROUP, OFFSET, code_at, group_scale_at
+from engine.gpu.quant.dequant import dequant_at
 from engine.gpu.quant.dot import activate, activation_code
 from engine.gpu.quant.formats import packed_format
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
-_GPU = tl.constexpr(not triton_interpreted())
-# I-tile (each of gate and up) and H step; H-tile and I step; warps and pipeline stages. The steps
-# are 32 values: one group, or two 16-value groups (each its own K=16 dot). Untuned: chosen so the
-# registers stay modest (gate/up: 4 float32 [BLOCK_M, 64] tiles, down: 2 [BLOCK_M, 128]; BLOCK_M is
-# 64 at most) and ptxas should not spill; neither spills nor speed measured on a GPU yet.
+_PRECISION = "ieee" if triton_interpreted() else "tf32x3"
+# I-tile (each of gate and up) and H step; H-tile and I step; 8 warps. The dequantised weight tile
+# lives in registers: with 64-value steps or 4 warps, ptxas spills (sm_90, every format); with
+# these, none (255 registers at most). Untuned for speed.
 _GATE_UP_N, _GATE_UP_K = 64, 32
 _DOWN_N, _DOWN_K = 128, 32
 _WARPS, _STAGES = 8, 3
-_PIECES = {torch.bfloat16: 1, torch.float16: 2}  # bf16 pieces of x per dtype; 3 for float32
-_H_PIECES = 3  # h is float32
 
 
 @triton.jit
-def _operand(v):
-    """Exact bf16 values (a float32 or bf16 tensor) as the dots' operand: bf16 on a GPU; under the
-    interpreter (module docstring) rounded through bf16 all the same, then float32, so a value that
-    is not exact in bf16 loses its low bits there too."""
-    if _GPU:
-        return v.to(tl.bfloat16)
+def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] values k0.. of the rows starting at row_p [1, BLOCK_N] (mask m [1, BLOCK_N]):
+    one block per step when blocks are at least BLOCK_K values (k0 is a multiple of BLOCK_K), else
+    BLOCK_K / QB whole blocks as a [blocks, QB, BLOCK_N] tile; either way a block's scale fields
+    are read once per row."""
+    if QB >= BLOCK_K:
+        v = dequant_at(row_p + (k0 // QB) * QBB, k0 % QB + tl.arange(0, BLOCK_K)[:, None], m, g, FMT)
     else:
-        return v.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def _mma(a, b, acc):
-    """acc + a @ b, float32 accumulation of the exact products of _operand values."""
-    if _GPU:
-        return tl.dot(a, b, acc, out_dtype=tl.float32)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
-
-
-@triton.jit
-def _group(row_p, kg, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, G: tl.constexpr):
-    """The codes [G, BLOCK_N] (dot operands) and (d, o) [1, BLOCK_N] of the group of G values kg..
-    of the rows starting at row_p [1, BLOCK_N] (mask m [1, BLOCK_N])."""
-    p = row_p + (kg // QB) * QBB
-    c = _operand(code_at(p, kg % QB + tl.arange(0, G)[:, None], m, FMT))
-    d, o = group_scale_at(p, (kg % QB) // G, m, g, FMT)
-    return c, d, o
+        blk = k0 // QB + tl.arange(0, BLOCK_K // QB)[:, None, None]
+        v = dequant_at(row_p[None, :, :] + blk * QBB, tl.arange(0, QB)[None, :, None],
+                       m[None, :, :] & (blk < K // QB), g, FMT)
+        v = tl.reshape(v, (BLOCK_K, v.shape[2]))
+    return v
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K, alpha, limit,
                     H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                    G: tl.constexpr, OFF: tl.constexpr, NP: tl.constexpr,
                     RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(INTER, BLOCK_N)
     blk = pid // n_tiles
@@ -100,7 +72,7 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         entry = tl.load(row_entry_ptr + rows)
         rmask = entry >= 0
-        x_row = x_ptr + tl.where(rmask, entry // K, 0).to(tl.int64)[:, None] * H
+        token = tl.where(rmask, entry // K, 0)
         cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < INTER
         row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
@@ -110,31 +82,14 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            for i in tl.static_range(BLOCK_K // G):  # the step's groups
-                kg = k0 + i * G
-                kk = kg + tl.arange(0, G)
-                xt = tl.load(x_row + kk[None, :], mask=rmask[:, None] & (kk < H)[None, :], other=0.0)
-                wm = cmask[None, :] & (kg < H)
-                cg, dg, og = _group(row_g, kg, wm, gg, FMT, QB, QBB, G)
-                cu, du, ou = _group(row_u, kg, wm, gu, FMT, QB, QBB, G)
-                part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                r = xt.to(tl.float32)
-                for q in tl.static_range(NP):  # x's exact bf16 pieces
-                    if NP == 1:
-                        piece = xt
-                    else:
-                        piece = r.to(tl.bfloat16)
-                        if q + 1 < NP:
-                            r = r - piece.to(tl.float32)
-                    part_g = _mma(_operand(piece), cg, part_g)
-                    part_u = _mma(_operand(piece), cu, part_u)
-                acc_g += part_g * dg
-                acc_u += part_u * du
-                if OFF:
-                    xs = tl.sum(xt.to(tl.float32), axis=1)[:, None]
-                    acc_g += xs * og
-                    acc_u += xs * ou
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < H
+            xt = tl.load(x_ptr + token.to(tl.int64)[:, None] * H + kk[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            wg = _weight_tile(row_g, k0, cmask[None, :], gg, FMT, QB, QBB, H, BLOCK_K)  # [BLOCK_K, BLOCK_N]
+            wu = _weight_tile(row_u, k0, cmask[None, :], gu, FMT, QB, QBB, H, BLOCK_K)
+            acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
         if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
             b_row = b_ptr + s.to(tl.int64) * BSTRIDE
             acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
@@ -146,10 +101,9 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_slot_ptr, y_ptr,
                  H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
-                 G: tl.constexpr, OFF: tl.constexpr, NP: tl.constexpr,
                  RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
     blk = pid // n_tiles
@@ -158,28 +112,18 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         entry = tl.load(row_entry_ptr + rows)
         rmask = entry >= 0
-        h_row = h_ptr + rows.to(tl.int64)[:, None] * INTER
         cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
         row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
         gd = tl.load(gs_ptr + s * 3 + 2)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            for i in tl.static_range(BLOCK_K // G):
-                kg = k0 + i * G
-                kk = kg + tl.arange(0, G)
-                ht = tl.load(h_row + kk[None, :], mask=rmask[:, None] & (kk < INTER)[None, :], other=0.0)
-                c, d, o = _group(row_d, kg, cmask[None, :] & (kg < INTER), gd, FMT, QB, QBB, G)
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                r = ht
-                for q in tl.static_range(NP):  # h's exact bf16 pieces
-                    piece = r.to(tl.bfloat16)
-                    if q + 1 < NP:
-                        r = r - piece.to(tl.float32)
-                    part = _mma(_operand(piece), c, part)
-                acc += part * d
-                if OFF:
-                    acc += tl.sum(ht, axis=1)[:, None] * o
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < INTER
+            ht = tl.load(h_ptr + rows.to(tl.int64)[:, None] * INTER + kk[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wt = _weight_tile(row_d, k0, cmask[None, :], gd, FMT, QB, QBB, INTER, BLOCK_K)
+            acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
         e = tl.where(rmask, entry, 0)
@@ -208,17 +152,15 @@ def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
     bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
-    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block,
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block, "PRECISION": _PRECISION,
               "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None, "num_warps": _WARPS,
               "num_stages": _STAGES}
     _gate_up_kernel[(blocks * triton.cdiv(inter, _GATE_UP_N),)](
         x, slots.data, slots.gscale, bias, row_entry, block_slot, h, k, float(alpha), float(limit), H=hidden,
-        INTER=inter, ACT=act, FMT=fg.code, QB=fg.block, QBB=fg.block_bytes, G=GROUP[fg.code],
-        OFF=fg.code in OFFSET, NP=_PIECES.get(x.dtype, 3), RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N,
-        BLOCK_K=_GATE_UP_K, **common)
+        INTER=inter, ACT=act, FMT=fg.code,
+        QB=fg.block, QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N, BLOCK_K=_GATE_UP_K, **common)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
         h, slots.data, slots.gscale, bias, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
-        QB=fd.block, QBB=fd.block_bytes, G=GROUP[fd.code], OFF=fd.code in OFFSET, NP=_H_PIECES,
-        RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
+        QB=fd.block, QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
     return y.view(n, k, hidden).sum(dim=1)

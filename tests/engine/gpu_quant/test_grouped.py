@@ -2,13 +2,16 @@
 expert-sorted layout: each token's sum over its k routed experts of weight * down(silu(gate x) *
 up x), the experts' packed rows read from their slots, equals a float64 MoE over the reference-
 dequantised experts (quant_reference.py) to float32 rounding, for format mixes of every block size;
-a layout the caller made first gives the same result. x in bf16 (one bf16 piece in the kernel's
-dots), and in float32 and float16 (three and two pieces: the same tolerance, which one piece misses)
-on layers that mix 16- and 32-value scale groups with and without offsets, one of them with K not a
-multiple of the kernel's 32-value step. On a CPU through Triton's interpreter; on CUDA directly, and
-there also at Qwen3-30B-A3B's expert shape (H 2048, I 768) for a 256-token chunk."""
+a layout the caller made first gives the same result. x in bf16, and in float32 and float16 on
+layers that mix 16- and 32-value scale groups with and without offsets, one of them with K not a
+multiple of 32. The same checks for the candidate kernel of evals/gpu/packed_grouped_bf16.py (bf16
+dots of exact codes, x in one, two or three bf16 pieces: the same tolerance, which one piece misses
+for a float32 x). On a CPU through Triton's interpreter; on CUDA directly, and there also at
+Qwen3-30B-A3B's expert shape (H 2048, I 768) for a 256-token chunk."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,10 +21,22 @@ from test_gemv import FEW, make_slots, shape_for
 from triton_interpreter import run_in_interpreter
 
 
+def kernel(name: str) -> Callable[..., torch.Tensor]:
+    """The engine's kernel ("engine") or the candidate ("bf16")."""
+    if name == "engine":
+        from engine.gpu.quant.grouped import packed_grouped_experts
+
+        return packed_grouped_experts
+    from evals.gpu.packed_grouped_bf16 import bf16_packed_grouped_experts
+
+    return bf16_packed_grouped_experts
+
+
 def run_case(fmt_gu: str, fmt_d: str, hidden: int, inter: int, tokens: int, experts: int, k: int, device: str,
-             seed: int, dtype: torch.dtype = torch.bfloat16) -> None:
+             seed: int, dtype: torch.dtype = torch.bfloat16, which: str = "engine") -> None:
     from engine.gpu.grouped import group_entries
-    from engine.gpu.quant.grouped import packed_grouped_experts
+
+    packed_grouped_experts = kernel(which)
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
@@ -39,10 +54,10 @@ def run_case(fmt_gu: str, fmt_d: str, hidden: int, inter: int, tokens: int, expe
     assert torch.equal(again, got)
 
 
-def check(device: str, pairs: list[tuple[str, str]]) -> int:
+def check(device: str, pairs: list[tuple[str, str]], which: str = "engine") -> int:
     for i, (fmt_gu, fmt_d) in enumerate(pairs):
         hidden, inter = shape_for(fmt_gu, fmt_d)
-        run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=30 + i)
+        run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=30 + i, which=which)
     return len(pairs)
 
 
@@ -52,17 +67,19 @@ DTYPE_CASES = [("q4_k", "q6_k", 256, 256, torch.float32), ("q2_k", "q4_1", 256, 
                ("nvfp4", "nvfp4", 80, 48, torch.float32), ("q6_k", "q4_k", 256, 256, torch.float16)]
 
 
-def check_dtypes(device: str) -> int:
+def check_dtypes(device: str, which: str = "engine") -> int:
     for i, (fmt_gu, fmt_d, hidden, inter, dtype) in enumerate(DTYPE_CASES):
-        run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=60 + i, dtype=dtype)
+        run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=60 + i, dtype=dtype,
+                 which=which)
     return len(DTYPE_CASES)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_packed_grouped_cuda() -> None:
-    assert check("cuda", [(f, f) for f in ALL] + FEW) == 19
-    assert check_dtypes("cuda") == len(DTYPE_CASES)
+@pytest.mark.parametrize("which", ["engine", "bf16"])
+def test_packed_grouped_cuda(which: str) -> None:
+    assert check("cuda", [(f, f) for f in ALL] + FEW, which) == 19
+    assert check_dtypes("cuda", which) == len(DTYPE_CASES)
 
 
 @pytest.mark.gpu
@@ -73,11 +90,14 @@ def test_packed_grouped_qwen3_30b_shape_cuda(pair: tuple[str, str]) -> None:
     run_case(*pair, hidden=2048, inter=768, tokens=256, experts=8, k=4, device="cuda", seed=7)
 
 
-def test_packed_grouped_in_triton_interpreter() -> None:
-    run_in_interpreter(__file__)
+@pytest.mark.parametrize("which", ["engine", "bf16"])
+def test_packed_grouped_in_triton_interpreter(which: str) -> None:
+    run_in_interpreter(__file__, which)
 
 
-if __name__ == "__main__":  # the interpreter test's child
-    assert check("cpu", FEW[:3]) == 3
-    assert check_dtypes("cpu") == len(DTYPE_CASES)
+if __name__ == "__main__":  # the interpreter test's child: argv[1] names the kernel
+    import sys
+
+    assert check("cpu", FEW[:3], sys.argv[1]) == 3
+    assert check_dtypes("cpu", sys.argv[1]) == len(DTYPE_CASES)
     print("ok")

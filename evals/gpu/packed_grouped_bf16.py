@@ -1,0 +1,317 @@
+"""Candidate for engine/gpu/quant/grouped.py, not yet timed on a GPU: the grouped experts over packed
+slots with bf16 tensor-core products of exact codes and the group scale factored out, in place of
+the engine's float32 tiles multiplied with "tf32x3" dots. evals/gpu/packed_grouped_probe.py times the
+two side by side; the one that wins becomes the engine's kernel and the other is deleted.
+
+Contract: `bf16_packed_grouped_experts(...)`: the engine's `packed_grouped_experts` contract (same
+arguments and result, float32 to float32 rounding; another order of additions).
+
+How: each weight value in a factored form, value = d * code + o within a group of GROUP values of a
+row (32, or 16 for q2_k / q3_k / q6_k / nvfp4; fp8's scale is constant over its 128-value block):
+`code_at` gives codes that are exact in bf16 (integers of at most 8 significant bits, e2m1 times 2,
+e4m3 values), `group_scale_at` (d, o) float32 (o: +m for q4_1 / q5_1, -dmin * min for q2_k / q4_k /
+q5_k, else zero; d the reference's own products, e2m1's 1/2 folded into nvfp4's d). Per group the
+codes tile [G, BLOCK_N] is made in registers and multiplied on tensor cores in bf16 with float32
+accumulation, partial = x_group @ codes (every product exact), then acc += partial * d, plus (sum of
+the group's x per row) * o. The activations enter the dots as exact bf16 pieces whose float32 sum is
+the value: x as is when bf16, 2 pieces for f16, 3 for an f32 x and for the float32 h (p1 = bf16(v),
+p2 = bf16(v - p1), p3 = bf16(v - p1 - p2)). Under Triton's interpreter (whose dot takes bf16
+operands as raw integers) the operands are rounded through bf16 and enter the dots as float32.
+
+What compiling it for sm_90 without a GPU shows (triton.compile with GPUTarget("cuda", 90, 32),
+cuobjdump): no spills with these tiles; per 32-value step of gate/up (q4_k, bf16 x) 4 HGMMA where
+the engine's kernel issues 40, but about as many other instructions (880 against 776 a loop
+iteration, 136 of them global loads: the codes and each group's scale bytes gathered byte by byte),
+so where the engine's kernel is bound by its dequantisation rather than its dots this one gains
+little: what to look at first in the timing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.gpu.grouped import GroupedLayout, group_entries
+from engine.gpu.quant.dequant import _e2m1x2, _e4m3, _f16, _f32, _iq4, _k4_scale_min, _nib, _u8
+from engine.gpu.quant.dot import activate, activation_code
+from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.slots import ExpertFormat, PackedSlots
+from engine.options import triton_interpreted
+
+# the factored form's group size per format code, and the codes whose values carry an offset
+GROUP: dict[int, int] = {0: 32, 1: 32, 2: 32, 3: 32, 4: 32, 5: 16, 6: 16, 7: 32, 8: 32, 9: 16, 10: 32, 11: 32,
+                         12: 32, 13: 32, 14: 16}
+OFFSET: frozenset[int] = frozenset({2, 4, 5, 7, 8})
+
+
+@triton.jit
+def code_at(p, j, m, FMT: tl.constexpr):
+    """The codes (module docstring) of values j (index in the block) of the blocks at byte pointers
+    p, m masking p: float32, each exact in bf16. p and j broadcast as in dequant_at."""
+    if FMT == 0:  # q8_0
+        c = tl.load(p + 2 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    elif FMT == 1:  # q4_0
+        c = (_nib(p + 2, j, m) - 8).to(tl.float32)
+    elif FMT == 2:  # q4_1
+        c = _nib(p + 4, j, m).to(tl.float32)
+    elif FMT == 3:  # q5_0
+        c = ((_nib(p + 6, j, m) | (((_u8(p + 2 + j // 8, m) >> (j % 8)) & 1) << 4)) - 16).to(tl.float32)
+    elif FMT == 4:  # q5_1
+        c = (_nib(p + 8, j, m) | (((_u8(p + 4 + j // 8, m) >> (j % 8)) & 1) << 4)).to(tl.float32)
+    elif FMT == 5:  # q2_k
+        c = ((_u8(p + 16 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3).to(tl.float32)
+    elif FMT == 6:  # q3_k
+        ql = (_u8(p + 32 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
+        qh = (_u8(p + j % 32, m) >> (j // 32)) & 1
+        c = (ql - ((qh ^ 1) << 2)).to(tl.float32)
+    elif FMT == 7:  # q4_k
+        c = ((_u8(p + 16 + (j // 64) * 32 + j % 32, m) >> (((j % 64) // 32) * 4)) & 15).to(tl.float32)
+    elif FMT == 8:  # q5_k
+        ql = (_u8(p + 48 + (j // 64) * 32 + j % 32, m) >> (((j % 64) // 32) * 4)) & 15
+        qh = (_u8(p + 16 + j % 32, m) >> (j // 32)) & 1
+        c = (ql | (qh << 4)).to(tl.float32)
+    elif FMT == 9:  # q6_k
+        ql = (_u8(p + (j // 128) * 64 + j % 64, m) >> (((j % 128) // 64) * 4)) & 15
+        qh = (_u8(p + 128 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
+        c = ((ql | (qh << 4)) - 32).to(tl.float32)
+    elif FMT == 10:  # iq4_nl
+        c = _iq4(_nib(p + 2, j, m))
+    elif FMT == 11:  # iq4_xs
+        c = _iq4((_u8(p + 8 + (j // 32) * 16 + j % 16, m) >> (((j % 32) // 16) * 4)) & 15)
+    elif FMT == 12:  # mxfp4: e2m1 times 2 (the 1/2 is in dequant_at's e8m0 "half" scale already)
+        c = _e2m1x2(_nib(p + 1, j, m)).to(tl.float32)
+    elif FMT == 13:  # fp8: e4m3 (3 mantissa bits, exponents within bf16's)
+        c = _e4m3(_u8(p + 4 + j, m))
+    else:  # nvfp4: e2m1 times 2 (the 1/2 is in d; nibble 8, -0.0, is a zero)
+        c = _e2m1x2((_u8(p + 1 + j // 2, m) >> ((j % 2) * 4)) & 15).to(tl.float32)
+    return c
+
+
+@triton.jit
+def group_scale_at(p, s, m, g, FMT: tl.constexpr):
+    """(d, o) float32 of group s (index in the block, in GROUP[FMT] values) of the blocks at byte
+    pointers p, m masking p: value = d * code + o (module docstring); o is zeros outside OFFSET."""
+    if FMT == 0 or FMT == 1 or FMT == 3 or FMT == 10:  # q8_0, q4_0, q5_0, iq4_nl
+        d = _f16(p, m)
+        o = tl.zeros_like(d)
+    elif FMT == 2 or FMT == 4:  # q4_1, q5_1
+        d = _f16(p, m)
+        o = _f16(p + 2, m)
+    elif FMT == 5:  # q2_k
+        sc = _u8(p + s, m)
+        d = _f16(p + 80, m) * (sc & 15).to(tl.float32)
+        o = -(_f16(p + 82, m) * (sc >> 4).to(tl.float32))
+    elif FMT == 6:  # q3_k
+        lo = (_u8(p + 96 + s % 8, m) >> ((s // 8) * 4)) & 15
+        hi = (_u8(p + 104 + s % 4, m) >> ((s // 4) * 2)) & 3
+        d = _f16(p + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        o = tl.zeros_like(d)
+    elif FMT == 7 or FMT == 8:  # q4_k, q5_k
+        sc, mn = _k4_scale_min(p + 4, s, m)
+        d = _f16(p, m) * sc
+        o = -(_f16(p + 2, m) * mn)
+    elif FMT == 9:  # q6_k
+        d = _f16(p + 208, m) * tl.load(p + 192 + s, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        o = tl.zeros_like(d)
+    elif FMT == 11:  # iq4_xs
+        hi = ((_u8(p + 2, m) | (_u8(p + 3, m) << 8)) >> (2 * s)) & 3
+        lo = (_u8(p + 4 + s // 2, m) >> ((s % 2) * 4)) & 15
+        d = _f16(p, m) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        o = tl.zeros_like(d)
+    elif FMT == 12:  # mxfp4
+        e = _u8(p, m)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        o = tl.zeros_like(d)
+    elif FMT == 13:  # fp8
+        d = _f32(p, m)
+        o = tl.zeros_like(d)
+    else:  # nvfp4: e4m3 scale / 2 (exact) times the global scale
+        d = (_e4m3(_u8(p, m)) * 0.5) * g
+        o = tl.zeros_like(d)
+    return d, o
+
+
+_GPU = tl.constexpr(not triton_interpreted())
+# I-tile (each of gate and up; half of it for an f16 / f32 x) and H step; H-tile and I step; warps and
+# pipeline stages. The steps are 32 values: one group, or two 16-value groups (each its own K=16 dot).
+# Chosen so that ptxas does not spill at BLOCK_M 64 on sm_90 for any format pair (checked by compiling
+# for sm_90 without a GPU: triton.compile with GPUTarget("cuda", 90, 32), cuobjdump --dump-resource-usage;
+# an H-tile of 128 spilled up to 152 bytes, a 64-wide I-tile with three x pieces up to 296); speed
+# not yet measured on a GPU.
+_GATE_UP_N, _GATE_UP_K = 64, 32
+_DOWN_N, _DOWN_K = 64, 32
+_WARPS, _STAGES = 8, 3
+_PIECES = {torch.bfloat16: 1, torch.float16: 2}  # bf16 pieces of x per dtype; 3 for float32
+_H_PIECES = 3  # h is float32
+
+
+@triton.jit
+def _operand(v):
+    """Exact bf16 values (a float32 or bf16 tensor) as the dots' operand: bf16 on a GPU; under the
+    interpreter (module docstring) rounded through bf16 all the same, then float32, so a value that
+    is not exact in bf16 loses its low bits there too."""
+    if _GPU:
+        return v.to(tl.bfloat16)
+    else:
+        return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _mma(a, b, acc):
+    """acc + a @ b, float32 accumulation of the exact products of _operand values."""
+    if _GPU:
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def _group(row_p, kg, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr, G: tl.constexpr):
+    """The codes [G, BLOCK_N] (dot operands) and (d, o) [1, BLOCK_N] of the group of G values kg..
+    of the rows starting at row_p [1, BLOCK_N] (mask m [1, BLOCK_N])."""
+    p = row_p + (kg // QB) * QBB
+    c = _operand(code_at(p, kg % QB + tl.arange(0, G)[:, None], m, FMT))
+    d, o = group_scale_at(p, (kg % QB) // G, m, g, FMT)
+    return c, d, o
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K, alpha, limit,
+                    H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                    G: tl.constexpr, OFF: tl.constexpr, NP: tl.constexpr,
+                    RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(INTER, BLOCK_N)
+    blk = pid // n_tiles
+    s = tl.load(block_slot_ptr + blk)
+    if s >= 0:
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        entry = tl.load(row_entry_ptr + rows)
+        rmask = entry >= 0
+        x_row = x_ptr + tl.where(rmask, entry // K, 0).to(tl.int64)[:, None] * H
+        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < INTER
+        row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
+        row_u = row_g + INTER * RB
+        gg = tl.load(gs_ptr + s * 3)
+        gu = tl.load(gs_ptr + s * 3 + 1)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            for i in tl.static_range(BLOCK_K // G):  # the step's groups
+                kg = k0 + i * G
+                kk = kg + tl.arange(0, G)
+                xt = tl.load(x_row + kk[None, :], mask=rmask[:, None] & (kk < H)[None, :], other=0.0)
+                wm = cmask[None, :] & (kg < H)
+                cg, dg, og = _group(row_g, kg, wm, gg, FMT, QB, QBB, G)
+                cu, du, ou = _group(row_u, kg, wm, gu, FMT, QB, QBB, G)
+                part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                r = xt.to(tl.float32)
+                for q in tl.static_range(NP):  # x's exact bf16 pieces
+                    if NP == 1:
+                        piece = xt
+                    else:
+                        piece = r.to(tl.bfloat16)
+                        if q + 1 < NP:
+                            r = r - piece.to(tl.float32)
+                    part_g = _mma(_operand(piece), cg, part_g)
+                    part_u = _mma(_operand(piece), cu, part_u)
+                acc_g += part_g * dg
+                acc_u += part_u * du
+                if OFF:
+                    xs = tl.sum(xt.to(tl.float32), axis=1)[:, None]
+                    acc_g += xs * og
+                    acc_u += xs * ou
+        if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
+            b_row = b_ptr + s.to(tl.int64) * BSTRIDE
+            acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
+            acc_u += tl.load(b_row + INTER + cols, mask=cmask, other=0.0)[None, :]
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], activate(acc_g, acc_u, ACT, alpha, limit),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_slot_ptr, y_ptr,
+                 H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
+                 G: tl.constexpr, OFF: tl.constexpr, NP: tl.constexpr,
+                 RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    blk = pid // n_tiles
+    s = tl.load(block_slot_ptr + blk)
+    if s >= 0:
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        entry = tl.load(row_entry_ptr + rows)
+        rmask = entry >= 0
+        h_row = h_ptr + rows.to(tl.int64)[:, None] * INTER
+        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
+        gd = tl.load(gs_ptr + s * 3 + 2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            for i in tl.static_range(BLOCK_K // G):
+                kg = k0 + i * G
+                kk = kg + tl.arange(0, G)
+                ht = tl.load(h_row + kk[None, :], mask=rmask[:, None] & (kk < INTER)[None, :], other=0.0)
+                c, d, o = _group(row_d, kg, cmask[None, :] & (kg < INTER), gd, FMT, QB, QBB, G)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                r = ht
+                for q in tl.static_range(NP):  # h's exact bf16 pieces
+                    piece = r.to(tl.bfloat16)
+                    if q + 1 < NP:
+                        r = r - piece.to(tl.float32)
+                    part = _mma(_operand(piece), c, part)
+                acc += part * d
+                if OFF:
+                    acc += tl.sum(ht, axis=1)[:, None] * o
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
+        e = tl.where(rmask, entry, 0)
+        wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
+        tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def bf16_packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
+                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """See the module docstring."""
+    slots.check(fmt)
+    act = activation_code(activation)
+    n, hidden = x.shape
+    k = ids.shape[1]
+    inter = fmt.inter
+    if hidden != fmt.hidden:
+        raise ValueError(f"x: hidden size {hidden}, the experts have {fmt.hidden}")
+    if n == 0 or k == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    row_entry, block_slot, block = layout if layout is not None else group_entries(ids, slot_of)
+    blocks = block_slot.shape[0]
+    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
+    x = x.contiguous()
+    flat_w = weights.reshape(-1).to(torch.float32).contiguous()
+    h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
+    bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block,
+              "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None, "num_warps": _WARPS,
+              "num_stages": _STAGES}
+    pieces = _PIECES.get(x.dtype, 3)
+    gu_n = _GATE_UP_N if pieces == 1 else _GATE_UP_N // 2  # more pieces, more live registers
+    _gate_up_kernel[(blocks * triton.cdiv(inter, gu_n),)](
+        x, slots.data, slots.gscale, bias, row_entry, block_slot, h, k, float(alpha), float(limit), H=hidden,
+        INTER=inter, ACT=act, FMT=fg.code, QB=fg.block, QBB=fg.block_bytes, G=GROUP[fg.code],
+        OFF=fg.code in OFFSET, NP=pieces, RB=fmt.gu_row_bytes, BLOCK_N=gu_n,
+        BLOCK_K=_GATE_UP_K, **common)
+    y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
+        h, slots.data, slots.gscale, bias, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
+        QB=fd.block, QBB=fd.block_bytes, G=GROUP[fd.code], OFF=fd.code in OFFSET, NP=_H_PIECES,
+        RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
+    return y.view(n, k, hidden).sum(dim=1)
