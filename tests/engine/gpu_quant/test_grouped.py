@@ -67,11 +67,11 @@ DTYPE_CASES = [("q4_k", "q6_k", 256, 256, torch.float32), ("q2_k", "q4_1", 256, 
                ("nvfp4", "nvfp4", 80, 48, torch.float32), ("q6_k", "q4_k", 256, 256, torch.float16)]
 
 
-def check_dtypes(device: str, which: str = "engine") -> int:
-    for i, (fmt_gu, fmt_d, hidden, inter, dtype) in enumerate(DTYPE_CASES):
+def check_dtypes(device: str, which: str = "engine", cases: int = len(DTYPE_CASES)) -> int:
+    for i, (fmt_gu, fmt_d, hidden, inter, dtype) in enumerate(DTYPE_CASES[:cases]):
         run_case(fmt_gu, fmt_d, hidden, inter, tokens=5, experts=4, k=2, device=device, seed=60 + i, dtype=dtype,
                  which=which)
-    return len(DTYPE_CASES)
+    return cases
 
 
 @pytest.mark.gpu
@@ -99,5 +99,8 @@ if __name__ == "__main__":  # the interpreter test's child: argv[1] names the ke
     import sys
 
     assert check("cpu", FEW[:3], sys.argv[1]) == 3
-    assert check_dtypes("cpu", sys.argv[1]) == len(DTYPE_CASES)
+    # the engine's kernel widens any x to float32 (one case covers it); the candidate's pieces differ per
+    # dtype (three and two pieces, 16- and 32-value groups, a K tail: the first three; all four on CUDA)
+    cases = 1 if sys.argv[1] == "engine" else 3
+    assert check_dtypes("cpu", sys.argv[1], cases) == cases
     print("ok")
