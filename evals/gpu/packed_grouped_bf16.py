@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.gpu.grouped import GroupedLayout, group_entries
+from engine.gpu.grouped import GroupedLayout
 from engine.gpu.quant.dequant import _e2m1x2, _e4m3, _f16, _f32, _iq4, _k4_scale_min, _nib, _u8
-from engine.gpu.quant.dot import activate, activation_code
-from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.dot import activate
+from engine.gpu.quant.grouped import grouped_launch
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
@@ -280,38 +280,22 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
 
 
 def bf16_packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
-                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
-                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                                slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
+                                activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """See the module docstring."""
-    slots.check(fmt)
-    act = activation_code(activation)
-    n, hidden = x.shape
-    k = ids.shape[1]
-    inter = fmt.inter
-    if hidden != fmt.hidden:
-        raise ValueError(f"x: hidden size {hidden}, the experts have {fmt.hidden}")
-    if n == 0 or k == 0:
+    g = grouped_launch(x, ids, weights, slot_of, slots, fmt, layout, activation)
+    if g is None:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    row_entry, block_slot, block = layout if layout is not None else group_entries(ids, slot_of)
-    blocks = block_slot.shape[0]
-    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
-    x = x.contiguous()
-    flat_w = weights.reshape(-1).to(torch.float32).contiguous()
-    h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
-    bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
-    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block,
-              "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None, "num_warps": _WARPS,
-              "num_stages": _STAGES}
-    pieces = _PIECES.get(x.dtype, 3)
+    fg, fd = g.fg, g.fd
+    common = {**g.common, "num_warps": _WARPS, "num_stages": _STAGES}
+    pieces = _PIECES.get(g.x.dtype, 3)
     gu_n = _GATE_UP_N if pieces == 1 else _GATE_UP_N // 2  # more pieces, more live registers
-    _gate_up_kernel[(blocks * triton.cdiv(inter, gu_n),)](
-        x, slots.data, slots.gscale, bias, row_entry, block_slot, h, k, float(alpha), float(limit), H=hidden,
-        INTER=inter, ACT=act, FMT=fg.code, QB=fg.block, QBB=fg.block_bytes, G=GROUP[fg.code],
-        OFF=fg.code in OFFSET, NP=pieces, RB=fmt.gu_row_bytes, BLOCK_N=gu_n,
-        BLOCK_K=_GATE_UP_K, **common)
-    y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
-        h, slots.data, slots.gscale, bias, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
+    _gate_up_kernel[(g.blocks * triton.cdiv(fmt.inter, gu_n),)](
+        g.x, slots.data, slots.gscale, g.bias, g.row_entry, g.block_slot, g.h, g.k, float(alpha), float(limit),
+        ACT=g.act, FMT=fg.code, QB=fg.block, QBB=fg.block_bytes, G=GROUP[fg.code], OFF=fg.code in OFFSET,
+        NP=pieces, RB=fmt.gu_row_bytes, BLOCK_N=gu_n, BLOCK_K=_GATE_UP_K, **common)
+    _down_kernel[(g.blocks * triton.cdiv(fmt.hidden, _DOWN_N),)](
+        g.h, slots.data, slots.gscale, g.bias, g.flat_w, g.row_entry, g.block_slot, g.y, FMT=fd.code,
         QB=fd.block, QBB=fd.block_bytes, G=GROUP[fd.code], OFF=fd.code in OFFSET, NP=_H_PIECES,
         RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
-    return y.view(n, k, hidden).sum(dim=1)
+    return g.result()

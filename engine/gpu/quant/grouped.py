@@ -10,6 +10,9 @@ and dequantised in registers (times the slot's gscale), its biases from the slot
 (none without a bias block), act engine/gpu/quant/gemv.py's `activate` ("silu" or gpt-oss's
 "swiglu_clamped"; ValueError for another). Every routed expert must have a slot; a token's k ids
 are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it already.
+`grouped_launch(...)` -> GroupedLaunch | None: that function's checks and buffers (None for a call
+without entries), for a caller that launches other kernels on the same layout (the candidate of
+evals/gpu/packed_grouped_bf16.py).
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
 BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
@@ -21,6 +24,9 @@ a token are summed in float32 by a torch reduction.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +34,7 @@ import triton.language as tl
 from engine.gpu.grouped import GroupedLayout, group_entries
 from engine.gpu.quant.dequant import dequant_at
 from engine.gpu.quant.dot import activate, activation_code
-from engine.gpu.quant.formats import packed_format
+from engine.gpu.quant.formats import PackedFormat, packed_format
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
@@ -132,35 +138,71 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
                  mask=rmask[:, None] & cmask[None, :])
 
 
-def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
-                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
-                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """See the module docstring."""
+@dataclass(frozen=True)
+class GroupedLaunch:
+    """What a packed grouped call's two kernels take, checked and allocated once: the rows sorted by
+    expert (`group_entries`), h [entries, I] and y [entries, H] float32, and the slot-layout
+    constexprs both kernels share (`common`). evals/gpu/packed_grouped_bf16.py launches its candidate
+    kernels from the same."""
+
+    x: torch.Tensor
+    flat_w: torch.Tensor
+    row_entry: torch.Tensor
+    block_slot: torch.Tensor
+    h: torch.Tensor
+    y: torch.Tensor
+    bias: torch.Tensor
+    fg: PackedFormat
+    fd: PackedFormat
+    k: int
+    act: int
+    common: dict[str, Any]
+
+    @property
+    def blocks(self) -> int:
+        return int(self.block_slot.shape[0])
+
+    def result(self) -> torch.Tensor:
+        """Each token's sum over its k entries."""
+        return self.y.view(-1, self.k, self.y.shape[1]).sum(dim=1)
+
+
+def grouped_launch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                   slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None,
+                   activation: str) -> GroupedLaunch | None:
+    """The checks (ValueError) and buffers of a call (module docstring); None when it has no entries."""
     slots.check(fmt)
     act = activation_code(activation)
     n, hidden = x.shape
     k = ids.shape[1]
-    inter = fmt.inter
     if hidden != fmt.hidden:
         raise ValueError(f"x: hidden size {hidden}, the experts have {fmt.hidden}")
     if n == 0 or k == 0:
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return None
     row_entry, block_slot, block = layout if layout is not None else group_entries(ids, slot_of)
-    blocks = block_slot.shape[0]
-    fg, fd = packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d)
-    x = x.contiguous()
-    flat_w = weights.reshape(-1).to(torch.float32).contiguous()
-    h = torch.empty(row_entry.shape[0], inter, dtype=torch.float32, device=x.device)
     bias = slots.bias if slots.bias is not None else slots.gscale  # not read without a bias block
-    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block, "PRECISION": _PRECISION,
-              "BSTRIDE": bias.stride(0), "HAS_BIAS": slots.bias is not None, "num_warps": _WARPS,
-              "num_stages": _STAGES}
-    _gate_up_kernel[(blocks * triton.cdiv(inter, _GATE_UP_N),)](
-        x, slots.data, slots.gscale, bias, row_entry, block_slot, h, k, float(alpha), float(limit), H=hidden,
-        INTER=inter, ACT=act, FMT=fg.code,
-        QB=fg.block, QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N, BLOCK_K=_GATE_UP_K, **common)
-    y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(blocks * triton.cdiv(hidden, _DOWN_N),)](
-        h, slots.data, slots.gscale, bias, flat_w, row_entry, block_slot, y, H=hidden, INTER=inter, FMT=fd.code,
-        QB=fd.block, QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
-    return y.view(n, k, hidden).sum(dim=1)
+    common = {"STRIDE": slots.stride, "GU_OFF": fmt.gate_up_bytes, "BLOCK_M": block, "BSTRIDE": bias.stride(0),
+              "HAS_BIAS": slots.bias is not None, "H": hidden, "INTER": fmt.inter}
+    return GroupedLaunch(x.contiguous(), weights.reshape(-1).to(torch.float32).contiguous(), row_entry, block_slot,
+                         torch.empty(row_entry.shape[0], fmt.inter, dtype=torch.float32, device=x.device),
+                         torch.empty(n * k, hidden, dtype=torch.float32, device=x.device), bias,
+                         packed_format(fmt.fmt_gu), packed_format(fmt.fmt_d), k, act, common)
+
+
+def packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                           slots: PackedSlots, fmt: ExpertFormat, layout: GroupedLayout | None = None, *,
+                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """See the module docstring."""
+    g = grouped_launch(x, ids, weights, slot_of, slots, fmt, layout, activation)
+    if g is None:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    fg, fd = g.fg, g.fd
+    common = {**g.common, "PRECISION": _PRECISION, "num_warps": _WARPS, "num_stages": _STAGES}
+    _gate_up_kernel[(g.blocks * triton.cdiv(fmt.inter, _GATE_UP_N),)](
+        g.x, slots.data, slots.gscale, g.bias, g.row_entry, g.block_slot, g.h, g.k, float(alpha), float(limit),
+        ACT=g.act, FMT=fg.code, QB=fg.block, QBB=fg.block_bytes, RB=fmt.gu_row_bytes, BLOCK_N=_GATE_UP_N,
+        BLOCK_K=_GATE_UP_K, **common)
+    _down_kernel[(g.blocks * triton.cdiv(fmt.hidden, _DOWN_N),)](
+        g.h, slots.data, slots.gscale, g.bias, g.flat_w, g.row_entry, g.block_slot, g.y, FMT=fd.code, QB=fd.block,
+        QBB=fd.block_bytes, RB=fmt.d_row_bytes, BLOCK_N=_DOWN_N, BLOCK_K=_DOWN_K, **common)
+    return g.result()
