@@ -75,8 +75,6 @@ def grouped_kernels(fmt: str, module: Any, extra: Any) -> list[tuple[str, dict[s
         cx = {"H": HIDDEN, "INTER": INTER, "ACT": 0, "FMT": f.code, "QB": f.block, "QBB": f.block_bytes, "RB": gu_rb,
               "BLOCK_K": module._GATE_UP_K, **common, **extra(f, xdt, "gate_up")}
         cx.setdefault("BLOCK_N", module._GATE_UP_N)
-        sig = {k: sig[k] for k in ("x_ptr", "w_ptr", "gs_ptr", "b_ptr", "row_entry_ptr", "block_slot_ptr", "h_ptr",
-                                   "K", "alpha", "limit")}
         out.append((f"gate_up x {xdt}", compile_sm90(module._gate_up_kernel, sig, cx, module._WARPS, module._STAGES)))
     sig = {"h_ptr": "*fp32", "w_ptr": "*u8", "gs_ptr": "*fp32", "b_ptr": "*fp32", "weight_ptr": "*fp32",
            "row_entry_ptr": "*i64", "block_slot_ptr": "*i64", "y_ptr": "*fp32"}
