@@ -67,6 +67,16 @@ def prefetch_bytes() -> int:
     return _ext.prefetch_bytes()
 
 
+def set_chunk_rows(n: int) -> None:
+    """Rows of the work chunk a pool thread takes at a time (a multiple of 4 in [4, 4096]; default
+    16): a benchmark knob (evals/native/chunk_probe.py), not an engine option."""
+    _ext.set_chunk_rows(int(n))
+
+
+def chunk_rows() -> int:
+    return _ext.chunk_rows()
+
+
 def set_num_threads(n: int, pin: bool = True) -> None:
     """Restart the pool with n threads (0 = one per physical core), pinned one per core if `pin`."""
     _ext.set_num_threads(int(n), bool(pin))

@@ -61,10 +61,16 @@ next)
         tests/native/test_executor.py > "$R/native_tests.log" 2>&1
     at "native tests (quiet): exit $? ($(tail -1 "$R/native_tests.log"))"
     for f in ${CPU_FORMATS:-q4_k q6_k q8_0}; do
-        timeout 90 $F bench cpu-experts --format "$f" --threads 6,8,16 --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch \
+        timeout 90 $F bench cpu-experts --format "$f" --threads ${CPU_THREADS:-1,6,8,16} --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch \
             --isa "${CPU_ISA:-avx512bf16,avx512}" --json > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
         at "cpu-experts $f: exit $?"
     done
+    # the core's clock and instructions per cycle under the packed kernel, where perf can count them
+    command -v perf > /dev/null && for isa in avx512bf16 avx512; do
+        timeout 40 perf stat -e cycles,instructions,task-clock $F bench cpu-experts --format q4_k --threads 1 \
+            --isa $isa --seconds 3 --rounds 1 --bank-gb 1 --no-torch > "$R/perf_q4_k_$isa.txt" 2>&1
+    done
+    at "perf stat: $(grep -hE 'GHz|insn per cycle' "$R"/perf_q4_k_*.txt 2>/dev/null | tr -s ' ' | tr '\n' ';')"
     rm -f "$R/peer_build.rc"
     (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!

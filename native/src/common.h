@@ -72,6 +72,10 @@ inline float fp8_to_f32(uint8_t b) {
 // (engine option native_prefetch: a tuning knob for benchmarks, not for users).
 extern int g_prefetch_bytes;
 
+// Rows of a work chunk the layer call hands a thread at a time (a multiple of 4; set_chunk_rows sets
+// it): a tuning knob for benchmarks, not for users.
+extern int g_chunk_rows;
+
 extern const float kFp4Values[16];   // e2m1 code -> value
 extern float kE8m0Scale[256];        // e8m0 code -> 2^(code - 127) (255 -> NaN); filled at load
 

@@ -11,6 +11,7 @@ const float kFp4Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6
 
 float kE8m0Scale[256];
 int g_prefetch_bytes = 1024;
+int g_chunk_rows = 16;
 
 namespace {
 struct FillE8m0 {

@@ -285,7 +285,11 @@ PYBIND11_MODULE(_ftnative, m) {
     m.def("set_worker_spin_us", &set_worker_spin_us, py::arg("us"),
           "How long idle pool workers spin before sleeping, in microseconds (process-wide).");
     m.def("worker_spin_us", &worker_spin_us);
-    m.def("prefetch_bytes", [] { return g_prefetch_bytes; });
+    m.def("set_chunk_rows", [](int rows) {
+        if (rows < 4 || rows > 4096 || rows % 4) throw std::invalid_argument("chunk rows must be a multiple of 4 in [4, 4096]");
+        g_chunk_rows = rows;
+    }, py::arg("rows"), "Rows of a layer call's work chunk (a benchmark knob; default 16).");
+    m.def("chunk_rows", [] { return g_chunk_rows; });
     m.def("shutdown", &shutdown_pool, py::call_guard<py::gil_scoped_release>(),
           "Join the worker threads (restarted lazily by the next call).");
 }

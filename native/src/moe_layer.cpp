@@ -250,7 +250,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i) * hs + static_cast<size_t>(gr.first) * act;
         }
 
-    constexpr int64_t kChunk = 4 * kRows;  // rows per work chunk
+    const int64_t kChunk = g_chunk_rows;  // rows per work chunk
     const int64_t cpg = (I + kChunk - 1) / kChunk;
     const int64_t chunks1 = cpg * static_cast<int64_t>(s.groups.size());
     const int64_t chunks2 = (H + kChunk - 1) / kChunk;

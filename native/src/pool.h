@@ -50,6 +50,7 @@ class Pool {
         const std::vector<int> cpus = pin ? cpus_by_core() : std::vector<int>{};
         for (int i = 1; i < n_; ++i) {
             threads_.emplace_back([this, i] { worker(i); });
+            pthread_setname_np(threads_.back().native_handle(), "ft-worker");  // what top -H and tests see
             if (!cpus.empty()) {  // worker i -> i-th CPU in core order (CPU 0 of that order is the caller's)
                 cpu_set_t one;
                 CPU_ZERO(&one);

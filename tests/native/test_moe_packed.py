@@ -337,3 +337,33 @@ def test_every_token_count_around_the_tile(pk, isa, fmt):
         err = np.abs(out.double().numpy() - ref).max()
         scale = np.abs(ref - out0.double().numpy()).max() + 1e-30
         assert err <= TOL * scale, f"{fmt} T={T}: max abs err {err:.3g} > {TOL:g} * {scale:.3g}"
+
+
+def test_chunk_rows_changes_the_split_not_the_result(pk, ft):
+    """The rows a thread takes at a time only move work between threads: every chunk size gives the
+    same bits (each output row is summed by one thread in a fixed order), including chunks that do
+    not divide the rows and one chunk for the whole matrix; a size that is not a multiple of 4 is refused."""
+    gen = torch.Generator().manual_seed(5)
+    E, H, inter, T, k = 4, 512, 256, 5, 3
+    gu, dn = make_bank(pk, "q4_k", E, 2 * inter, H, gen), make_bank(pk, "q6_k", E, H, inter, gen)
+    x, w = torch.randn(T, H, generator=gen).to(torch.bfloat16), torch.rand(T, k, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    before, threads = ft.chunk_rows(), ft.num_threads()
+    outs = {}
+    try:
+        ft.set_num_threads(2)
+        for rows in (4, 16, 20, 64, 4096):
+            ft.set_chunk_rows(rows)
+            assert ft.chunk_rows() == rows
+            outs[rows] = torch.zeros(T, H)
+            pk.moe_packed(x, ids, w, gu, "q4_k", dn, "q6_k", None, outs[rows])
+        for bad in (0, 6, 4100):
+            with pytest.raises(ValueError, match="chunk rows"):
+                ft.set_chunk_rows(bad)
+    finally:
+        ft.set_chunk_rows(before)
+        ft.set_num_threads(threads)
+    ref = reference(x, ids, w, gu, "q4_k", dn, "q6_k", None, torch.zeros(T, H))
+    assert np.abs(outs[16].numpy() - ref).max() <= TOL * np.abs(ref).max()
+    for rows, out in outs.items():
+        assert torch.equal(out, outs[16]), rows
