@@ -11,8 +11,6 @@
 // holding a chunk loops over all experts for it, so no two threads write the same output element.
 #include "moe_layer.h"
 
-#include "act_split.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -235,10 +233,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
         s.entry_token[i] = static_cast<int>(e / k);
         s.entry_w[i] = a.weights[e];
     }
-    const bool split_x = plan.split_x, split_h = plan.split_h;
-    // bytes per token of x and per entry of h: their values, or their bf16 pieces (act_split.h)
-    const size_t xs = split_x ? static_cast<size_t>(split_row_bytes(H)) : static_cast<size_t>(H) * act;
-    const size_t hs = split_h ? static_cast<size_t>(split_row_bytes(I)) : static_cast<size_t>(I) * act;
+    const size_t xs = static_cast<size_t>(H) * act, hs = static_cast<size_t>(I) * act;  // bytes per x row, per h row
     s.xbuf.resize(static_cast<size_t>(T) * xs);
     s.hbuf.resize(static_cast<size_t>(M) * hs);
     s.acc.resize(static_cast<size_t>(T * H));
@@ -263,17 +258,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
 
     auto job = [&](int tid) {
         for (int64_t t = tid; t < T; t += nt) {  // phase 0
-            if (split_x) {
-                char* dst = s.xbuf.data() + static_cast<size_t>(t) * xs;
-                if (a.x_bf16) {
-                    const uint16_t* src = reinterpret_cast<const uint16_t*>(a.x) + t * a.x_ld;
-                    for (int64_t i = 0; i < H; ++i) split_put(dst, H, i, bf16_to_f32(src[i]));
-                } else {
-                    const float* src = reinterpret_cast<const float*>(a.x) + t * a.x_ld;
-                    for (int64_t i = 0; i < H; ++i) split_put(dst, H, i, src[i]);
-                }
-                split_finish(dst, H);
-            } else if (a.x_bf16) {
+            if (a.x_bf16) {
                 const uint16_t* src = reinterpret_cast<const uint16_t*>(a.x) + t * a.x_ld;
                 if (act_bf16) std::memcpy(s.xbuf.data() + t * H * 2, src, H * 2);
                 else {
@@ -296,8 +281,9 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             float gbuf[kRows * 64], ubuf[kRows * 64];
             for (int64_t c; (c = next1.fetch_add(1, std::memory_order_relaxed)) < chunks1;) {
                 const Group& gr = s.groups[c / cpg];
-                const int64_t c0 = (c % cpg) * kChunk, c1 = std::min(I, c0 + kChunk);
-                if (c0 < gr.first) continue;  // the split expert's rows before `first` run elsewhere
+                // the split expert's rows before `first` run elsewhere (first is a multiple of kRows)
+                const int64_t c0 = std::max((c % cpg) * kChunk, gr.first), c1 = std::min(I, (c % cpg + 1) * kChunk);
+                if (c0 >= c1) continue;
                 const int ntok = gr.end - gr.begin;
                 const Mat gate = plan.gate(gr.row), up = plan.up(gr.row);
                 const float* bias = plan.b_gu != nullptr ? plan.b_gu + gr.row * 2 * I : nullptr;
@@ -314,8 +300,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                                 float g = gbuf[t * kRows + r], u = ubuf[t * kRows + r];
                                 if (bias != nullptr) g += bias[r0 + r], u += bias[I + r0 + r];
                                 const float hv = activate(plan, g, u);
-                                if (split_h) split_put(s.hbuf.data() + static_cast<size_t>(e) * hs, I, r0 + r, hv);
-                                else if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
+                                if (act_bf16) reinterpret_cast<uint16_t*>(s.hbuf.data())[e * I + r0 + r] = f32_to_bf16(hv);
                                 else reinterpret_cast<float*>(s.hbuf.data())[e * I + r0 + r] = hv;
                             }
                         }
@@ -324,10 +309,6 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             }
         }
         p.barrier();
-        if (split_h) {  // every entry's h is whole: its sums and piece count
-            for (int64_t e = tid; e < M; e += nt) split_finish(s.hbuf.data() + static_cast<size_t>(e) * hs, I);
-            p.barrier();
-        }
 
         {  // phase 2: down projection, output rows owned by the chunk's thread
             float dbuf[kRows * 64];

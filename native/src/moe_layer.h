@@ -59,8 +59,6 @@ enum class Act : int { silu = 0, swiglu_clamped = 1 };
 struct LayerPlan {
     GemvFn gemv_gu = nullptr, gemv_d = nullptr;
     bool act_bf16 = false;
-    // the gate/up (x) and down (h) kernels read their activations split into bf16 pieces (act_split.h)
-    bool split_x = false, split_h = false;
     // Epilogue, per bank row: b_gu [rows, 2I] float32 (gate biases, then up biases) added to the
     // projections before the activation; b_d [rows, H] float32 added to the down projection before
     // the routing weight. Null: none. A split expert takes no biases.

@@ -118,13 +118,6 @@ inline int q3k_scale(const uint8_t* s, int i) {
 void register_packed_scalar(GemvFn table[kNumQ]);
 void register_packed_avx2(GemvFn table[kNumQ]);
 void register_packed_avx512(GemvFn table[kNumQ]);
-void register_packed_avx512bf16(GemvFn table[kNumQ]);  // only the formats of packed_split_format
-
-// The formats whose avx512bf16 kernels read activations split into bf16 pieces (act_split.h).
-inline bool packed_split_format(int fmt) {
-    const QFmt f = static_cast<QFmt>(fmt);
-    return f != QFmt::q8_0 && f != QFmt::nvfp4;
-}
 
 // One block of `fmt` dequantized into out[0 .. B) (the scalar path's decoder; gs not applied).
 void dequant_block(QFmt fmt, const uint8_t* block, float* out);

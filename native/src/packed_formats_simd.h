@@ -1,5 +1,5 @@
-// The packed formats' byte work, shared by the SIMD kernel files (kernels_packed_simd.h's float
-// kernels and kernels_packed_avx512bf16.cpp's bf16 ones): per format, scales(b, d, m) gives every
+// The packed formats' byte work, shared by the SIMD kernel files (kernels_packed_simd.h's AVX2 and
+// AVX-512 instantiations): per format, scales(b, d, m) gives every
 // group's scale d and offset m of a block (value = code * d + m), once per block and row, and
 // codes(b, j, q) the int8 codes of sub-block j (q[0]: values 0..15, q[1]: 16..31), built in 128-bit
 // registers (SSE4 / AVX2 / F16C, which every includer's target enables). Included inside the

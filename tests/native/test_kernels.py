@@ -119,14 +119,20 @@ def test_split_expert_computes_its_rows_after_first(ft, isa, fmt):
     ids[:, 0] = 4  # every token routes to the split expert
     ew = quantize(w13, w2, fmt, (16, 32))
     d13, d2 = dequantize(ew)
-    for first in (16, 48):
-        got = ft.moe_layer(x, ids, weights, ew, split=(4, first))
-        cpu_rows = d13.clone(), d2.clone()
-        cpu_rows[0][4, :first] = 0  # gate rows before `first`: their h is 0, down ignores them
-        cpu_rows[1][4, :, :first] = 0
-        check_close(got, reference(x, ids, weights, *cpu_rows), tolerance(isa, fmt, torch.float32, torch.float32))
-        whole = reference(x, ids, weights, d13, d2)
-        assert (got.double() - whole).abs().max() > 1e-3  # the GPU's rows are missing
+    chunk_before = ft.chunk_rows()
+    try:  # work chunks that start before `first` and end after it, or hold all the rows
+        for first, chunk in ((16, 16), (48, 16), (16, 64), (48, 40), (16, 8)):
+            ft.set_chunk_rows(chunk)
+            ft.moe_layer(-3 * x, ids, weights, ew)  # other values in the reused scratch, so rows skipped show
+            got = ft.moe_layer(x, ids, weights, ew, split=(4, first))
+            cpu_rows = d13.clone(), d2.clone()
+            cpu_rows[0][4, :first] = 0  # gate rows before `first`: their h is 0, down ignores them
+            cpu_rows[1][4, :, :first] = 0
+            check_close(got, reference(x, ids, weights, *cpu_rows), tolerance(isa, fmt, torch.float32, torch.float32))
+            whole = reference(x, ids, weights, d13, d2)
+            assert (got.double() - whole).abs().max() > 1e-3  # the GPU's rows are missing
+    finally:
+        ft.set_chunk_rows(chunk_before)
     for bad in (0, 8, inter):  # not inside (0, I), or not a multiple of 16
         with pytest.raises(Exception, match="split expert row"):
             ft.moe_layer(x, ids, weights, ew, split=(4, bad))
