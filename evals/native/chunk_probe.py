@@ -2,19 +2,19 @@
 side by side on one bank, each case interleaved with the others over rounds (best round kept).
 
 For each format (Qwen3-30B-A3B's expert shape, top-8, a bank of random valid blocks far larger than
-the caches, consecutive calls on fresh experts) and each thread count, the cases are:
-- isa: every SIMD path the CPU has among avx512bf16 / avx512 (or avx2 where it has neither);
+the caches, consecutive calls on fresh experts) and each thread count, on the CPU's SIMD path:
 - chunk rows: the rows of a work chunk a pool thread takes at a time (`ft.set_chunk_rows`), at batch 1;
+- prefetch: the kernels' software prefetch off (`ft.set_prefetch_bytes(0)`), at batch 1;
 - batch: tokens per call (1 = decode; more = the CPU share of a prefill chunk), at the default chunk;
 next to `read`, the pool's plain read of the same bytes (the bound). GB/s counts the packed bytes.
 
     python3 -m evals.native.chunk_probe [--formats q8_0,q4_k] [--threads 8,16] [--chunks 16,64]
         [--batches 1,16] [--bank-gb 2] [--seconds 0.3] [--rounds 2]
 
-Prints one JSON object per case, then a table. It decides two things that no CI run can: which
-packed kernel family wins where (the avx512bf16 kernels against the AVX-512F float ones), and
-whether a bigger chunk keeps the kernels' software prefetch (two tiles ahead, kernels_packed_simd.h)
-inside the rows the same thread reads.
+Prints one JSON object per case, then a table. It answers what no CI run can: whether a bigger chunk
+keeps the kernels' software prefetch (two tiles ahead, kernels_packed_simd.h) inside the rows the same
+thread reads (with 16-row chunks, the first two tiles of a chunk are only prefetched by whichever
+thread took the chunk before it), and whether that prefetch helps at all.
 """
 
 from __future__ import annotations
@@ -44,19 +44,18 @@ def probe_format(ft: Any, fmt_name: str, args: argparse.Namespace) -> list[dict[
     gen = torch.Generator().manual_seed(0)
     gate_up, down = fmt.random_rows((rows, 2 * INTER), HIDDEN, gen), fmt.random_rows((rows, HIDDEN), INTER, gen)
     perm = torch.randperm(rows, generator=gen)
-    isas = [i for i in ("avx512bf16", "avx512") if i in ft.supported_isas()] or [ft.get_isa()]
     step = [0]
 
     def sets(T: int) -> list[torch.Tensor]:
         n = TOP_K * T
         return [perm[j * n:(j + 1) * n].reshape(T, TOP_K).to(torch.int32).contiguous() for j in range(rows // n)]
 
-    def case(T: int, isa: str, chunk: int) -> Callable[[], None]:
+    def case(T: int, prefetch: int, chunk: int) -> Callable[[], None]:
         ids, x = sets(T), torch.randn(T, HIDDEN, generator=gen).to(torch.bfloat16)
         w, out = torch.rand(T, TOP_K, generator=gen), torch.zeros(T, HIDDEN)
 
         def one() -> None:
-            ft.set_isa(isa)
+            ft.set_prefetch_bytes(prefetch)
             ft.set_chunk_rows(chunk)
             kernel(x, ids[step[0] % len(ids)], w, gate_up, fmt.name, down, fmt.name, None, out)
             step[0] += 1
@@ -68,26 +67,27 @@ def probe_format(ft: Any, fmt_name: str, args: argparse.Namespace) -> list[dict[
         ft.read_ranges(reads[step[0] % len(reads)])
         step[0] += 1
 
-    default_chunk = ft.chunk_rows()
-    cases: dict[str, tuple[int, str, int]] = {}
-    for isa in isas:
-        for chunk in sorted({default_chunk, *(int(c) for c in args.chunks.split(","))}):
-            cases[f"{isa} chunk={chunk} T=1"] = (1, isa, chunk)
-        for T in batches:
-            cases.setdefault(f"{isa} chunk={default_chunk} T={T}", (T, isa, default_chunk))
+    default_chunk, default_pf = ft.chunk_rows(), ft.prefetch_bytes()
+    cases: dict[str, tuple[int, int, int]] = {}
+    for chunk in sorted({default_chunk, *(int(c) for c in args.chunks.split(","))}):
+        cases[f"chunk={chunk} T=1"] = (1, default_pf, chunk)
+    cases[f"chunk={default_chunk} T=1 no prefetch"] = (1, 0, default_chunk)
+    for T in batches:
+        cases.setdefault(f"chunk={default_chunk} T={T}", (T, default_pf, default_chunk))
     fns = {name: case(*c) for name, c in cases.items()} | {"read": read}
     results = []
     for n in (int(t) for t in args.threads.split(",")):
         ft.set_num_threads(n)
         best = best_of(fns, args.rounds, args.seconds)
         bound = TOP_K * per_expert / best["read"] / 1e9
-        for name, (T, isa, chunk) in cases.items():
+        for name, (T, prefetch, chunk) in cases.items():
             gbps = TOP_K * T * per_expert / best[name] / 1e9
-            results.append({"format": fmt.name, "threads": n, "isa": isa, "chunk_rows": chunk, "batch": T,
+            results.append({"format": fmt.name, "threads": n, "isa": ft.get_isa(), "prefetch": prefetch,
+                            "chunk_rows": chunk, "batch": T,
                             "gbps": round(gbps, 2), "read_bound_gbps": round(bound, 2),
                             "of_bound": round(gbps / bound, 3), "ms": round(best[name] * 1e3, 3)})
             print(json.dumps(results[-1]), flush=True)
-    ft.set_isa("auto")
+    ft.set_prefetch_bytes(default_pf)
     ft.set_chunk_rows(default_chunk)
     return results
 
@@ -106,10 +106,11 @@ def main() -> None:
 
     ft = load_native()
     rows = [r for f in args.formats.split(",") for r in probe_format(ft, f, args)]
-    print(f"{'format':7} {'thr':>3} {'isa':10} {'chunk':>5} {'batch':>5} {'GB/s':>7} {'bound':>7} {'of bound':>8}")
+    print(f"{'format':7} {'thr':>3} {'isa':10} {'prefetch':>8} {'chunk':>5} {'batch':>5} {'GB/s':>7} {'bound':>7} "
+          f"{'of bound':>8}")
     for r in rows:
-        print(f"{r['format']:7} {r['threads']:>3} {r['isa']:10} {r['chunk_rows']:>5} {r['batch']:>5} {r['gbps']:>7.2f} "
-              f"{r['read_bound_gbps']:>7.2f} {r['of_bound']:>8.2f}")
+        print(f"{r['format']:7} {r['threads']:>3} {r['isa']:10} {r['prefetch']:>8} {r['chunk_rows']:>5} {r['batch']:>5} "
+              f"{r['gbps']:>7.2f} {r['read_bound_gbps']:>7.2f} {r['of_bound']:>8.2f}")
 
 
 if __name__ == "__main__":
