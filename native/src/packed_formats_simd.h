@@ -24,6 +24,11 @@ inline __m128i bits16(uint32_t bits) {  // 0xff in byte i where bit i of the low
 }
 inline __m128i lut(__m128i idx, const int8_t* table) { return _mm_shuffle_epi8(ld16(reinterpret_cast<const uint8_t*>(table)), idx); }
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+// 8 bytes at p widened to int32 lanes: their low nibbles, or (hi) their high ones
+inline __m256i nib8(const uint8_t* p, bool hi) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return hi ? _mm256_srli_epi32(w, 4) : _mm256_and_si256(w, _mm256_set1_epi32(15));
+}
 // out[i] = mul * float(code i) for n (a multiple of 8) unsigned / signed byte codes, 8 lanes at a time
 inline void scale_u8(const uint8_t* codes, int n, float mul, float* out) {
     for (int i = 0; i < n; i += 8)
@@ -55,6 +60,9 @@ struct DQ4_0 {
         const __m128i v = ld16(b + 2), eight = _mm_set1_epi8(8);
         q[0] = _mm_sub_epi8(low4(v), eight), q[1] = _mm_sub_epi8(high4(v), eight);
     }
+    static __m256i lanes8(const uint8_t* b, int, int v) {
+        return _mm256_sub_epi32(nib8(b + 2 + 8 * (v & 1), v >= 2), _mm256_set1_epi32(8));
+    }
 };
 struct DQ4_1 {
     static constexpr QFmt kFmt = QFmt::q4_1;
@@ -65,6 +73,7 @@ struct DQ4_1 {
         const __m128i v = ld16(b + 4);
         q[0] = low4(v), q[1] = high4(v);
     }
+    static __m256i lanes8(const uint8_t* b, int, int v) { return nib8(b + 4 + 8 * (v & 1), v >= 2); }
 };
 inline void q5_codes(const uint8_t* qh_p, const uint8_t* qs, int offset, __m128i* q) {
     const uint32_t qh = load_u32(qh_p);
@@ -142,6 +151,7 @@ struct DQ4_K {
     static constexpr bool kOffset = true;
     static void scales(const uint8_t* b, float* d, float* m) { k45_scales(b, d, m); }
     static void codes(const uint8_t* b, int j, __m128i* q) { k45_codes(nullptr, b + 16, j, q); }
+    static __m256i lanes8(const uint8_t* b, int j, int v) { return nib8(b + 16 + 32 * (j >> 1) + 8 * v, j & 1); }
 };
 struct DQ5_K {
     static constexpr QFmt kFmt = QFmt::q5_k;
