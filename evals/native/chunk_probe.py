@@ -12,9 +12,9 @@ next to `read`, the pool's plain read of the same bytes (the bound). GB/s counts
         [--batches 1,16] [--bank-gb 2] [--seconds 0.3] [--rounds 2]
 
 Prints one JSON object per case, then a table. It answers what no CI run can: whether a bigger chunk
-keeps the kernels' software prefetch (two tiles ahead, kernels_packed_simd.h) inside the rows the same
-thread reads (with 16-row chunks, the first two tiles of a chunk are only prefetched by whichever
-thread took the chunk before it), and whether that prefetch helps at all.
+(fewer hand-offs, the kernels' two-tiles-ahead prefetch inside more of a thread's rows; the driver
+prefetches a chunk's first tiles and the next expert's rows itself) pays on a many-core host, and what
+the software prefetch is worth there.
 """
 
 from __future__ import annotations
