@@ -295,8 +295,10 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                 const int ntok = gr.end - gr.begin;
                 const Mat gate = plan.gate(gr.row), up = plan.up(gr.row);
                 // the chunk's first two tiles: the tiles' own prefetch reaches only the rows after them
-                prefetch_rows(gate, c0, std::min(c1, c0 + 2 * kRows));
-                prefetch_rows(up, c0, std::min(c1, c0 + 2 * kRows));
+                if (plan.prefetch_next) {
+                    prefetch_rows(gate, c0, std::min(c1, c0 + 2 * kRows));
+                    prefetch_rows(up, c0, std::min(c1, c0 + 2 * kRows));
+                }
                 const float* bias = plan.b_gu != nullptr ? plan.b_gu + gr.row * 2 * I : nullptr;
                 for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
                     const int nr = static_cast<int>(std::min<int64_t>(kRows, c1 - r0));
@@ -328,7 +330,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
                 for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
                 for (size_t gi = 0; gi < s.groups.size(); ++gi) {
                     const Group& gr = s.groups[gi];
-                    if (gi + 1 < s.groups.size())  // the next expert's rows of this chunk
+                    if (plan.prefetch_next && gi + 1 < s.groups.size())  // the next expert's rows of this chunk
                         prefetch_rows(plan.down(s.groups[gi + 1].row, s.groups[gi + 1].first), h0, h1);
                     const Mat down = plan.down(gr.row, gr.first);
                     const float* bias = plan.b_d != nullptr ? plan.b_d + gr.row * H : nullptr;

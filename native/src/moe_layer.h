@@ -59,6 +59,10 @@ enum class Act : int { silu = 0, swiglu_clamped = 1 };
 struct LayerPlan {
     GemvFn gemv_gu = nullptr, gemv_d = nullptr;
     bool act_bf16 = false;
+    // the driver prefetches the rows a thread moves to next (moe_layer.cpp: prefetch_rows); the packed
+    // kernels' prefetch runs tiles ahead within a tile's rows and needs it, the float kernels' runs
+    // along each row (and reaches the read bound without it)
+    bool prefetch_next = false;
     // Epilogue, per bank row: b_gu [rows, 2I] float32 (gate biases, then up biases) added to the
     // projections before the activation; b_d [rows, H] float32 added to the down projection before
     // the routing weight. Null: none. A split expert takes no biases.

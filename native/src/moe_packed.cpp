@@ -33,6 +33,7 @@ struct PackedPlan final : LayerPlan {
         gemv_gu = table().fn[int(isa)][b.fmt_gu];
         gemv_d = table().fn[int(isa)][b.fmt_d];
         b_gu = b.b_gu, b_d = b.b_d, act = b.act, alpha = b.alpha, limit = b.limit;
+        prefetch_next = true;
     }
     float gs(int64_t row, int which) const { return b.gscale ? b.gscale[row * 3 + which] : 1.0f; }
     Mat gate(int64_t row) const override {
