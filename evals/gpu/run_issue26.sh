@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU-machine runs for issue 26 (quantized experts), one PART per device call (each under 10 min).
-#   PART=next   the packed CPU kernels' SIMD paths A/B on a quiet machine and their native tests, then the
+#   PART=next   the packed CPU kernels and their native tests on a quiet machine, then the
 #               packed GPU tests and the packed grouped GEMM probe while llama-bench builds, then the GGUF
-#               (a warm machine ready for PART=sbs CAPS=16GiB NCMOE=48,11)
+#               (a warm machine ready for PART=sbs)
 #   PART=prep   llama-bench, llama-quantize and llama-server built while the Q8_0 source is written and the
 #               native / packed GPU tests run; then llama-quantize (QUANTIZER=llama's file)
 #   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
@@ -53,24 +53,19 @@ python3 native/build.py -j 16 > "$R/native_build.log" 2>&1 || { at "native build
 at "native built"
 case "${PART:-next}" in
 next)
-    # what the 2026-12-07 side by side left open, quiet machine first: the packed CPU kernels' SIMD paths
-    # A/B (the decode's CPU branch ran at 15 GB/s with avx512bf16 the default), their native tests, then
-    # while llama.cpp's llama-bench builds: the packed GPU tests and the packed grouped GEMM's probe; the
-    # GGUF last. PART=sbs CAPS=16GiB PROMPTS=16384 NCMOE=48,11 on the warm machine next.
+    # quiet machine first: the native tests, the packed CPU kernels (bench cpu-experts) and the layer call's
+    # chunk / prefetch / batch probe; then while llama.cpp's llama-bench builds: the packed GPU tests and the
+    # packed grouped GEMM's probe; the GGUF last. PART=sbs on the warm machine next.
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/native/test_moe_packed.py tests/native/test_kernels.py \
         tests/native/test_executor.py > "$R/native_tests.log" 2>&1
     at "native tests (quiet): exit $? ($(tail -1 "$R/native_tests.log"))"
     for f in ${CPU_FORMATS:-q4_k q6_k q8_0}; do
         timeout 90 $F bench cpu-experts --format "$f" --threads ${CPU_THREADS:-1,6,8,16} --seconds 0.5 --rounds 2 --bank-gb 2 --no-torch \
-            --isa "${CPU_ISA:-avx512bf16,avx512}" --json > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
+            --isa "${CPU_ISA:-auto}" --json > "$R/cpu_$f.json" 2> "$R/cpu_$f.err"
         at "cpu-experts $f: exit $?"
     done
-    # the core's clock and instructions per cycle under the packed kernel, where perf can count them
-    command -v perf > /dev/null && for isa in avx512bf16 avx512; do
-        timeout 40 perf stat -e cycles,instructions,task-clock $F bench cpu-experts --format q4_k --threads 1 \
-            --isa $isa --seconds 3 --rounds 1 --bank-gb 1 --no-torch > "$R/perf_q4_k_$isa.txt" 2>&1
-    done
-    at "perf stat: $(grep -hE 'GHz|insn per cycle' "$R"/perf_q4_k_*.txt 2>/dev/null | tr -s ' ' | tr '\n' ';')"
+    timeout 120 python3 -m evals.native.chunk_probe --formats q4_k,q8_0 --threads 8,16 > "$R/chunk_probe.txt" 2>&1
+    at "chunk probe: exit $?"
     rm -f "$R/peer_build.rc"
     (bash evals/peer/build.sh > "$R/peer_build.log" 2>&1; echo $? > "$R/peer_build.rc") &
     build=$!
