@@ -253,10 +253,10 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             s.hptr[i] = s.hbuf.data() + static_cast<size_t>(i) * hs + static_cast<size_t>(gr.first) * act;
         }
 
-    const int64_t kChunk = g_chunk_rows;  // rows per work chunk
-    const int64_t cpg = (I + kChunk - 1) / kChunk;
+    const int64_t chunk = g_chunk_rows;  // rows per work chunk
+    const int64_t cpg = (I + chunk - 1) / chunk;
     const int64_t chunks1 = cpg * static_cast<int64_t>(s.groups.size());
-    const int64_t chunks2 = (H + kChunk - 1) / kChunk;
+    const int64_t chunks2 = (H + chunk - 1) / chunk;
     std::atomic<int64_t> next1{0}, next2{0};
 
     std::shared_ptr<Pool> pool_ref = pool();
@@ -290,7 +290,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
             for (int64_t c; (c = next1.fetch_add(1, std::memory_order_relaxed)) < chunks1;) {
                 const Group& gr = s.groups[c / cpg];
                 // the split expert's rows before `first` run elsewhere (first is a multiple of kRows)
-                const int64_t c0 = std::max((c % cpg) * kChunk, gr.first), c1 = std::min(I, (c % cpg + 1) * kChunk);
+                const int64_t c0 = std::max((c % cpg) * chunk, gr.first), c1 = std::min(I, (c % cpg + 1) * chunk);
                 if (c0 >= c1) continue;
                 const int ntok = gr.end - gr.begin;
                 const Mat gate = plan.gate(gr.row), up = plan.up(gr.row);
@@ -326,7 +326,7 @@ void run_layer(const LayerArgs& a, const LayerPlan& plan) {
         {  // phase 2: down projection, output rows owned by the chunk's thread
             float dbuf[kRows * 64];
             for (int64_t c; (c = next2.fetch_add(1, std::memory_order_relaxed)) < chunks2;) {
-                const int64_t h0 = c * kChunk, h1 = std::min(H, h0 + kChunk);
+                const int64_t h0 = c * chunk, h1 = std::min(H, h0 + chunk);
                 for (int64_t t = 0; t < T; ++t) std::fill(&s.acc[t * H + h0], &s.acc[t * H + h1], 0.f);
                 for (size_t gi = 0; gi < s.groups.size(); ++gi) {
                     const Group& gr = s.groups[gi];
