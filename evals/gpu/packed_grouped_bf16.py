@@ -34,8 +34,7 @@ import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout
 from engine.gpu.quant.dequant import _e2m1x2, _e4m3, _f16, _f32, _iq4, _k4_scale_min, _nib, _u8
-from engine.gpu.quant.dot import activate
-from engine.gpu.quant.grouped import grouped_launch
+from engine.gpu.quant.grouped import grouped_launch, store_h, store_y
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
@@ -226,12 +225,7 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
                     xs = tl.sum(xt.to(tl.float32), axis=1)[:, None]
                     acc_g += xs * og
                     acc_u += xs * ou
-        if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
-            b_row = b_ptr + s.to(tl.int64) * BSTRIDE
-            acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
-            acc_u += tl.load(b_row + INTER + cols, mask=cmask, other=0.0)[None, :]
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], activate(acc_g, acc_u, ACT, alpha, limit),
-                 mask=rmask[:, None] & cmask[None, :])
+        store_h(h_ptr, b_ptr, s, rows, rmask, cols, cmask, acc_g, acc_u, alpha, limit, INTER, BSTRIDE, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -271,12 +265,7 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
                 acc += part * d
                 if OFF:
                     acc += tl.sum(ht, axis=1)[:, None] * o
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
-        e = tl.where(rmask, entry, 0)
-        wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
-        tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
-                 mask=rmask[:, None] & cmask[None, :])
+        store_y(y_ptr, b_ptr, weight_ptr, s, entry, rmask, cols, cmask, acc, H, INTER, BSTRIDE, HAS_BIAS)
 
 
 def bf16_packed_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,

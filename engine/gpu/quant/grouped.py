@@ -65,6 +65,30 @@ def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.c
 
 
 @triton.jit
+def store_h(h_ptr, b_ptr, s, rows, rmask, cols, cmask, acc_g, acc_u, alpha, limit, INTER: tl.constexpr,
+            BSTRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """A gate/up tile's epilogue: the slot's gate and up biases, the activation, h's rows stored."""
+    if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
+        b_row = b_ptr + s.to(tl.int64) * BSTRIDE
+        acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
+        acc_u += tl.load(b_row + INTER + cols, mask=cmask, other=0.0)[None, :]
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], activate(acc_g, acc_u, ACT, alpha, limit),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def store_y(y_ptr, b_ptr, weight_ptr, s, entry, rmask, cols, cmask, acc, H: tl.constexpr, INTER: tl.constexpr,
+            BSTRIDE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A down tile's epilogue: the slot's down bias, each entry's routing weight, its rows of y stored."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
+    e = tl.where(rmask, entry, 0)
+    wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
+    tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, h_ptr, K, alpha, limit,
                     H: tl.constexpr, INTER: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.constexpr,
                     RB: tl.constexpr, STRIDE: tl.constexpr, GU_OFF: tl.constexpr, BSTRIDE: tl.constexpr,
@@ -96,12 +120,7 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
             wu = _weight_tile(row_u, k0, cmask[None, :], gu, FMT, QB, QBB, H, BLOCK_K)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
-        if HAS_BIAS:  # the slot's bias row: gate [I], up [I], down [H]
-            b_row = b_ptr + s.to(tl.int64) * BSTRIDE
-            acc_g += tl.load(b_row + cols, mask=cmask, other=0.0)[None, :]
-            acc_u += tl.load(b_row + INTER + cols, mask=cmask, other=0.0)[None, :]
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], activate(acc_g, acc_u, ACT, alpha, limit),
-                 mask=rmask[:, None] & cmask[None, :])
+        store_h(h_ptr, b_ptr, s, rows, rmask, cols, cmask, acc_g, acc_u, alpha, limit, INTER, BSTRIDE, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -130,12 +149,7 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
                          mask=rmask[:, None] & kmask[None, :], other=0.0)
             wt = _weight_tile(row_d, k0, cmask[None, :], gd, FMT, QB, QBB, INTER, BLOCK_K)
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + s.to(tl.int64) * BSTRIDE + 2 * INTER + cols, mask=cmask, other=0.0)[None, :]
-        e = tl.where(rmask, entry, 0)
-        wgt = tl.load(weight_ptr + e, mask=rmask, other=0.0)
-        tl.store(y_ptr + e.to(tl.int64)[:, None] * H + cols[None, :], acc * wgt[:, None],
-                 mask=rmask[:, None] & cmask[None, :])
+        store_y(y_ptr, b_ptr, weight_ptr, s, entry, rmask, cols, cmask, acc, H, INTER, BSTRIDE, HAS_BIAS)
 
 
 @dataclass(frozen=True)
