@@ -14,6 +14,7 @@ namespace {
 struct V {
     static constexpr int W = 8, TMAX = 2;
     static constexpr bool kI8FromMemory = true;  // decoded codes widened by i8p from a stack copy, else by i8
+    static constexpr bool kLut16 = false;        // no 16-entry float lookup in 8 lanes
     using F = __m256;
     static F zero() { return _mm256_setzero_ps(); }
     static F set1(float f) { return _mm256_set1_ps(f); }

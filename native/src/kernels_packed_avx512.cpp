@@ -13,6 +13,7 @@ namespace {
 struct V {
     static constexpr int W = 16, TMAX = 4;
     static constexpr bool kI8FromMemory = false;  // decoded codes widened by i8p from a stack copy, else by i8
+    static constexpr bool kLut16 = true;          // the 4-bit formats' codes by lut16
     using F = __m512;
     static F zero() { return _mm512_setzero_ps(); }
     static F set1(float f) { return _mm512_set1_ps(f); }
@@ -24,6 +25,11 @@ struct V {
     static F i8(__m128i q, int) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
     static F i8p(const uint8_t* p) {  // W int8 at p as floats
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+    static F lut16(const uint8_t* p, bool hi, F table) {  // vpermps reads each index's low 4 bits
+        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        if (hi) w = _mm512_srli_epi32(w, 4);
+        return _mm512_permutexvar_ps(w, table);
     }
     static F fp8(const uint8_t* p) {  // 16 e4m3 bytes -> fp16 bit patterns (value / 256) -> float
         const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

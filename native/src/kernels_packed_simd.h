@@ -7,7 +7,8 @@
 //   fmadd(a, b, c) = a * b + c, mul(a, b), add(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
 //   [off, off + W) of q as floats; off a multiple of W below 16), i8p(p) (W int8 at p as floats),
 //   kI8FromMemory (widen decoded codes by i8p from a stack copy rather than by i8: AVX2, where
-//   the upper 8 lanes of a register would cost a shift), fp8(p) (W e4m3 bytes at p, as
+//   the upper 8 lanes of a register would cost a shift), kLut16 (lut16(p, hi, table): the low or
+//   high nibbles of the 16 bytes at p as table[nibble], W = 16 only), fp8(p) (W e4m3 bytes at p, as
 //   floats / 256), and prefetch(p) (p itself, when software prefetch is on). The format helpers
 //   (packed_formats_simd.h) use AVX2 (both includers enable it).
 //
@@ -16,7 +17,9 @@
 // sub-blocks of S values (32; nvfp4: its 16) straight into registers: the byte work (nibbles, high
 // bits, code tables) in 128-bit registers shared by both widths gives int8 codes (q8_0: the bytes
 // themselves, widened from memory), widened to S / W float vectors of the unscaled codes, which
-// meet the activations of the R rows x TT tokens of the tile. The group scale is factored out where
+// meet the activations of the R rows x TT tokens of the tile. At 16 lanes the 4-bit formats skip the
+// int8 step: their nibbles, widened to int32 lanes, index a 16-float table (vpermps): the code values,
+// or, where the scale is applied per vector (q4_k, q4_1), the group's own values code * d + m. The group scale is factored out where
 // a group spans GV = kGroup / W >= 2 vectors: per group and token gs = sum(code * x), then
 // acc += d * gs once, and for the formats with an offset acc += m * sum(x over the group), the x
 // sums taken once per tile (shared by its rows); where a group is one vector (or two, with an
@@ -37,6 +40,20 @@ constexpr auto has_lanes8(int) -> decltype(&Q::lanes8, true) { return true; }
 template <class Q>
 constexpr bool has_lanes8(long) { return false; }
 
+// Formats with nib16(b, j, v) and kNib (the 4-bit ones), for vector units with V::kLut16: the 16 nibbles
+// widened to int32 lanes and looked up in kNib as floats (AVX-512: vpmovzxbd and vpermps, which reads only
+// each lane's low 4 bits, so the low nibbles need no mask and the high ones one shift; values [0, 16) and
+// [16, 32) of a q4_k sub-block pair, or of a q4_0 block, share the widened bytes).
+template <class Q>
+constexpr auto has_nib16(int) -> decltype(&Q::nib16, true) { return true; }
+template <class Q>
+constexpr bool has_nib16(long) { return false; }
+template <class Q, class VV>
+inline typename VV::F nib_lookup(const uint8_t* b, int j, int v, typename VV::F table) {
+    const Nib16 n = Q::nib16(b, j, v);
+    return VV::lut16(n.p, n.hi, table);
+}
+
 template <class Q>
 constexpr int sub_size() { return kQInfo[int(Q::kFmt)].block < 32 ? kQInfo[int(Q::kFmt)].block : 32; }
 
@@ -48,6 +65,8 @@ inline void decode_codes(const uint8_t* b, int j, typename V::F* f) {
         for (int v = 0; v < S / V::W; ++v) f[v] = V::fp8(b + 4 + 32 * j + v * V::W);
     } else if constexpr (Q::kFmt == QFmt::q8_0) {  // the codes are the bytes: widened straight from memory
         for (int v = 0; v < S / V::W; ++v) f[v] = V::i8p(b + 2 + v * V::W);
+    } else if constexpr (V::kLut16 && has_nib16<Q>(0)) {
+        for (int v = 0; v < S / V::W; ++v) f[v] = nib_lookup<Q, V>(b, j, v, V::load(Q::kNib));
     } else if constexpr (V::W == 8 && has_lanes8<Q>(0)) {  // AVX2: measured 1.3x on q4_k over the byte path
         for (int v = 0; v < S / V::W; ++v) f[v] = _mm256_cvtepi32_ps(Q::lanes8(b, j, v));
     } else {
@@ -75,6 +94,14 @@ constexpr bool factored() {
     constexpr int GV = Q::kGroup / V::W;
     return GV >= 2 && !(Q::kOffset && GV < 4);
 }
+// Inline with a table lookup (4-bit formats where V::kLut16): the group's 16 values code * d + m are
+// made once (one vector: kNib * d + m) and each vector of values is looked up in it, the same floats as
+// code * d + m per vector.
+template <class Q>
+constexpr bool lut_inline() {
+    if constexpr (V::kLut16 && has_nib16<Q>(0)) return !factored<Q>();
+    return false;
+}
 
 constexpr int kPfTiles = 2;  // prefetch distance, in tiles (see the top of this file)
 
@@ -85,7 +112,7 @@ void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, si
     constexpr int B = kQInfo[int(Q::kFmt)].block, kBytes = kQInfo[int(Q::kFmt)].bytes, S = sub_size<Q>();
     constexpr int NV = S / V::W, kPfEvery = kBytes >= 64 ? 1 : 64 / kBytes;  // one prefetch per <= 64 bytes
     constexpr int G = Q::kGroup, NG = B / G, kVG = G < S ? S / G : 1;  // groups per block, per sub-block
-    constexpr bool kFact = factored<Q>(), kSx = kFact && Q::kOffset;
+    constexpr bool kFact = factored<Q>(), kSx = kFact && Q::kOffset, kLutInline = lut_inline<Q>();
     const uint8_t* W[R];
     for (int r = 0; r < R; ++r) W[r] = m.w + (r0 + r) * m.ld;
     const size_t ahead = kPfTiles * R * m.ld;
@@ -114,7 +141,7 @@ void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, si
                     }
             for (int r = 0; r < R; ++r) {
                 F f[NV];
-                decode_codes<Q>(W[r] + b * kBytes, j, f);
+                if constexpr (!kLutInline) decode_codes<Q>(W[r] + b * kBytes, j, f);
                 for (int v = 0; v < NV; ++v) {
                     const int e = j * S + v * V::W, g = e / G;  // value index in the block, its group
                     if constexpr (kFact) {
@@ -130,6 +157,11 @@ void tile(const Mat& m, int64_t r0, const float* const* X, int K, float* out, si
                                 for (int t = 0; t < TT; ++t) acc[r][t] = V::fmadd(sx[t][(e % S) / G], mm, acc[r][t]);
                             }
                         }
+                    } else if constexpr (kLutInline) {
+                        const F c = V::load(Q::kNib);
+                        const F tab = Q::kOffset ? V::fmadd(c, V::set1(ds[r][g]), V::set1(ms[r][g])) : V::mul(c, V::set1(ds[r][g]));
+                        const F w = nib_lookup<Q, V>(W[r] + b * kBytes, j, v, tab);
+                        for (int t = 0; t < TT; ++t) acc[r][t] = V::fmadd(w, V::load(X[t] + k0 + v * V::W), acc[r][t]);
                     } else {
                         const F w = Q::kOffset ? V::fmadd(f[v], V::set1(ds[r][g]), V::set1(ms[r][g]))
                                                : V::mul(f[v], V::set1(ds[r][g]));

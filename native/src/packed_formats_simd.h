@@ -40,9 +40,29 @@ inline void scale_i8(const uint8_t* codes, int n, float mul, float* out) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))),
                                                 _mm256_set1_ps(mul)));
 }
+// The 4-bit formats' codes as the 16 floats a nibble stands for (a vector kernel's table lookup, nib16 below)
+struct NibTable {
+    alignas(64) float v[16];
+};
+constexpr NibTable nib_table(const int8_t (&codes)[16], int offset) {  // codes[i] + offset as floats
+    NibTable t{};
+    for (int i = 0; i < 16; ++i) t.v[i] = static_cast<float>(codes[i] + offset);
+    return t;
+}
+constexpr int8_t kNibIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr NibTable kNibUnsigned = nib_table(kNibIndex, 0), kNibSigned = nib_table(kNibIndex, -8),
+                   kNibIq4nl = nib_table(kIq4nlValues, 0), kNibE2m1 = nib_table(kE2m1Doubled, 0);
+// Where the 16 nibbles of values [16v, 16v + 16) of a sub-block are: the low (hi false) or high nibbles
+// of the 16 bytes at p, in order.
+struct Nib16 {
+    const uint8_t* p;
+    bool hi;
+};
+
 // ---- formats: B values in `bytes` bytes, one scale d (and offset m) per kGroup values ----
 // scales(b, d, m): every group's d and m (value = code * d + m), once per block and row;
-// codes(b, j, q): the int8 codes of sub-block j (q[0]: values 0..15, q[1]: 16..31).
+// codes(b, j, q): the int8 codes of sub-block j (q[0]: values 0..15, q[1]: 16..31);
+// the 4-bit formats also nib16(b, j, v) (Nib16 above) and kNib, the table of their code values.
 
 struct DQ8_0 {
     static constexpr QFmt kFmt = QFmt::q8_0;
@@ -63,6 +83,8 @@ struct DQ4_0 {
     static __m256i lanes8(const uint8_t* b, int, int v) {
         return _mm256_sub_epi32(nib8(b + 2 + 8 * (v & 1), v >= 2), _mm256_set1_epi32(8));
     }
+    static constexpr const float* kNib = kNibSigned.v;
+    static Nib16 nib16(const uint8_t* b, int, int v) { return {b + 2, v == 1}; }
 };
 struct DQ4_1 {
     static constexpr QFmt kFmt = QFmt::q4_1;
@@ -74,6 +96,8 @@ struct DQ4_1 {
         q[0] = low4(v), q[1] = high4(v);
     }
     static __m256i lanes8(const uint8_t* b, int, int v) { return nib8(b + 4 + 8 * (v & 1), v >= 2); }
+    static constexpr const float* kNib = kNibUnsigned.v;
+    static Nib16 nib16(const uint8_t* b, int, int v) { return {b + 4, v == 1}; }
 };
 inline void q5_codes(const uint8_t* qh_p, const uint8_t* qs, int offset, __m128i* q) {
     const uint32_t qh = load_u32(qh_p);
@@ -152,6 +176,8 @@ struct DQ4_K {
     static void scales(const uint8_t* b, float* d, float* m) { k45_scales(b, d, m); }
     static void codes(const uint8_t* b, int j, __m128i* q) { k45_codes(nullptr, b + 16, j, q); }
     static __m256i lanes8(const uint8_t* b, int j, int v) { return nib8(b + 16 + 32 * (j >> 1) + 8 * v, j & 1); }
+    static constexpr const float* kNib = kNibUnsigned.v;
+    static Nib16 nib16(const uint8_t* b, int j, int v) { return {b + 16 + 32 * (j >> 1) + 16 * v, (j & 1) != 0}; }
 };
 struct DQ5_K {
     static constexpr QFmt kFmt = QFmt::q5_k;
@@ -186,6 +212,8 @@ struct DIQ4_NL {
         const __m128i v = ld16(b + 2);
         q[0] = lut(low4(v), kIq4nlValues), q[1] = lut(high4(v), kIq4nlValues);
     }
+    static constexpr const float* kNib = kNibIq4nl.v;
+    static Nib16 nib16(const uint8_t* b, int, int v) { return {b + 2, v == 1}; }
 };
 struct DIQ4_XS {
     static constexpr QFmt kFmt = QFmt::iq4_xs;
@@ -201,6 +229,8 @@ struct DIQ4_XS {
         const __m128i v = ld16(b + 8 + 16 * j);
         q[0] = lut(low4(v), kIq4nlValues), q[1] = lut(high4(v), kIq4nlValues);
     }
+    static constexpr const float* kNib = kNibIq4nl.v;
+    static Nib16 nib16(const uint8_t* b, int j, int v) { return {b + 8 + 16 * j, v == 1}; }
 };
 struct DMXFP4 {
     static constexpr QFmt kFmt = QFmt::mxfp4;
@@ -211,6 +241,8 @@ struct DMXFP4 {
         const __m128i v = ld16(b + 1);
         q[0] = lut(low4(v), kE2m1Doubled), q[1] = lut(high4(v), kE2m1Doubled);
     }
+    static constexpr const float* kNib = kNibE2m1.v;
+    static Nib16 nib16(const uint8_t* b, int, int v) { return {b + 1, v == 1}; }
 };
 struct DNVFP4 {  // element 2i is the low nibble of byte i, 2i + 1 the high one
     static constexpr QFmt kFmt = QFmt::nvfp4;
