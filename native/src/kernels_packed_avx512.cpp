@@ -31,6 +31,16 @@ struct V {
         if (hi) w = _mm512_srli_epi32(w, 4);
         return _mm512_permutexvar_ps(w, table);
     }
+    static F q6k16(const uint8_t* b, int j, int v) {  // (ql nibble | 2 qh bits << 4) - 32 per int32 lane
+        const int g = j >> 2, jj = j & 3, sh = 2 * jj;  // qh bits sh, sh + 1 go to bits 4, 5
+        __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * g + 32 * (jj & 1) + 16 * v)));
+        if (jj >> 1) lo = _mm512_srli_epi32(lo, 4);
+        __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * g + 16 * v)));
+        hi = sh >= 4 ? _mm512_srli_epi32(hi, sh - 4) : _mm512_slli_epi32(hi, 4 - sh);
+        hi = _mm512_and_si512(hi, _mm512_set1_epi32(0x30));
+        const __m512i code = _mm512_ternarylogic_epi32(hi, _mm512_set1_epi32(0x0f), lo, 0xb8);  // 0x0f ? lo : hi, per bit
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(32)));
+    }
     static F fp8(const uint8_t* p) {  // 16 e4m3 bytes -> fp16 bit patterns (value / 256) -> float
         const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);

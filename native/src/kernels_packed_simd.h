@@ -7,8 +7,9 @@
 //   fmadd(a, b, c) = a * b + c, mul(a, b), add(a, b), hsum(F), i8(__m128i q, int off) (int8 lanes
 //   [off, off + W) of q as floats; off a multiple of W below 16), i8p(p) (W int8 at p as floats),
 //   kI8FromMemory (widen decoded codes by i8p from a stack copy rather than by i8: AVX2, where
-//   the upper 8 lanes of a register would cost a shift), kLut16 (lut16(p, hi, table): the low or
-//   high nibbles of the 16 bytes at p as table[nibble], W = 16 only), fp8(p) (W e4m3 bytes at p, as
+//   the upper 8 lanes of a register would cost a shift), kLut16 (W = 16 only: lut16(p, hi, table),
+//   the low or high nibbles of the 16 bytes at p as table[nibble], and q6k16(b, j, v), q6_k's codes
+//   of values [16v, 16v + 16) of sub-block j as floats), fp8(p) (W e4m3 bytes at p, as
 //   floats / 256), and prefetch(p) (p itself, when software prefetch is on). The format helpers
 //   (packed_formats_simd.h) use AVX2 (both includers enable it).
 //
@@ -19,7 +20,8 @@
 // themselves, widened from memory), widened to S / W float vectors of the unscaled codes, which
 // meet the activations of the R rows x TT tokens of the tile. At 16 lanes the 4-bit formats skip the
 // int8 step: their nibbles, widened to int32 lanes, index a 16-float table (vpermps): the code values,
-// or, where the scale is applied per vector (q4_k, q4_1), the group's own values code * d + m. The group scale is factored out where
+// or, where the scale is applied per vector (q4_k, q4_1), the group's own values code * d + m; q6_k
+// joins its 4 + 2 bits in int32 lanes (no byte shuffles), then converts. The group scale is factored out where
 // a group spans GV = kGroup / W >= 2 vectors: per group and token gs = sum(code * x), then
 // acc += d * gs once, and for the formats with an offset acc += m * sum(x over the group), the x
 // sums taken once per tile (shared by its rows); where a group is one vector (or two, with an
@@ -54,6 +56,9 @@ inline typename VV::F nib_lookup(const uint8_t* b, int j, int v, typename VV::F 
     return VV::lut16(n.p, n.hi, table);
 }
 
+template <class VV>
+inline typename VV::F q6k_lanes(const uint8_t* b, int j, int v) { return VV::q6k16(b, j, v); }
+
 template <class Q>
 constexpr int sub_size() { return kQInfo[int(Q::kFmt)].block < 32 ? kQInfo[int(Q::kFmt)].block : 32; }
 
@@ -65,6 +70,8 @@ inline void decode_codes(const uint8_t* b, int j, typename V::F* f) {
         for (int v = 0; v < S / V::W; ++v) f[v] = V::fp8(b + 4 + 32 * j + v * V::W);
     } else if constexpr (Q::kFmt == QFmt::q8_0) {  // the codes are the bytes: widened straight from memory
         for (int v = 0; v < S / V::W; ++v) f[v] = V::i8p(b + 2 + v * V::W);
+    } else if constexpr (V::kLut16 && Q::kFmt == QFmt::q6_k) {  // 6-bit codes joined in int32 lanes
+        for (int v = 0; v < S / V::W; ++v) f[v] = q6k_lanes<V>(b, j, v);
     } else if constexpr (V::kLut16 && has_nib16<Q>(0)) {
         for (int v = 0; v < S / V::W; ++v) f[v] = nib_lookup<Q, V>(b, j, v, V::load(Q::kNib));
     } else if constexpr (V::W == 8 && has_lanes8<Q>(0)) {  // AVX2: measured 1.3x on q4_k over the byte path
