@@ -50,7 +50,7 @@ def main(out: Path) -> None:
             print(f"{path.stem}: no result")
             continue
         for r in rows_ if isinstance(rows_, list) else [rows_]:
-            print(f"cpu {r['format']} {r.get('isa') or '':10s} {r['threads']:>2} threads: {r['weight_gbps']:.1f} GB/s, read bound "
+            print(f"{path.stem:18s} {r['format']} {r.get('isa') or '':10s} {r['threads']:>2} threads: {r['weight_gbps']:.1f} GB/s, read bound "
                   f"{r['read_bound_gbps']:.1f} GB/s: {r['fraction_of_bound']:.2f}")
     probe = out / "gemv.jsonl"
     if probe.exists():

@@ -3,6 +3,7 @@
 #   PART=next   the packed CPU kernels and their native tests on a quiet machine, then the
 #               packed GPU tests and the packed grouped GEMM probe while llama-bench builds, then the GGUF
 #               (a warm machine ready for PART=sbs)
+#   PART=cpu    the packed CPU kernels alone (bench cpu-experts), optionally beside OLD_TREE's (an earlier commit)
 #   PART=prep   llama-bench, llama-quantize and llama-server built while the Q8_0 source is written and the
 #               native / packed GPU tests run; then llama-quantize (QUANTIZER=llama's file)
 #   PART=sbs    side by side on one Q4_K_M GGUF (evals/peer/write_gguf.py --quant q4_k_m):
@@ -80,6 +81,29 @@ next)
     at "gguf: exit $? $(du -h /tmp/peer/q4km.gguf 2>/dev/null | cut -f1)"
     wait $build
     at "llama.cpp build: exit $(cat "$R/peer_build.rc")"
+    ;;
+cpu)
+    # the packed CPU kernels alone on a quiet machine (bench cpu-experts, FORMATS x CPU_THREADS), ROUNDS times;
+    # with OLD_TREE (a folder holding an earlier commit's native/: git archive COMMIT native | tar -x -C DIR)
+    # that tree's kernels run beside them in alternation, from a process whose first path entry is OLD_TREE
+    # (files cpu_FORMAT_{old,new}_ROUND.json)
+    trees=new
+    if [ -n "${OLD_TREE:-}" ]; then
+        OLD_TREE=$(cd "$OLD_TREE" && pwd)
+        (cd "$OLD_TREE" && python3 native/build.py -j 16 > "$R/native_build_old.log" 2>&1) && trees="old new"
+        at "old tree's native build: $(tail -1 "$R/native_build_old.log")"
+    fi
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        for f in ${CPU_FORMATS:-q4_k q6_k q8_0}; do
+            for tree in $trees; do
+                dir=$([ "$tree" = old ] && echo "$OLD_TREE" || echo "$PWD")
+                (cd "$dir" && python3 -c "import native; print('$tree:', native.__file__)" >> "$R/cpu_trees.txt" 2>&1
+                 timeout 90 $F bench cpu-experts --format "$f" --threads "${CPU_THREADS:-1,8,16}" --seconds 0.5 --rounds 2 \
+                    --bank-gb 2 --no-torch --json > "$R/cpu_${f}_${tree}_$round.json" 2> "$R/cpu_${f}_${tree}_$round.err")
+                at "cpu-experts $f $tree round $round: exit $?"
+            done
+        done
+    done
     ;;
 prep)
     # a warm machine ready for PART=sbs (QUANTIZER=llama) and run_replay.sh: llama.cpp's llama-bench,
