@@ -1,14 +1,15 @@
-"""Probe: the streamed prefill's grouped experts over packed slots, the engine's kernel
+"""Probe: the streamed prefill's two grouped-experts kernels over packed slots, tf32x3
 (engine/gpu/quant/grouped.py's `packed_grouped_experts`: each weight tile dequantised to float32 and
-multiplied with "tf32x3" dots) against the candidate of evals/gpu/packed_grouped_bf16.py (bf16
-tensor-core products of exact codes, the group scale factored out), at one MoE layer's shape, on the
-same random slots and routing.
+multiplied with "tf32x3" dots) against bf16 (engine/gpu/quant/grouped_bf16.py: bf16 tensor-core
+products of exact codes, the group scale factored out; the layer entry runs it for the format pairs
+where this probe found it faster, `bf16_wins`), at one MoE layer's shape, on the same random slots
+and routing.
 
 Each case is a (gate_up, down) format pair: `experts` random valid experts in shuffled slots, `tokens`
 tokens routed to `k` distinct experts each (random), x in `--dtype`; both kernels run on the same
 precomputed layout (group_entries), timed with CUDA events (wall clock on the CPU) over `iters`
 calls after a warm-up, the median of `rounds`. Prints one JSON line per case (ms, TFLOP/s counting
-2 * 3 * H * I * tokens * k flops, and the max difference of the candidate from the engine's result
+2 * 3 * H * I * tokens * k flops, and the max difference of the bf16 kernel's result from tf32x3's
 relative to max |engine|), then a short table. Run on the GPU machine (defaults: Qwen3-30B-A3B's
 experts, a 8192-token pass):
     python3 -m evals.gpu.packed_grouped_probe
@@ -123,7 +124,7 @@ def _time(fn: Callable[[], Any], iters: int, rounds: int, cuda: bool) -> float:
 
 def run_case(fmt_gu: str, fmt_d: str, a: argparse.Namespace) -> dict[str, Any]:
     from engine.gpu.quant.grouped import packed_grouped_experts
-    from evals.gpu.packed_grouped_bf16 import bf16_packed_grouped_experts
+    from engine.gpu.quant.grouped_bf16 import bf16_packed_grouped_experts
 
     c = Case(fmt_gu, fmt_d, a)
     cuda = c.x.is_cuda
@@ -143,7 +144,7 @@ def run_case(fmt_gu: str, fmt_d: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [f"{'case':<14}{'engine ms':>10}{'bf16 ms':>10}{'eng TF/s':>10}{'bf16 TF/s':>10}{'speedup':>9}{'rel diff':>11}"]
+    lines = [f"{'case':<14}{'tf32x3 ms':>10}{'bf16 ms':>10}{'tf32 TF/s':>10}{'bf16 TF/s':>10}{'speedup':>9}{'rel diff':>11}"]
     for r in rows:
         lines.append(f"{r['case']:<14}{r['old_ms']:>10.3f}{r['new_ms']:>10.3f}{r['old_tflops']:>10.2f}"
                      f"{r['new_tflops']:>10.2f}{r['speedup']:>9.2f}{r['max_rel_diff']:>11.2e}")

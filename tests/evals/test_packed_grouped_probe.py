@@ -1,5 +1,5 @@
 """evals/gpu/packed_grouped_probe.py (the A/B timing of the packed grouped prefill kernels: the
-engine's "tf32x3" kernel against the bf16 candidate of evals/gpu/packed_grouped_bf16.py) on a CPU:
+engine's "tf32x3" kernel against the bf16 candidate of engine/gpu/quant/grouped_bf16.py) on a CPU:
 its --help, its argument checks, and a tiny run of both through Triton's interpreter (groups of 32
 and 16, offset formats, f32 and bf16 x): one JSON line per case, both results finite and within
 float32 rounding of each other, and the table last."""

@@ -13,7 +13,8 @@ biases in the slots' bias block when it has one: gpt-oss) (formats[i]: layer i's
 - `combine_experts`, `hand_off`, `group_entries`: engine/gpu/kernels.py's and grouped.py's, as they are
   (combine_experts takes the float32 rows and writes out's dtype);
 - `grouped_experts(x, ids, weights, slot_of, slots_w13=None, slots_w2=None, layout=None) -> [N, H]`
-  in x's dtype: `packed_grouped_experts`, rounded once to x's dtype.
+  in x's dtype: `packed_grouped_experts` (tf32x3), or `bf16_packed_grouped_experts` where `bf16_wins`
+  for the layer's formats and x's dtype (engine/gpu/quant/grouped_bf16.py), rounded once to x's dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.gpu.grouped import GroupedLayout, group_entries
 from engine.gpu.kernels import combine_experts, hand_off
 from engine.gpu.quant.gemv import packed_expert_rows
 from engine.gpu.quant.grouped import packed_grouped_experts
+from engine.gpu.quant.grouped_bf16 import bf16_packed_grouped_experts, bf16_wins
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 
 
@@ -54,8 +56,9 @@ class PackedLayerKernels:
     def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                         slots_w13: torch.Tensor | None = None, slots_w2: torch.Tensor | None = None,
                         layout: GroupedLayout | None = None) -> torch.Tensor:
-        return packed_grouped_experts(x, ids, weights, slot_of, self.slots, self.fmt, layout, activation=self.activation,
-                                      alpha=self.alpha, limit=self.limit).to(x.dtype)
+        grouped = bf16_packed_grouped_experts if bf16_wins(self.fmt, x.dtype) else packed_grouped_experts
+        return grouped(x, ids, weights, slot_of, self.slots, self.fmt, layout, activation=self.activation,
+                       alpha=self.alpha, limit=self.limit).to(x.dtype)
 
 
 def packed_layer_kernels(slots: PackedSlots, formats: Sequence[ExpertFormat], activation: str = "silu",

@@ -11,8 +11,8 @@ and dequantised in registers (times the slot's gscale), its biases from the slot
 "swiglu_clamped"; ValueError for another). Every routed expert must have a slot; a token's k ids
 are distinct. `layout`: `group_entries(ids, slot_of)` when the caller queued it already.
 `grouped_launch(...)` -> GroupedLaunch | None: that function's checks and buffers (None for a call
-without entries), for a caller that launches other kernels on the same layout (the candidate of
-evals/gpu/packed_grouped_bf16.py).
+without entries), for a caller that launches other kernels on the same layout
+(engine/gpu/quant/grouped_bf16.py, which the layer entry runs instead of this kernel for some formats).
 
 How: the bf16 kernels' tiling (one program per (block of BLOCK_M entries of one expert, N-tile),
 BLOCK_M from `block_m`), with the weight tile [BLOCK_K, BLOCK_N] dequantised from the slot's bytes
@@ -156,7 +156,7 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
 class GroupedLaunch:
     """What a packed grouped call's two kernels take, checked and allocated once: the rows sorted by
     expert (`group_entries`), h [entries, I] and y [entries, H] float32, and the slot-layout
-    constexprs both kernels share (`common`). evals/gpu/packed_grouped_bf16.py launches its candidate
+    constexprs both kernels share (`common`). engine/gpu/quant/grouped_bf16.py launches its kernels
     kernels from the same."""
 
     x: torch.Tensor

@@ -1,7 +1,8 @@
 """The executor's entry point (engine/gpu/quant/entry.py) and the packed slot pool (slots.py):
 - one pool shared by layers of different formats (a Q4_K_M-like mix): each layer's experts are
   copied into slots as their packed bytes (copy_in), and each layer's kernels read them with that
-  layer's format: decode rows and the grouped prefill (in x's dtype) equal the float64 reference;
+  layer's format: decode rows and the grouped prefill (in x's dtype; on the bf16 kernel for the q8_0
+  and mxfp4 layers, tf32x3 for the others) equal the float64 reference;
 - the expert split is refused (bf16 / f32 only), as is a format whose expert exceeds the stride;
 - the budget helpers count packed bytes: a 4-bit slot costs about a quarter of a bf16 one.
 Kernels on a CPU through Triton's interpreter; on CUDA directly."""
@@ -16,6 +17,7 @@ from test_gemv import make_slots
 from triton_interpreter import run_in_interpreter
 
 from engine.gpu.quant.formats import slot_bytes
+from engine.gpu.quant.grouped_bf16 import bf16_wins
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots, slots_for_budget
 
 
@@ -24,8 +26,12 @@ def check(device: str) -> int:
 
     rng = np.random.default_rng(40)
     g = torch.Generator().manual_seed(40)
-    layers = [make_slots("q4_0", "q8_0", 64, 32, 2, rng, "cpu"), make_slots("q5_1", "nvfp4", 64, 32, 2, rng, "cpu")]
+    # the last two run their grouped prefill on the bf16 kernel (grouped_bf16.bf16_wins), the first two on tf32x3
+    layers = [make_slots(gu, d, 64, 32, 2, rng, "cpu")
+              for gu, d in (("q4_0", "q8_0"), ("q5_1", "nvfp4"), ("q8_0", "q8_0"), ("mxfp4", "mxfp4"))]
     formats = [fmt for _, fmt, _, _ in layers]
+    assert [bf16_wins(f, torch.bfloat16) for f in formats] == [False, False, True, True]
+    assert not bf16_wins(formats[2], torch.float32) and not bf16_wins(formats[3], torch.float16)
     pool = PackedSlots.allocate(formats, 3, device)
     kernels = packed_layer_kernels(pool, formats)
     x = torch.randn(2, 64, generator=g)
@@ -68,7 +74,7 @@ def test_pool_checks_and_budget() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_layer_kernels_cuda() -> None:
-    assert check("cuda") == 2
+    assert check("cuda") == 4
 
 
 def test_layer_kernels_in_triton_interpreter() -> None:
@@ -76,5 +82,5 @@ def test_layer_kernels_in_triton_interpreter() -> None:
 
 
 if __name__ == "__main__":  # the interpreter test's child
-    assert check("cpu") == 2
+    assert check("cpu") == 4
     print("ok")

@@ -4,8 +4,8 @@ up x), the experts' packed rows read from their slots, equals a float64 MoE over
 dequantised experts (quant_reference.py) to float32 rounding, for format mixes of every block size;
 a layout the caller made first gives the same result. x in bf16, and in float32 and float16 on
 layers that mix 16- and 32-value scale groups with and without offsets, one of them with K not a
-multiple of 32. The same checks for the candidate kernel of evals/gpu/packed_grouped_bf16.py (bf16
-dots of exact codes, x in one, two or three bf16 pieces: the same tolerance, which one piece misses
+multiple of 32. The same checks for the bf16 kernel of engine/gpu/quant/grouped_bf16.py (bf16
+dots of exact codes, which the layer entry runs for q8_0 and mxfp4, x in one, two or three bf16 pieces: the same tolerance, which one piece misses
 for a float32 x). On a CPU through Triton's interpreter; on CUDA directly, and there also at
 Qwen3-30B-A3B's expert shape (H 2048, I 768) for a 256-token chunk."""
 
@@ -22,12 +22,12 @@ from triton_interpreter import run_in_interpreter
 
 
 def kernel(name: str) -> Callable[..., torch.Tensor]:
-    """The engine's kernel ("engine") or the candidate ("bf16")."""
+    """The tf32x3 kernel ("engine") or the bf16 one ("bf16")."""
     if name == "engine":
         from engine.gpu.quant.grouped import packed_grouped_experts
 
         return packed_grouped_experts
-    from evals.gpu.packed_grouped_bf16 import bf16_packed_grouped_experts
+    from engine.gpu.quant.grouped_bf16 import bf16_packed_grouped_experts
 
     return bf16_packed_grouped_experts
 
@@ -99,7 +99,7 @@ if __name__ == "__main__":  # the interpreter test's child: argv[1] names the ke
     import sys
 
     assert check("cpu", FEW[:3], sys.argv[1]) == 3
-    # the engine's kernel widens any x to float32 (one case covers it); the candidate's pieces differ per
+    # the tf32x3 kernel widens any x to float32 (one case covers it); the bf16 kernel's pieces differ per
     # dtype (three and two pieces, 16- and 32-value groups, a K tail: the first three; all four on CUDA)
     cases = 1 if sys.argv[1] == "engine" else 3
     assert check_dtypes("cpu", sys.argv[1], cases) == cases

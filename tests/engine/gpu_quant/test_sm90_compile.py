@@ -1,6 +1,6 @@
 """The packed-expert Triton kernels compile for the GPU machine's sm_90 on a machine without a GPU,
 and ptxas keeps them in registers: engine/gpu/quant/gemv.py (decode) and grouped.py (streamed
-prefill), and the candidate evals/gpu/packed_grouped_bf16.py, at Qwen3-30B-A3B's expert shape (H 2048,
+prefill), and the candidate engine/gpu/quant/grouped_bf16.py, at Qwen3-30B-A3B's expert shape (H 2048,
 I 768) for every packed format as both gate_up and down. CI has no GPU, so without this a kernel that
 fails to lower (an op the interpreter accepts, a layout conversion Triton cannot make) or that spills
 would first show on a device call. `triton.compile` with an explicit GPUTarget needs no driver; the
@@ -102,7 +102,7 @@ def gemv_kernels(fmt: str) -> list[tuple[str, dict[str, int]]]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_kernels_compile_for_sm90_without_spills(fmt: str) -> None:
     from engine.gpu.quant import grouped
-    from evals.gpu import packed_grouped_bf16 as candidate
+    from engine.gpu.quant import grouped_bf16 as candidate
 
     def none(f: Any, xdt: str, which: str) -> dict[str, Any]:
         return {"PRECISION": "tf32x3"}

@@ -1,10 +1,11 @@
-"""Candidate for engine/gpu/quant/grouped.py, not yet timed on a GPU: the grouped experts over packed
-slots with bf16 tensor-core products of exact codes and the group scale factored out, in place of
-the engine's float32 tiles multiplied with "tf32x3" dots. evals/gpu/packed_grouped_probe.py times the
-two side by side; the one that wins becomes the engine's kernel and the other is deleted.
+"""The streamed prefill's grouped experts over packed slots with bf16 tensor-core products of exact
+codes and the group scale factored out: the layer entry (engine/gpu/quant/entry.py) runs it in place of
+engine/gpu/quant/grouped.py's float32 "tf32x3" tiles where it was measured faster (`bf16_wins`;
+evals/gpu/packed_grouped_probe.py times the two side by side).
 
-Contract: `bf16_packed_grouped_experts(...)`: the engine's `packed_grouped_experts` contract (same
-arguments and result, float32 to float32 rounding; another order of additions).
+Contract: `bf16_packed_grouped_experts(...)`: `packed_grouped_experts`'s contract (same arguments and
+result, float32 to float32 rounding; another order of additions). `bf16_wins(fmt, x_dtype)`: whether this
+kernel is the one for this format pair and x dtype.
 
 How: each weight value in a factored form, value = d * code + o within a group of GROUP values of a
 row (32, or 16 for q2_k / q3_k / q6_k / nvfp4; fp8's scale is constant over its 128-value block):
@@ -18,12 +19,10 @@ the value: x as is when bf16, 2 pieces for f16, 3 for an f32 x and for the float
 p2 = bf16(v - p1), p3 = bf16(v - p1 - p2)). Under Triton's interpreter (whose dot takes bf16
 operands as raw integers) the operands are rounded through bf16 and enter the dots as float32.
 
-What compiling it for sm_90 without a GPU shows (triton.compile with GPUTarget("cuda", 90, 32),
-cuobjdump): no spills with these tiles; per 32-value step of gate/up (q4_k, bf16 x) 4 HGMMA where
-the engine's kernel issues 40, but about as many other instructions (880 against 776 a loop
-iteration, 136 of them global loads: the codes and each group's scale bytes gathered byte by byte),
-so where the engine's kernel is bound by its dequantisation rather than its dots this one gains
-little: what to look at first in the timing.
+Measured (H100, Qwen3-30B-A3B's experts, 8192 tokens, bf16 x; docs/benchmarks.md): 1.58x the tf32x3
+kernel for q8_0 and 1.65x for mxfp4, 0.89x for q4_k / q6_k (there both are bound by decoding the
+weight bytes: per 32-value step of gate/up this kernel issues 4 HGMMA against 40, but as many other
+instructions, 136 of them byte-wise global loads), so only those two formats, with a bf16 x, come here.
 """
 
 from __future__ import annotations
@@ -37,6 +36,14 @@ from engine.gpu.quant.dequant import _e2m1x2, _e4m3, _f16, _f32, _iq4, _k4_scale
 from engine.gpu.quant.grouped import grouped_launch, store_h, store_y
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
+
+# format pairs (gate_up, down) and x dtypes where this kernel was measured faster than tf32x3 (the docstring)
+BF16_WINS: frozenset[str] = frozenset({"q8_0", "mxfp4"})
+
+
+def bf16_wins(fmt: ExpertFormat, x_dtype: torch.dtype) -> bool:
+    return x_dtype == torch.bfloat16 and fmt.fmt_gu in BF16_WINS and fmt.fmt_d in BF16_WINS
+
 
 # the factored form's group size per format code, and the codes whose values carry an offset
 GROUP: dict[int, int] = {0: 32, 1: 32, 2: 32, 3: 32, 4: 32, 5: 16, 6: 16, 7: 32, 8: 32, 9: 16, 10: 32, 11: 32,
@@ -137,7 +144,7 @@ _GPU = tl.constexpr(not triton_interpreted())
 # Chosen so that ptxas does not spill at BLOCK_M 64 on sm_90 for any format pair (checked by compiling
 # for sm_90 without a GPU: triton.compile with GPUTarget("cuda", 90, 32), cuobjdump --dump-resource-usage;
 # an H-tile of 128 spilled up to 152 bytes, a 64-wide I-tile with three x pieces up to 296); speed
-# not yet measured on a GPU.
+# measured on a GPU at these tiles only (the docstring).
 _GATE_UP_N, _GATE_UP_K = 64, 32
 _DOWN_N, _DOWN_K = 64, 32
 _WARPS, _STAGES = 8, 3
