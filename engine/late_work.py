@@ -3,7 +3,8 @@
 Contract: the warm-up (engine/warmup.py) is meant to leave nothing to compile or capture, so a
 request's time to first token is its own work. `watch(report)` makes every later Triton JIT compile
 and every CUDA graph capture (engine/graphs.py calls `note`) call `report(kind, name, seconds)`
-(kind "compile" or "capture") and count into `totals()`; `unwatch()` stops it. Without a watcher
+(kind "compile" or "capture"; a compile's name is `compiled_name`: module, kernel and the
+specialisation that made it new) and count into `totals()`; `unwatch()` stops it. Without a watcher
 `note` does nothing. Triton's JIT hooks are set only while watching and only where the installed
 Triton has them (`triton.knobs.runtime`); `watch` returns whether compiles are seen.
 """
@@ -54,9 +55,20 @@ def _before(**_: Any) -> bool:
     return False  # go on compiling
 
 
-def _after(*, fn: Any, **_: Any) -> None:
+def compiled_name(fn: Any, repr: str = "") -> str:
+    """A compile's name for the report: the kernel's module and name (three modules have a
+    `_gate_up_kernel`), then its arguments' specialisation from Triton's `repr` (the constexpr values
+    and which integers are 1 or multiples of 16: what made this a new variant), at most 300 characters."""
+    name = str(getattr(fn, "name", fn))
+    module = getattr(fn, "module", None)
+    full = f"{module}.{name}" if isinstance(module, str) and module else name
+    args = repr[repr.find("]("):] if "](" in repr else ""
+    return (full + (" " + args[1:] if args else ""))[:300]
+
+
+def _after(*, fn: Any, repr: str = "", **_: Any) -> None:
     began = _started.pop(threading.get_ident(), None)
-    note("compile", str(getattr(fn, "name", fn)), 0.0 if began is None else time.monotonic() - began)
+    note("compile", compiled_name(fn, repr), 0.0 if began is None else time.monotonic() - began)
 
 
 def watch(report: Report) -> bool:

@@ -75,9 +75,11 @@ def test_late_work_counts_only_while_watched() -> None:
 
             class Fn:
                 name = "kern"
+                module = "engine.gpu.quant.gemv"
 
-            runtime.jit_post_compile_hook(key=None, repr="", fn=Fn(), compile={}, is_manual_warmup=False,
-                                          already_compiled=False)
+            runtime.jit_post_compile_hook(key=None, repr="kern[num_warps=4, num_stages=3](x_ptr: *bf16, K: i32, FMT: 7)",
+                                          fn=Fn(), compile={}, is_manual_warmup=False, already_compiled=False)
+            assert seen[-1][1] == "engine.gpu.quant.gemv.kern (x_ptr: *bf16, K: i32, FMT: 7)"
         assert late_work.totals()["capture"] == (2, 0.75)
         assert [k for k, _, _ in seen] == ["capture", "capture"] + (["compile"] if hooked else [])
         assert late_work.totals().get("compile", (0, 0.0))[0] == (1 if hooked else 0)
