@@ -11,7 +11,8 @@ DeltaNet kernels the first time a shape is seen, and decode passes are captured 
 their second step. A coding agent's first requests would pay all of that in their time to first
 token (tens of seconds on a Qwen3.6-35B-A3B-shaped model). The set reaches each prefill regime the
 engine has: a full `prefill_chunk`-token chunk (the streamed prefill when the expert cache has one,
-engine/gpu/prefill.py) and a short tail; prompts that extend a cached prefix by a few, a few dozen
+engine/gpu/prefill.py) and a short tail; prompts that extend a cached prefix by 2, 5 and 8 tokens
+(passes small enough for the decode attention kernel, one per split count it takes), a few, a few dozen
 (per-layer planning of cache misses) and a few hundred tokens (streamed again), each with lengths on
 both sides of the multiple-of-16 specialisation; a fresh prompt of a few hundred; a prompt resumed
 from a mid-prompt checkpoint; and several greedy decode steps each (eager, captured, replayed).
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 DECODE_STEPS = 6  # eager, captured, then replayed: every decode-pass graph built once
+# passes of 2-8 tokens run the split-K decode attention, whose split count is 32, 16 or 8 there (1 token: 64)
+SMALL_APPENDS = (2, 5, 8)
 
 
 def plan(chunk: int, kv_tokens: int, step_tokens: int) -> tuple[list[tuple[int, int]], int]:
@@ -48,7 +51,7 @@ def plan(chunk: int, kv_tokens: int, step_tokens: int) -> tuple[list[tuple[int, 
     if room < 0:
         return [], mid  # a pool too small for even the first request: no warm-up
     out = [(0, base)]
-    for extra in (step_tokens, 45, 96, 304, 333):
+    for extra in (step_tokens, *SMALL_APPENDS, 45, 96, 304, 333):
         if 0 < extra <= room:
             out.append((base, extra))
     if room >= 333:
