@@ -65,6 +65,22 @@ def _weight_tile(row_p, k0, m, g, FMT: tl.constexpr, QB: tl.constexpr, QBB: tl.c
 
 
 @triton.jit
+def block_tile(row_entry_ptr, blk, col_tile, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's tile: its block's padded rows, their entries (-1: padding) and mask, and its
+    columns of N and their mask."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(row_entry_ptr + rows)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, entry, entry >= 0, cols, cols < N
+
+
+@triton.jit
+def slot_rows(w_ptr, s, cols, STRIDE: tl.constexpr, OFF: tl.constexpr, RB: tl.constexpr):
+    """Byte pointers [1, BLOCK_N] to rows `cols` of the matrix at OFF in slot s (rows of RB bytes)."""
+    return (w_ptr + s.to(tl.int64) * STRIDE + OFF + cols.to(tl.int64) * RB)[None, :]
+
+
+@triton.jit
 def store_h(h_ptr, b_ptr, s, rows, rmask, cols, cmask, acc_g, acc_u, alpha, limit, INTER: tl.constexpr,
             BSTRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """A gate/up tile's epilogue: the slot's gate and up biases, the activation, h's rows stored."""
@@ -99,13 +115,9 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
     blk = pid // n_tiles
     s = tl.load(block_slot_ptr + blk)
     if s >= 0:
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(row_entry_ptr + rows)
-        rmask = entry >= 0
+        rows, entry, rmask, cols, cmask = block_tile(row_entry_ptr, blk, pid % n_tiles, INTER, BLOCK_M, BLOCK_N)
         token = tl.where(rmask, entry // K, 0)
-        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < INTER
-        row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
+        row_g = slot_rows(w_ptr, s, cols, STRIDE, 0, RB)
         row_u = row_g + INTER * RB
         gg = tl.load(gs_ptr + s * 3)
         gu = tl.load(gs_ptr + s * 3 + 1)
@@ -134,12 +146,8 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
     blk = pid // n_tiles
     s = tl.load(block_slot_ptr + blk)
     if s >= 0:
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(row_entry_ptr + rows)
-        rmask = entry >= 0
-        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < H
-        row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
+        rows, entry, rmask, cols, cmask = block_tile(row_entry_ptr, blk, pid % n_tiles, H, BLOCK_M, BLOCK_N)
+        row_d = slot_rows(w_ptr, s, cols, STRIDE, GU_OFF, RB)
         gd = tl.load(gs_ptr + s * 3 + 2)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):

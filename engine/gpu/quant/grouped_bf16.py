@@ -33,7 +33,7 @@ import triton.language as tl
 
 from engine.gpu.grouped import GroupedLayout
 from engine.gpu.quant.dequant import _e2m1x2, _e4m3, _f16, _f32, _iq4, _k4_scale_min, _nib, _u8
-from engine.gpu.quant.grouped import grouped_launch, store_h, store_y
+from engine.gpu.quant.grouped import block_tile, grouped_launch, slot_rows, store_h, store_y
 from engine.gpu.quant.slots import ExpertFormat, PackedSlots
 from engine.options import triton_interpreted
 
@@ -194,13 +194,9 @@ def _gate_up_kernel(x_ptr, w_ptr, gs_ptr, b_ptr, row_entry_ptr, block_slot_ptr, 
     blk = pid // n_tiles
     s = tl.load(block_slot_ptr + blk)
     if s >= 0:
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(row_entry_ptr + rows)
-        rmask = entry >= 0
+        rows, entry, rmask, cols, cmask = block_tile(row_entry_ptr, blk, pid % n_tiles, INTER, BLOCK_M, BLOCK_N)
         x_row = x_ptr + tl.where(rmask, entry // K, 0).to(tl.int64)[:, None] * H
-        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < INTER
-        row_g = (w_ptr + s.to(tl.int64) * STRIDE + cols.to(tl.int64) * RB)[None, :]
+        row_g = slot_rows(w_ptr, s, cols, STRIDE, 0, RB)
         row_u = row_g + INTER * RB
         gg = tl.load(gs_ptr + s * 3)
         gu = tl.load(gs_ptr + s * 3 + 1)
@@ -247,13 +243,9 @@ def _down_kernel(h_ptr, w_ptr, gs_ptr, b_ptr, weight_ptr, row_entry_ptr, block_s
     blk = pid // n_tiles
     s = tl.load(block_slot_ptr + blk)
     if s >= 0:
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(row_entry_ptr + rows)
-        rmask = entry >= 0
+        rows, entry, rmask, cols, cmask = block_tile(row_entry_ptr, blk, pid % n_tiles, H, BLOCK_M, BLOCK_N)
         h_row = h_ptr + rows.to(tl.int64)[:, None] * INTER
-        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < H
-        row_d = (w_ptr + s.to(tl.int64) * STRIDE + GU_OFF + cols.to(tl.int64) * RB)[None, :]
+        row_d = slot_rows(w_ptr, s, cols, STRIDE, GU_OFF, RB)
         gd = tl.load(gs_ptr + s * 3 + 2)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
